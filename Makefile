@@ -1,0 +1,175 @@
+# moonstep -- build, test, install.
+#
+#   make              build/libmoonstep.so and build/moonstep (and the CUDA backend when nvcc is found)
+#   make test         the whole suite (C tests + busted specs); ends with "N passed, N failed[, N skipped]"
+#   make run          the main job: a short timed demonstration on the best device found
+#   make memcheck     the suite with AddressSanitizer + LeakSanitizer (build-asan/)
+#   make install PREFIX=/usr/local
+#
+# Knobs: CUDA=auto|0|1  PREFIX=/usr/local  BUILD=build  SANITIZE=address  V=1 (echo commands)
+
+# ------------------------------------------------------------------------------------------------------
+# Configuration
+# ------------------------------------------------------------------------------------------------------
+CC       ?= gcc
+CUDA     ?= auto
+PREFIX   ?= /usr/local
+BUILD    ?= build
+SANITIZE ?=
+NVCC     ?= $(shell command -v nvcc 2>/dev/null || ls /usr/local/cuda/bin/nvcc 2>/dev/null)
+CUDA_HOME ?= $(patsubst %/bin/nvcc,%,$(NVCC))
+
+VERSION  := $(shell sed -n 's/^\#define MS_VERSION_STRING "\(.*\)"/\1/p' engine/include/moonstep.h)
+ABI      := $(shell sed -n 's/^\#define MS_ABI_VERSION \([0-9]*\)/\1/p' engine/include/moonstep.h)
+SONAME   := libmoonstep.so.$(ABI)
+REAL     := $(SONAME).$(VERSION)
+
+ifneq ($(filter $(CUDA),auto 0 1),$(CUDA))
+$(error CUDA must be auto, 0 or 1 (got '$(CUDA)'))
+endif
+ifeq ($(CUDA),auto)
+WITH_CUDA := $(if $(NVCC),1,0)
+else
+WITH_CUDA := $(CUDA)
+endif
+ifeq ($(wildcard engine/cuda/*.c engine/cuda/*.cu kernels/*.cu),)
+WITH_CUDA := 0
+endif
+ifeq ($(WITH_CUDA)$(NVCC),1)
+$(error CUDA=1 but nvcc was not found (set NVCC=/path/to/nvcc))
+endif
+
+Q := $(if $(V),,@)
+E := $(if $(V),@true,@printf '  %-6s %s\n')
+
+LUAJIT_CFLAGS := $(shell pkg-config --cflags luajit 2>/dev/null || echo -I/usr/include/luajit-2.1)
+LUAJIT_LIBS   := $(shell pkg-config --libs luajit 2>/dev/null || echo -lluajit-5.1)
+HAVE_READLINE := $(shell test -f /usr/include/readline/readline.h && echo 1 || echo 0)
+
+$(info moonstep $(VERSION) (abi $(ABI)): CC=$(CC), CUDA=$(CUDA) -> $(if $(filter 1,$(WITH_CUDA)),with CUDA ($(NVCC)),CPU only), readline=$(HAVE_READLINE)$(if $(SANITIZE), sanitize=$(SANITIZE)))
+
+# ------------------------------------------------------------------------------------------------------
+# Flags
+# ------------------------------------------------------------------------------------------------------
+SAN_FLAGS := $(if $(SANITIZE),-fsanitize=$(SANITIZE) -fno-omit-frame-pointer,)
+OPT       := $(if $(SANITIZE),-O1 -g,-O2 -g)
+CFLAGS_ALL := -std=c11 $(OPT) -fPIC -fopenmp -Wall -Wextra -D_GNU_SOURCE -MMD -MP $(SAN_FLAGS) \
+              -Iengine/include -Iengine/core -I$(BUILD)/gen
+LIB_CFLAGS := $(CFLAGS_ALL) -fvisibility=hidden -DMS_BUILDING_LIBRARY
+LIB_LIBS   := -lopenblas -llapacke -lm -fopenmp
+NVCCFLAGS  := -O3 -std=c++17 -Xcompiler -fPIC,-fvisibility=hidden -DMS_BUILDING_LIBRARY -DMS_WITH_CUDA \
+              -Iengine/include -Iengine/core -Ikernels -gencode arch=compute_90,code=[sm_90,compute_90]
+
+ifeq ($(WITH_CUDA),1)
+LIB_CFLAGS += -DMS_WITH_CUDA -I$(CUDA_HOME)/include
+LIB_LIBS   += -L$(CUDA_HOME)/lib64 -Wl,-rpath,$(CUDA_HOME)/lib64 -lcublas -lcusolver -lcudart
+endif
+
+# ------------------------------------------------------------------------------------------------------
+# Sources
+# ------------------------------------------------------------------------------------------------------
+CORE_SRC := $(wildcard engine/core/*.c)
+CPU_SRC  := $(wildcard engine/cpu/*.c)
+CUDA_C   := $(if $(filter 1,$(WITH_CUDA)),$(wildcard engine/cuda/*.c),)
+CUDA_CU  := $(if $(filter 1,$(WITH_CUDA)),$(wildcard kernels/*.cu engine/cuda/*.cu),)
+LIB_OBJ  := $(patsubst %.c,$(BUILD)/obj/%.o,$(CORE_SRC) $(CPU_SRC) $(CUDA_C)) \
+            $(patsubst %.cu,$(BUILD)/obj/%.o,$(CUDA_CU))
+CTESTS   := $(patsubst tests/c/%.c,$(BUILD)/tests/%,$(wildcard tests/c/test_*.c))
+
+LIB      := $(BUILD)/libmoonstep.so
+HOST     := $(BUILD)/moonstep
+
+.PHONY: all lib host test check run memcheck install uninstall clean deps cdef
+all: lib host
+
+deps: $(BUILD)/.deps-ok
+$(BUILD)/.deps-ok: scripts/setup-deps.sh
+	$(Q)mkdir -p $(BUILD)
+	$(Q)sh scripts/setup-deps.sh
+	$(Q)touch $@
+
+lib: $(LIB)
+host: $(HOST)
+
+$(BUILD)/gen/cdef.inc: engine/include/moonstep.h scripts/gen-cdef.sh
+	$(E) GEN $@
+	$(Q)sh scripts/gen-cdef.sh $(CC) $< $(BUILD)/gen
+
+$(BUILD)/obj/engine/core/version.o: $(BUILD)/gen/cdef.inc
+
+$(BUILD)/obj/%.o: %.c | $(BUILD)/.deps-ok
+	$(E) CC $<
+	$(Q)mkdir -p $(dir $@)
+	$(Q)$(CC) $(LIB_CFLAGS) -c $< -o $@
+
+$(BUILD)/obj/%.o: %.cu
+	$(E) NVCC $<
+	$(Q)mkdir -p $(dir $@)
+	$(Q)$(NVCC) $(NVCCFLAGS) -MMD -MP -c $< -o $@
+
+$(BUILD)/$(REAL): $(LIB_OBJ)
+	$(E) LD $@
+	$(Q)$(CC) -shared -Wl,-soname,$(SONAME) -Wl,--no-undefined $(SAN_FLAGS) -o $@ $(LIB_OBJ) $(LIB_LIBS)
+
+$(LIB): $(BUILD)/$(REAL)
+	$(Q)ln -sf $(notdir $<) $(BUILD)/$(SONAME)
+	$(Q)ln -sf $(SONAME) $@
+
+$(HOST): engine/host/main.c $(LIB)
+	$(E) CC $@
+	$(Q)mkdir -p $(BUILD)/obj/engine/host
+	$(Q)$(CC) $(CFLAGS_ALL) $(LUAJIT_CFLAGS) -DMS_HAVE_READLINE=$(HAVE_READLINE) -c $< -o $(BUILD)/obj/engine/host/main.o
+	$(Q)$(CC) $(SAN_FLAGS) -o $@ $(BUILD)/obj/engine/host/main.o -L$(BUILD) -lmoonstep \
+	    -Wl,-rpath,'$$ORIGIN' -Wl,-rpath,'$$ORIGIN/../lib' $(LUAJIT_LIBS) $(if $(filter 1,$(HAVE_READLINE)),-lreadline,) -ldl -lm
+
+# C tests link the engine's objects directly (internal symbols are hidden in the .so)
+$(BUILD)/tests/%: tests/c/%.c tests/c/check.h $(LIB_OBJ)
+	$(E) CC $@
+	$(Q)mkdir -p $(dir $@)
+	$(Q)$(CC) $(CFLAGS_ALL) -DMS_BUILDING_LIBRARY -Itests/c $< $(LIB_OBJ) -o $@ $(LIB_LIBS)
+
+# ------------------------------------------------------------------------------------------------------
+# Tests, demo, sanitizers
+# ------------------------------------------------------------------------------------------------------
+test: all $(CTESTS)
+	$(Q)MOONSTEP_BUILD=$(BUILD) sh tests/run.sh
+
+# the suite on an existing build, without rebuilding (a GPU host that received a carried build/)
+check:
+	$(Q)MOONSTEP_BUILD=$(BUILD) sh tests/run.sh
+
+run: all
+	$(Q)$(HOST) bench/demo.lua
+
+memcheck:
+	$(Q)$(MAKE) --no-print-directory BUILD=build-asan SANITIZE=address CUDA=0 all \
+	    $(patsubst $(BUILD)/%,build-asan/%,$(CTESTS))
+	$(Q)MOONSTEP_BUILD=build-asan MOONSTEP_ASAN=1 sh tests/run.sh
+
+# ------------------------------------------------------------------------------------------------------
+# Install
+# ------------------------------------------------------------------------------------------------------
+LUADIR := $(PREFIX)/share/lua/5.1
+install: all
+	$(E) INSTALL $(PREFIX)
+	$(Q)install -d $(DESTDIR)$(PREFIX)/lib $(DESTDIR)$(PREFIX)/include $(DESTDIR)$(PREFIX)/bin \
+	    $(DESTDIR)$(LUADIR)/moonstep $(DESTDIR)$(PREFIX)/share/moonstep/recipes $(DESTDIR)$(PREFIX)/lib/pkgconfig
+	$(Q)install -m 755 $(BUILD)/$(REAL) $(DESTDIR)$(PREFIX)/lib/
+	$(Q)ln -sf $(REAL) $(DESTDIR)$(PREFIX)/lib/$(SONAME)
+	$(Q)ln -sf $(SONAME) $(DESTDIR)$(PREFIX)/lib/libmoonstep.so
+	$(Q)install -m 644 engine/include/moonstep.h $(DESTDIR)$(PREFIX)/include/
+	$(Q)install -m 755 $(HOST) $(DESTDIR)$(PREFIX)/bin/
+	$(Q)install -m 644 lua/moonstep/*.lua $(DESTDIR)$(LUADIR)/moonstep/
+	$(Q)for f in recipes/*.lua; do [ -e "$$f" ] && install -m 644 "$$f" $(DESTDIR)$(PREFIX)/share/moonstep/recipes/; done; true
+	$(Q)sed -e 's|@PREFIX@|$(PREFIX)|' -e 's|@VERSION@|$(VERSION)|' scripts/moonstep.pc.in \
+	    > $(DESTDIR)$(PREFIX)/lib/pkgconfig/moonstep.pc
+
+uninstall:
+	$(Q)rm -rf $(DESTDIR)$(PREFIX)/lib/libmoonstep.so* $(DESTDIR)$(PREFIX)/include/moonstep.h \
+	    $(DESTDIR)$(PREFIX)/bin/moonstep $(DESTDIR)$(LUADIR)/moonstep $(DESTDIR)$(PREFIX)/share/moonstep \
+	    $(DESTDIR)$(PREFIX)/lib/pkgconfig/moonstep.pc
+
+clean:
+	$(Q)rm -rf $(BUILD) build-asan
+
+-include $(shell find $(BUILD)/obj -name '*.d' 2>/dev/null)

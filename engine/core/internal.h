@@ -1,0 +1,179 @@
+/*
+** Engine internals shared by the core and the backends: the context and tensor structs, the backend
+** table every device implements, error helpers and the elementwise iteration descriptor.
+** Nothing here is exported (the library is built with -fvisibility=hidden).
+*/
+#ifndef MS_INTERNAL_H
+#define MS_INTERNAL_H
+
+#include "moonstep.h"
+
+#include <stdatomic.h>
+#include <stdbool.h>
+#include <stdint.h>
+#include <stddef.h>
+
+#define MS_ERRMSG_SIZE 1024
+#define MS_STRINGIFY_(x) #x
+#define MS_STRINGIFY(x) MS_STRINGIFY_(x)
+
+typedef struct ms_backend ms_backend;
+
+/* Memory owned by one or more tensors (views share it).  Foreign storage is never freed. */
+typedef struct ms_storage {
+    atomic_int refcount;
+    ms_ctx    *ctx;        /* the context whose allocator owns the memory (retained) */
+    void      *data;
+    size_t     nbytes;
+    bool       owned;
+} ms_storage;
+
+struct ms_tensor {
+    ms_storage *storage;
+    ms_ctx     *ctx;       /* retained */
+    ms_dtype    dtype;
+    int         ndim;
+    int64_t     shape[MS_MAX_DIMS];
+    int64_t     strides[MS_MAX_DIMS];
+    int64_t     offset;    /* in elements from storage->data */
+};
+
+struct ms_ctx {
+    atomic_int         refcount;
+    ms_device_type     type;
+    int                index;
+    char               name[32];
+    const ms_backend  *backend;
+    void              *impl;          /* backend-specific state (CUDA: stream, handles, pool) */
+    int                num_threads;
+    /* memory accounting (every backend's alloc/free goes through the core, which keeps these) */
+    int64_t            mem_limit;
+    int64_t            bytes_in_use, peak_bytes, num_allocs, num_frees, num_device_allocs;
+    int64_t            launches;
+    char               last_error[MS_ERRMSG_SIZE];
+};
+
+/* A device-resident or host scalar: the value of `t` when t != NULL, else v. */
+typedef struct ms_scalar {
+    double           v;
+    const ms_tensor *t;
+} ms_scalar;
+
+/* Elementwise iteration over dst's shape with broadcast sources: operand 0 is dst, 1.. the sources.
+** Dims of size 1 are dropped and adjacent dims merged where every operand allows it, so a fully
+** contiguous op has ndim 1. */
+#define MS_NARY_MAX 4
+typedef struct ms_nary {
+    int      nops;                       /* dst + sources */
+    int      ndim;
+    int64_t  numel;
+    int64_t  shape[MS_MAX_DIMS];
+    int64_t  strides[MS_NARY_MAX][MS_MAX_DIMS];   /* elements; 0 on broadcast dims */
+    char    *data[MS_NARY_MAX];                   /* first element */
+    ms_dtype dtype[MS_NARY_MAX];
+    bool     contiguous;                 /* every operand dense in the same row-major order, no broadcast */
+    bool     wide;                       /* compute in f64 */
+} ms_nary;
+
+/* The one backend table: every device implements every member (CPU first, it is the reference).
+** Arguments have been validated by the core (shapes, dtypes, devices, layouts) before a member is called;
+** members check only what is specific to them and report MS_E_UNSUPPORTED for what they cannot do. */
+struct ms_backend {
+    const char *name;
+    /* device memory: the core does the accounting and the limit */
+    ms_status (*ctx_init)(ms_ctx *ctx, const ms_ctx_options *opts);
+    void      (*ctx_release)(ms_ctx *ctx);
+    ms_status (*alloc)(ms_ctx *ctx, size_t nbytes, void **out);
+    void      (*free)(ms_ctx *ctx, void *ptr, size_t nbytes);   /* (optional) deferred on devices */
+    ms_status (*sync)(ms_ctx *ctx);
+    /* host <-> device of a contiguous byte range */
+    ms_status (*memcpy_to_host)(ms_ctx *ctx, void *dst, const void *src, size_t nbytes);
+    ms_status (*memcpy_from_host)(ms_ctx *ctx, void *dst, const void *src, size_t nbytes);
+    /* ops on tensors of this backend's device */
+    ms_status (*copy)(ms_ctx *ctx, const ms_nary *it);                    /* dst <- cast(src) */
+    ms_status (*fill)(ms_ctx *ctx, const ms_nary *it, ms_scalar v);
+    ms_status (*rand)(ms_ctx *ctx, ms_tensor *dst, const ms_rand_options *o);
+    ms_status (*unary)(ms_ctx *ctx, const ms_nary *it, ms_unary_op op);
+    ms_status (*binary)(ms_ctx *ctx, const ms_nary *it, ms_binary_op op);
+    ms_status (*binary_scalar)(ms_ctx *ctx, const ms_nary *it, ms_scalar s, ms_binary_op op, int scalar_first);
+    ms_status (*clamp)(ms_ctx *ctx, const ms_nary *it, double lo, double hi);
+    /* ternary family: lerp (a, b; w), addcmul / addcdiv (a, b, c; v) */
+    ms_status (*lerp)(ms_ctx *ctx, const ms_nary *it, ms_scalar w);
+    ms_status (*addc)(ms_ctx *ctx, const ms_nary *it, ms_scalar v, int divide);
+    /* reductions: src viewed as [outer, len, inner] (dim reduced = len); dst has outer*inner elements */
+    ms_status (*reduce)(ms_ctx *ctx, ms_tensor *dst, const ms_tensor *src, ms_reduce_op op, int dim);
+    ms_status (*dot)(ms_ctx *ctx, ms_tensor *dst, const ms_tensor *a, const ms_tensor *b);
+    ms_status (*matmul)(ms_ctx *ctx, ms_tensor *dst, const ms_tensor *a, const ms_tensor *b,
+                        const ms_matmul_options *o);
+    ms_status (*eye)(ms_ctx *ctx, ms_tensor *dst);
+    ms_status (*diag)(ms_ctx *ctx, ms_tensor *dst, const ms_tensor *src);
+    ms_status (*eigh)(ms_ctx *ctx, ms_tensor *w, ms_tensor *v, const ms_tensor *a, int *info);
+};
+
+/* Backends compiled into this build (the CUDA one only with MS_WITH_CUDA). */
+extern const ms_backend ms_cpu_backend;
+#ifdef MS_WITH_CUDA
+extern const ms_backend ms_cuda_backend;
+int ms_cuda_device_count(void);
+#endif
+
+/* --- errors ------------------------------------------------------------------------------------- */
+
+/* Records an error on ctx (may be NULL) and on the thread, and returns st.  The message is prefixed with
+** the public function's name and suffixed with the source location. */
+ms_status ms_error_at(ms_ctx *ctx, ms_status st, const char *file, int line, const char *fmt, ...)
+    __attribute__((format(printf, 5, 6)));
+#define MS_FAIL(ctx, st, ...) ms_error_at((ctx), (st), __FILE__, __LINE__, __VA_ARGS__)
+#define MS_TRY(expr) do { ms_status ms_try_st_ = (expr); if (ms_try_st_ != MS_OK) return ms_try_st_; } while (0)
+
+/* Formats a shape as "[2,3,4]" into buf (returns buf). */
+const char *ms_shape_str(char *buf, size_t n, int ndim, const int64_t *shape);
+/* The shape of a tensor as "[2,3,4]" in a rotating thread-local buffer (for messages; 4 live at once). */
+const char *ms_tshape(const ms_tensor *t);
+
+/* --- contexts and memory ------------------------------------------------------------------------ */
+
+void ms_ctx_retain(ms_ctx *ctx);
+void ms_ctx_release(ms_ctx *ctx);
+/* Allocates nbytes on ctx's device, enforcing the limit and keeping statistics. */
+ms_status ms_ctx_alloc(ms_ctx *ctx, size_t nbytes, void **out);
+void ms_ctx_dealloc(ms_ctx *ctx, void *ptr, size_t nbytes);
+static inline void ms_ctx_count_launch(ms_ctx *ctx) { ctx->launches++; }
+
+/* --- tensors ------------------------------------------------------------------------------------ */
+
+/* A new owning contiguous tensor (internal form of ms_tensor_new, no argument checks beyond size). */
+ms_status ms_tensor_alloc(ms_ctx *ctx, ms_dtype dt, int ndim, const int64_t *shape, ms_tensor **out);
+static inline void *ms_tensor_ptr(const ms_tensor *t)
+{
+    return (char *)t->storage->data + t->offset * (int64_t)ms_dtype_size(t->dtype);
+}
+bool ms_tensor_contiguous_p(const ms_tensor *t);
+static inline bool ms_dtype_is_float(ms_dtype dt)
+{
+    return dt == MS_DTYPE_F32 || dt == MS_DTYPE_F64 || dt == MS_DTYPE_BF16 || dt == MS_DTYPE_F16;
+}
+static inline bool ms_dtype_valid(ms_dtype dt) { return (unsigned)dt < MS_DTYPE_COUNT; }
+
+/* Builds the iteration over dst with sources broadcast to it (checks shapes, devices, overlap). */
+ms_status ms_nary_build(ms_ctx *ctx, const char *fn, ms_nary *it, ms_tensor *dst, int nsrc,
+                        const ms_tensor *const *srcs);
+
+/* --- bf16 / f16 conversions (round to nearest even; NaN stays NaN) ------------------------------ */
+
+static inline float ms_bf16_to_f32(uint16_t h)
+{
+    union { uint32_t u; float f; } v = { .u = (uint32_t)h << 16 };
+    return v.f;
+}
+static inline uint16_t ms_f32_to_bf16(float f)
+{
+    union { float f; uint32_t u; } v = { .f = f };
+    if ((v.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((v.u >> 16) | 0x40); /* quiet NaN */
+    uint32_t rounding = 0x7fffu + ((v.u >> 16) & 1u);
+    return (uint16_t)((v.u + rounding) >> 16);
+}
+float ms_f16_to_f32(uint16_t h);
+uint16_t ms_f32_to_f16(float f);
+
+#endif /* MS_INTERNAL_H */

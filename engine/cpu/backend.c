@@ -1,0 +1,80 @@
+/*
+** The CPU backend table: host memory (64-byte aligned, for SIMD loads), a no-op sync, and the ops of
+** the other engine/cpu files.  It is the reference implementation every other backend is tested against.
+*/
+#include "cpu.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+#define ALIGNMENT 64
+
+static ms_status cpu_ctx_init(ms_ctx *ctx, const ms_ctx_options *opts)
+{
+    int threads = opts ? opts->num_threads : 0;
+    if (threads < 0) return MS_FAIL(ctx, MS_E_ARG, "ctx_new: num_threads %d < 0", threads);
+    ctx->num_threads = threads;   /* 0: the OpenMP default, decided at each op */
+    ctx->impl = NULL;             /* the CPU keeps no per-context state */
+    return MS_OK;
+}
+
+static void cpu_ctx_release(ms_ctx *ctx)
+{
+    (void)ctx;
+}
+
+static ms_status cpu_alloc(ms_ctx *ctx, size_t nbytes, void **out)
+{
+    /* aligned_alloc wants a multiple of the alignment; a 0-byte tensor still gets a unique pointer */
+    size_t rounded = nbytes ? (nbytes + ALIGNMENT - 1) / ALIGNMENT * ALIGNMENT : ALIGNMENT;
+    void *p = rounded >= nbytes ? aligned_alloc(ALIGNMENT, rounded) : NULL;
+    if (!p) return MS_FAIL(ctx, MS_E_OOM, "alloc: %zu bytes of host memory not available", nbytes);
+    *out = p;
+    return MS_OK;
+}
+
+static void cpu_free(ms_ctx *ctx, void *ptr, size_t nbytes)
+{
+    (void)ctx;
+    (void)nbytes;
+    free(ptr);
+}
+
+static ms_status cpu_sync(ms_ctx *ctx)
+{
+    (void)ctx;   /* every CPU op has finished when it returns */
+    return MS_OK;
+}
+
+static ms_status cpu_memcpy(ms_ctx *ctx, void *dst, const void *src, size_t nbytes)
+{
+    (void)ctx;
+    if (nbytes) memcpy(dst, src, nbytes);
+    return MS_OK;
+}
+
+const ms_backend ms_cpu_backend = {
+    /* .name             = */ "cpu",
+    /* .ctx_init         = */ cpu_ctx_init,
+    /* .ctx_release      = */ cpu_ctx_release,
+    /* .alloc            = */ cpu_alloc,
+    /* .free             = */ cpu_free,
+    /* .sync             = */ cpu_sync,
+    /* .memcpy_to_host   = */ cpu_memcpy,
+    /* .memcpy_from_host = */ cpu_memcpy,
+    /* .copy             = */ ms_cpu_copy,
+    /* .fill             = */ ms_cpu_fill,
+    /* .rand             = */ ms_cpu_rand,
+    /* .unary            = */ ms_cpu_unary,
+    /* .binary           = */ ms_cpu_binary,
+    /* .binary_scalar    = */ ms_cpu_binary_scalar,
+    /* .clamp            = */ ms_cpu_clamp,
+    /* .lerp             = */ ms_cpu_lerp,
+    /* .addc             = */ ms_cpu_addc,
+    /* .reduce           = */ ms_cpu_reduce,
+    /* .dot              = */ ms_cpu_dot,
+    /* .matmul           = */ ms_cpu_matmul,
+    /* .eye              = */ ms_cpu_eye,
+    /* .diag             = */ ms_cpu_diag,
+    /* .eigh             = */ ms_cpu_eigh,
+};

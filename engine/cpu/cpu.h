@@ -1,0 +1,74 @@
+/*
+** Private to the CPU backend: strided views with dtype-converting loads and stores (the one way every
+** CPU op reads and writes tensors of any layout and dtype), thread counts, scratch memory, and the
+** backend members that engine/cpu/backend.c collects into ms_cpu_backend.
+*/
+#ifndef MS_CPU_H
+#define MS_CPU_H
+
+#include "internal.h"
+
+/* Elements below which an op runs on one thread (forking costs more than it saves). */
+#define MS_CPU_PAR_MIN 32768
+
+/* A tensor-like window on memory: logical elements in row-major order of `shape`, element (i0..in) at
+** base + sum(ik * strides[k]) elements of `dtype`.  ndim 0 is one element. */
+typedef struct ms_cpu_view {
+    int      ndim;
+    int64_t  shape[MS_MAX_DIMS];
+    int64_t  strides[MS_MAX_DIMS];
+    ms_dtype dtype;
+    char    *base;
+} ms_cpu_view;
+
+void ms_cpu_view_of(ms_cpu_view *v, const ms_tensor *t);
+/* Operand k of an elementwise iteration. */
+void ms_cpu_view_of_nary(ms_cpu_view *v, const ms_nary *it, int k);
+int64_t ms_cpu_view_numel(const ms_cpu_view *v);
+
+/* Logical elements [start, start + n) of v as f32 / f64: a pointer into v itself when they are one
+** unit-stride run of that dtype already, otherwise converted into buf (n elements) and buf returned. */
+const float *ms_cpu_load_f32(const ms_cpu_view *v, int64_t start, int64_t n, float *buf);
+const double *ms_cpu_load_f64(const ms_cpu_view *v, int64_t start, int64_t n, double *buf);
+/* Logical elements [start, start + n) of v <- src, converted to v's dtype (bf16/f16 round to nearest
+** even; i32/u8 truncate toward zero and saturate, NaN -> 0). */
+void ms_cpu_store_f32(const ms_cpu_view *v, int64_t start, int64_t n, const float *src);
+void ms_cpu_store_f64(const ms_cpu_view *v, int64_t start, int64_t n, const double *src);
+/* Where [start, start + n) of v can be written in place as T, or NULL when it is not one such run. */
+float *ms_cpu_span_f32(const ms_cpu_view *v, int64_t start, int64_t n);
+double *ms_cpu_span_f64(const ms_cpu_view *v, int64_t start, int64_t n);
+
+/* Single values (1-element tensors, scalars read at execution time). */
+double ms_cpu_read_scalar(const ms_scalar *s);
+
+/* OpenMP threads the context's ops may use. */
+int ms_cpu_threads(const ms_ctx *ctx);
+
+/* Every logical element of dst <- src (same shape), both converted through f64 (exact for every dtype
+** pair but f64 -> narrower ones, which round once). */
+void ms_cpu_copy_view(const ms_ctx *ctx, const ms_cpu_view *dst, const ms_cpu_view *src);
+void ms_cpu_fill_view(const ms_ctx *ctx, const ms_cpu_view *dst, double value);
+
+/* Philox4x32-10 (Random123's philox4x32 with 10 rounds): out <- bijection of ctr under key. */
+void ms_cpu_philox(const uint32_t ctr[4], const uint32_t key[2], uint32_t out[4]);
+
+/* --- the members of ms_cpu_backend (engine/cpu/backend.c) -------------------------------------- */
+
+ms_status ms_cpu_copy(ms_ctx *ctx, const ms_nary *it);
+ms_status ms_cpu_fill(ms_ctx *ctx, const ms_nary *it, ms_scalar v);
+ms_status ms_cpu_rand(ms_ctx *ctx, ms_tensor *dst, const ms_rand_options *o);
+ms_status ms_cpu_unary(ms_ctx *ctx, const ms_nary *it, ms_unary_op op);
+ms_status ms_cpu_binary(ms_ctx *ctx, const ms_nary *it, ms_binary_op op);
+ms_status ms_cpu_binary_scalar(ms_ctx *ctx, const ms_nary *it, ms_scalar s, ms_binary_op op, int scalar_first);
+ms_status ms_cpu_clamp(ms_ctx *ctx, const ms_nary *it, double lo, double hi);
+ms_status ms_cpu_lerp(ms_ctx *ctx, const ms_nary *it, ms_scalar w);
+ms_status ms_cpu_addc(ms_ctx *ctx, const ms_nary *it, ms_scalar v, int divide);
+ms_status ms_cpu_reduce(ms_ctx *ctx, ms_tensor *dst, const ms_tensor *src, ms_reduce_op op, int dim);
+ms_status ms_cpu_dot(ms_ctx *ctx, ms_tensor *dst, const ms_tensor *a, const ms_tensor *b);
+ms_status ms_cpu_matmul(ms_ctx *ctx, ms_tensor *dst, const ms_tensor *a, const ms_tensor *b,
+                        const ms_matmul_options *o);
+ms_status ms_cpu_eye(ms_ctx *ctx, ms_tensor *dst);
+ms_status ms_cpu_diag(ms_ctx *ctx, ms_tensor *dst, const ms_tensor *src);
+ms_status ms_cpu_eigh(ms_ctx *ctx, ms_tensor *w, ms_tensor *v, const ms_tensor *a, int *info);
+
+#endif /* MS_CPU_H */

@@ -1,0 +1,204 @@
+/*
+** build/moonstep -- a small C host that embeds LuaJIT with moonstep preloaded.  It is also the example of
+** how a C program embeds moonstep: open a Lua state, point package.path at the moonstep modules, tell the
+** binding where the library is (package.loaded["moonstep.config"]), and run Lua code.
+**
+**   moonstep                      interactive prompt (readline when built with it)
+**   moonstep FILE.lua [args]      run a script; `arg` holds its arguments as in luajit
+**   moonstep run FILE.lua [args]  the same
+**   moonstep -e 'code'            run a chunk of code
+*/
+#include <errno.h>
+#include <limits.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include <lauxlib.h>
+#include <lua.h>
+#include <luajit.h>
+#include <lualib.h>
+
+#if MS_HAVE_READLINE
+#include <readline/history.h>
+#include <readline/readline.h>
+#endif
+
+#include "moonstep.h"
+
+static int file_exists(const char *path) { return access(path, R_OK) == 0; }
+
+/* The folder this executable lives in (build/ in a source tree, <prefix>/bin when installed). */
+static void exe_dir(char *out, size_t n)
+{
+    ssize_t len = readlink("/proc/self/exe", out, n - 1);
+    if (len <= 0) { snprintf(out, n, "."); return; }
+    out[len] = '\0';
+    char *slash = strrchr(out, '/');
+    if (slash) *slash = '\0';
+}
+
+/* The first candidate (dir + suffix) that exists, into out; 0 when none does. */
+static int find_path(char *out, size_t n, const char *dir, const char *const *suffixes, const char *probe)
+{
+    for (int i = 0; suffixes[i]; i++) {
+        char test[PATH_MAX + 64];
+        snprintf(out, n, "%s/%s", dir, suffixes[i]);
+        snprintf(test, sizeof test, "%s%s", out, probe);
+        if (file_exists(test)) return 1;
+    }
+    return 0;
+}
+
+/* readline(prompt) -> line or nil at end of input: the REPL's line editor, given to Lua by the host */
+static int l_readline(lua_State *L)
+{
+    const char *prompt = luaL_optstring(L, 1, "> ");
+#if MS_HAVE_READLINE
+    char *line = readline(prompt);
+    if (line == NULL) return 0;
+    if (*line) add_history(line);
+    lua_pushstring(L, line);
+    free(line);
+    return 1;
+#else
+    char buf[4096];
+    fputs(prompt, stdout);
+    fflush(stdout);
+    if (fgets(buf, sizeof buf, stdin) == NULL) return 0;
+    buf[strcspn(buf, "\n")] = '\0';
+    lua_pushstring(L, buf);
+    return 1;
+#endif
+}
+
+static int traceback(lua_State *L)
+{
+    const char *msg = lua_tostring(L, 1);
+    if (msg == NULL) msg = "(error object is not a string)";
+    luaL_traceback(L, L, msg, 1);
+    return 1;
+}
+
+static int report(lua_State *L, int status)
+{
+    if (status != 0) {
+        fprintf(stderr, "moonstep: %s\n", lua_tostring(L, -1));
+        lua_pop(L, 1);
+    }
+    return status;
+}
+
+static int run_protected(lua_State *L, int nargs)
+{
+    int base = lua_gettop(L) - nargs;
+    lua_pushcfunction(L, traceback);
+    lua_insert(L, base);
+    int status = lua_pcall(L, nargs, 0, base);
+    lua_remove(L, base);
+    return report(L, status);
+}
+
+/* package.path, moonstep.config and the global `ms`. */
+static int setup(lua_State *L, const char *dir)
+{
+    static const char *const lua_dirs[] = { "../lua", "../share/lua/5.1", NULL };
+    static const char *const lib_paths[] = { "libmoonstep.so", "../lib/libmoonstep.so", NULL };
+    static const char *const recipe_dirs[] = { "../recipes", "../share/moonstep/recipes", NULL };
+    char luadir[PATH_MAX], lib[PATH_MAX], recipes[PATH_MAX];
+    if (!find_path(luadir, sizeof luadir, dir, lua_dirs, "/moonstep/init.lua")) {
+        fprintf(stderr, "moonstep: cannot find the moonstep Lua modules near %s\n", dir);
+        return 1;
+    }
+    if (!find_path(lib, sizeof lib, dir, lib_paths, "")) snprintf(lib, sizeof lib, "libmoonstep.so");
+    if (!find_path(recipes, sizeof recipes, dir, recipe_dirs, "")) recipes[0] = '\0';
+
+    lua_getglobal(L, "package");
+    lua_getfield(L, -1, "path");
+    lua_pushfstring(L, "%s/?.lua;%s/?/init.lua;%s", luadir, luadir, lua_tostring(L, -1));
+    lua_setfield(L, -3, "path");
+    lua_pop(L, 1);
+    lua_getfield(L, -1, "loaded");
+    lua_newtable(L);
+    lua_pushstring(L, lib);
+    lua_setfield(L, -2, "library");
+    lua_pushstring(L, luadir);
+    lua_setfield(L, -2, "lua_dir");
+    lua_pushstring(L, recipes);
+    lua_setfield(L, -2, "recipe_dir");
+    lua_pushcfunction(L, l_readline);
+    lua_setfield(L, -2, "readline");
+    lua_pushboolean(L, isatty(STDIN_FILENO));
+    lua_setfield(L, -2, "interactive");
+    lua_setfield(L, -2, "moonstep.config");
+    lua_pop(L, 2);
+
+    lua_getglobal(L, "require");
+    lua_pushstring(L, "moonstep");
+    if (run_protected(L, 1) != 0) return 1;
+    lua_getglobal(L, "require");
+    lua_pushstring(L, "moonstep");
+    lua_call(L, 1, 1);          /* cached now: cannot fail */
+    lua_setglobal(L, "ms");
+    return 0;
+}
+
+static void usage(FILE *f)
+{
+    fprintf(f,
+            "usage: moonstep [FILE.lua [args...]]\n"
+            "       moonstep run FILE.lua [args...]\n"
+            "       moonstep -e 'lua code'\n"
+            "       moonstep --version | --help\n"
+            "Without arguments: an interactive prompt with `ms` (the moonstep module) loaded.\n");
+}
+
+static int run_script(lua_State *L, const char *file, int argc, char **argv, int first)
+{
+    /* arg = {[0] = file, ...}, as luajit does */
+    lua_createtable(L, argc - first, 1);
+    lua_pushstring(L, file);
+    lua_rawseti(L, -2, 0);
+    for (int i = first; i < argc; i++) {
+        lua_pushstring(L, argv[i]);
+        lua_rawseti(L, -2, i - first + 1);
+    }
+    lua_setglobal(L, "arg");
+    if (luaL_loadfile(L, file) != 0) return report(L, 1);
+    for (int i = first; i < argc; i++) lua_pushstring(L, argv[i]);
+    return run_protected(L, argc - first);
+}
+
+int main(int argc, char **argv)
+{
+    if (argc > 1 && (!strcmp(argv[1], "--help") || !strcmp(argv[1], "-h"))) { usage(stdout); return 0; }
+    if (argc > 1 && !strcmp(argv[1], "--version")) { printf("moonstep %s (abi %d)\n", ms_version(), ms_abi_version()); return 0; }
+    char dir[PATH_MAX];
+    exe_dir(dir, sizeof dir);
+    lua_State *L = luaL_newstate();
+    if (L == NULL) { fprintf(stderr, "moonstep: cannot create a Lua state\n"); return 1; }
+    luaL_openlibs(L);
+    int status = setup(L, dir);
+    if (status == 0) {
+        if (argc > 1 && !strcmp(argv[1], "-e")) {
+            if (argc < 3) { usage(stderr); status = 2; }
+            else if (luaL_loadbuffer(L, argv[2], strlen(argv[2]), "=(command line)") != 0) status = report(L, 1);
+            else status = run_protected(L, 0);
+        } else if (argc > 1 && !strcmp(argv[1], "run")) {
+            if (argc < 3) { usage(stderr); status = 2; }
+            else status = run_script(L, argv[2], argc, argv, 3);
+        } else if (argc > 1 && argv[1][0] == '-') {
+            fprintf(stderr, "moonstep: unknown option '%s'\n", argv[1]);
+            usage(stderr);
+            status = 2;
+        } else if (argc > 1) {
+            status = run_script(L, argv[1], argc, argv, 2);
+        } else {
+            luaL_loadstring(L, "return require('moonstep.repl').run()");
+            status = run_protected(L, 0);
+        }
+    }
+    lua_close(L);     /* runs the finalizers: every tensor and context is freed before exit */
+    return status == 0 ? 0 : status == 2 ? 2 : 1;
+}

@@ -1,0 +1,751 @@
+--[[
+moonstep.tensor -- the Tensor and Context objects of the Lua surface.
+
+A Tensor is a Lua table whose engine handle (ms_tensor *) lives in a private weak table of this module:
+the object itself holds no cdata, so code that only sees tensors (an untrusted recipe) cannot reach a
+pointer.  Dims are 0-based as in PyTorch and the C ABI; negative dims count from the end.
+]]
+local core = require("moonstep.core")
+local ffi, C = core.ffi, core.C
+local check, check_alloc = core.check, core.check_alloc
+
+local M = {}
+
+local handle = setmetatable({}, { __mode = "k" })   -- Tensor -> ms_tensor* (owning, ffi.gc'd)
+local ctx_handle = setmetatable({}, { __mode = "k" }) -- Context -> ms_ctx*
+local tensor_ctx = setmetatable({}, { __mode = "k" }) -- Tensor -> its Context (kept alive by the tensor)
+
+local Tensor = {}
+Tensor.__index = Tensor
+local Context = {}
+Context.__index = Context
+M.Tensor, M.Context = Tensor, Context
+
+-- ---------------------------------------------------------------------------------------------------
+-- dtypes
+-- ---------------------------------------------------------------------------------------------------
+local dtype_enum = {
+  f32 = C.MS_DTYPE_F32, f64 = C.MS_DTYPE_F64, bf16 = C.MS_DTYPE_BF16, f16 = C.MS_DTYPE_F16,
+  i32 = C.MS_DTYPE_I32, u8 = C.MS_DTYPE_U8,
+}
+local dtype_alias = {
+  float32 = "f32", float = "f32", float64 = "f64", double = "f64", bfloat16 = "bf16", float16 = "f16",
+  half = "f16", int32 = "i32", uint8 = "u8",
+}
+local dtype_name = {}
+for k, v in pairs(dtype_enum) do dtype_name[tonumber(v)] = k end
+-- promotion order for results of mixed-dtype arithmetic (torch-like: wider float wins)
+local rank = { u8 = 0, i32 = 1, f16 = 2, bf16 = 2, f32 = 3, f64 = 4 }
+
+local function norm_dtype(dt, level)
+  if dt == nil then return "f32" end
+  if type(dt) ~= "string" then error("dtype must be a string such as \"f32\" (got " .. type(dt) .. ")", level or 3) end
+  local n = dtype_alias[dt] or dt
+  if not dtype_enum[n] then
+    error(("unknown dtype %q (expected f32, f64, bf16, f16, i32 or u8)"):format(dt), level or 3)
+  end
+  return n
+end
+M.norm_dtype = norm_dtype
+
+local function promote(a, b)
+  if a == b then return a end
+  if (a == "bf16" and b == "f16") or (a == "f16" and b == "bf16") then return "f32" end
+  return rank[a] >= rank[b] and a or b
+end
+
+-- ---------------------------------------------------------------------------------------------------
+-- contexts
+-- ---------------------------------------------------------------------------------------------------
+local default_ctx = {}           -- device name -> Context (one per device per process)
+local default_device = "cpu"
+
+local function wrap_ctx(p)
+  local c = setmetatable({}, Context)
+  ctx_handle[c] = core.own_ctx(p)
+  return c
+end
+
+--- ms.context{device = "cpu"|"cuda:0"|"auto", num_threads = n, mem_limit = bytes, stream = cdata}
+function M.context(opts)
+  opts = opts or {}
+  if type(opts) == "string" then opts = { device = opts } end
+  local o = ffi.new("ms_ctx_options")
+  o.mem_limit = opts.mem_limit or 0
+  o.num_threads = opts.num_threads or 0
+  if opts.stream ~= nil then o.stream = ffi.cast("void *", opts.stream) end
+  check(C.ms_ctx_new(opts.device or default_device, o, core.out_ctx))
+  return wrap_ctx(core.out_ctx[0])
+end
+
+--- The default context of a device (created once per device per process).
+function M.device(name)
+  name = name or default_device
+  if getmetatable(name) == Context then return name end
+  local c = default_ctx[name]
+  if c then return c end
+  c = M.context { device = name }
+  local canonical = c:name()
+  if default_ctx[canonical] then c = default_ctx[canonical] end
+  default_ctx[name], default_ctx[canonical] = c, c
+  return c
+end
+
+function M.set_default_device(name)
+  M.device(name)        -- fails early on a bad name
+  default_device = name
+end
+function M.get_default_device() return default_device end
+
+function Context:name() return ffi.string(C.ms_ctx_device_name(ctx_handle[self])) end
+function Context:device_type() return tonumber(C.ms_ctx_device_type(ctx_handle[self])) == 0 and "cpu" or "cuda" end
+function Context:sync() check(C.ms_ctx_sync(ctx_handle[self])) end
+function Context:mem_stats()
+  local s = ffi.new("ms_mem_stats")
+  check(C.ms_ctx_mem_stats(ctx_handle[self], s))
+  return {
+    bytes_in_use = tonumber(s.bytes_in_use), peak_bytes = tonumber(s.peak_bytes),
+    bytes_cached = tonumber(s.bytes_cached), limit = tonumber(s.limit), num_allocs = tonumber(s.num_allocs),
+    num_frees = tonumber(s.num_frees), num_device_allocs = tonumber(s.num_device_allocs),
+    launches = tonumber(s.launches),
+  }
+end
+Context.__tostring = function(self) return "moonstep.Context(" .. self:name() .. ")" end
+
+local function resolve_ctx(opts)
+  if opts and opts.ctx then return opts.ctx end
+  return M.device(opts and opts.device)
+end
+
+-- ---------------------------------------------------------------------------------------------------
+-- construction
+-- ---------------------------------------------------------------------------------------------------
+local function wrap(p, ctx)
+  local t = setmetatable({}, Tensor)
+  handle[t] = core.own_tensor(p)
+  tensor_ctx[t] = ctx
+  return t
+end
+M.wrap = wrap
+
+local function H(t)
+  local h = handle[t]
+  if h == nil then error("expected a moonstep tensor, got " .. type(t), 3) end
+  return h
+end
+M.handle = H   -- for the binding's own modules only (never exported through `ms`)
+function M.handle_ctx(c) return ctx_handle[c] end
+
+function M.ctx_object(t)
+  local c = tensor_ctx[t]
+  if c == nil then error("expected a moonstep tensor, got " .. type(t), 3) end
+  return c
+end
+local function ctx_of(t) return ctx_handle[M.ctx_object(t)] end
+
+local function as_shape(shape, level)
+  if type(shape) ~= "table" then error("shape must be a table of sizes (got " .. type(shape) .. ")", level or 3) end
+  local n = #shape
+  if n > 8 then error(("a tensor has at most 8 dims (got %d)"):format(n), level or 3) end
+  local arr = ffi.new("int64_t[?]", n > 0 and n or 1)
+  for i = 1, n do
+    local v = shape[i]
+    if type(v) ~= "number" or v ~= math.floor(v) then
+      error(("shape[%d] must be an integer (got %s)"):format(i, tostring(v)), level or 3)
+    end
+    arr[i - 1] = v
+  end
+  return arr, n
+end
+
+--- An uninitialised tensor.
+function M.empty(shape, opts)
+  local ctx = resolve_ctx(opts)
+  local dt = norm_dtype(opts and opts.dtype)
+  local arr, n = as_shape(shape)
+  check_alloc(C.ms_tensor_new, ctx_handle[ctx], dtype_enum[dt], n, arr, core.out_tensor)
+  return wrap(core.out_tensor[0], ctx)
+end
+
+function M.full(shape, value, opts)
+  local t = M.empty(shape, opts)
+  check(C.ms_fill(ctx_handle[M.ctx_object(t)], H(t), value, nil))
+  return t
+end
+function M.zeros(shape, opts) return M.full(shape, 0, opts) end
+function M.ones(shape, opts) return M.full(shape, 1, opts) end
+
+-- shape of a nested Lua table, checking it is rectangular
+local function nested_shape(tbl)
+  local shape, node = {}, tbl
+  while type(node) == "table" do
+    shape[#shape + 1] = #node
+    node = node[1]
+  end
+  local function walk(x, d)
+    if d > #shape then
+      if type(x) ~= "number" then error("tensor data must contain numbers (got " .. type(x) .. ")", 4) end
+      return
+    end
+    if type(x) ~= "table" or #x ~= shape[d] then error("tensor data is not rectangular (dim " .. (d - 1) .. ")", 4) end
+    for i = 1, #x do walk(x[i], d + 1) end
+  end
+  walk(tbl, 1)
+  return shape
+end
+
+local function flatten(tbl, out)
+  if type(tbl) == "number" then out[#out + 1] = tbl return out end
+  for i = 1, #tbl do flatten(tbl[i], out) end
+  return out
+end
+
+--- ms.tensor(nested_table_or_number, {dtype=, device=, ctx=})
+function M.tensor(data, opts)
+  local shape = type(data) == "number" and {} or nested_shape(data)
+  local flat = flatten(data, {})
+  local n = #flat
+  local host = M.empty(shape, { dtype = "f64", device = "cpu" })
+  if n > 0 then
+    local buf = ffi.new("double[?]", n)
+    for i = 1, n do buf[i - 1] = flat[i] end
+    local cpu = M.device("cpu")
+    check(C.ms_tensor_write(ctx_handle[cpu], H(host), buf, n * 8))
+  end
+  local dt = norm_dtype(opts and opts.dtype)
+  local ctx = resolve_ctx(opts)
+  if dt == "f64" and ctx:name() == "cpu" then return host end
+  local t = M.empty(shape, { dtype = dt, ctx = ctx })
+  check(C.ms_copy(ctx_handle[ctx], H(t), H(host)))
+  return t
+end
+
+-- the global generator: (seed, offset); every draw takes the next offset
+local rng = { seed = 0, offset = 0 }
+function M.manual_seed(n)
+  if type(n) ~= "number" or n < 0 or n ~= math.floor(n) then error("manual_seed: a non-negative integer is needed", 2) end
+  rng.seed, rng.offset = n, 0
+end
+function M.rng_state() return { seed = rng.seed, offset = rng.offset } end
+function M.set_rng_state(s) rng.seed, rng.offset = s.seed, s.offset end
+
+local function draw(shape, opts, dist, a, b)
+  local t = M.empty(shape, opts)
+  local o = ffi.new("ms_rand_options")
+  o.dist, o.a, o.b = dist, a, b
+  if opts and opts.seed then
+    o.seed, o.offset = opts.seed, opts.offset or 0
+  else
+    o.seed, o.offset = rng.seed, rng.offset
+    rng.offset = rng.offset + 1
+  end
+  check(C.ms_rand(ctx_of(t), H(t), o))
+  return t
+end
+--- ms.rand(shape, {dtype=, device=, seed=, offset=, low=, high=}): uniform [low, high)
+function M.rand(shape, opts) return draw(shape, opts, C.MS_RAND_UNIFORM, opts and opts.low or 0, opts and opts.high or 1) end
+--- ms.randn(shape, {dtype=, device=, seed=, offset=, mean=, std=})
+function M.randn(shape, opts) return draw(shape, opts, C.MS_RAND_NORMAL, opts and opts.mean or 0, opts and opts.std or 1) end
+
+-- ---------------------------------------------------------------------------------------------------
+-- properties
+-- ---------------------------------------------------------------------------------------------------
+function Tensor:dim() return C.ms_tensor_ndim(H(self)) end
+Tensor.ndim = Tensor.dim
+function Tensor:shape()
+  local h = H(self)
+  local s = {}
+  for i = 0, C.ms_tensor_ndim(h) - 1 do s[i + 1] = tonumber(C.ms_tensor_size(h, i)) end
+  return s
+end
+function Tensor:size(d)
+  if d == nil then return self:shape() end
+  local v = tonumber(C.ms_tensor_size(H(self), d))
+  if v < 0 then error(("size: dim %d out of range for a %d-dim tensor"):format(d, self:dim()), 2) end
+  return v
+end
+function Tensor:strides()
+  local h = H(self)
+  local s = {}
+  for i = 0, C.ms_tensor_ndim(h) - 1 do s[i + 1] = tonumber(C.ms_tensor_stride(h, i)) end
+  return s
+end
+function Tensor:numel() return tonumber(C.ms_tensor_numel(H(self))) end
+function Tensor:dtype() return dtype_name[tonumber(C.ms_tensor_dtype(H(self)))] end
+function Tensor:device() return ffi.string(C.ms_ctx_device_name(C.ms_tensor_ctx(H(self)))) end
+function Tensor:is_contiguous() return C.ms_tensor_is_contiguous(H(self)) ~= 0 end
+function Tensor:context() return M.ctx_object(self) end
+
+function M.is_tensor(x) return type(x) == "table" and handle[x] ~= nil end
+
+-- ---------------------------------------------------------------------------------------------------
+-- views
+-- ---------------------------------------------------------------------------------------------------
+local function shape_args(...)
+  local first = ...
+  if type(first) == "table" then return first end
+  return { ... }
+end
+
+function Tensor:view(...)
+  local arr, n = as_shape(shape_args(...))
+  check(C.ms_tensor_reshape(ctx_of(self), H(self), n, arr, core.out_tensor))
+  return wrap(core.out_tensor[0], tensor_ctx[self])
+end
+
+--- reshape: a view when the layout allows it, else a contiguous copy
+function Tensor:reshape(...)
+  local arr, n = as_shape(shape_args(...))
+  local st = C.ms_tensor_reshape(ctx_of(self), H(self), n, arr, core.out_tensor)
+  if st == C.MS_E_LAYOUT then
+    local c = self:contiguous()
+    st = C.ms_tensor_reshape(ctx_of(c), H(c), n, arr, core.out_tensor)
+  end
+  check(st)
+  return wrap(core.out_tensor[0], tensor_ctx[self])
+end
+
+function Tensor:flatten() return self:reshape({ self:numel() }) end
+
+function Tensor:slice(dim, start, stop, step)
+  check(C.ms_tensor_slice(ctx_of(self), H(self), dim, start or 0, stop or 2 ^ 62, step or 1, core.out_tensor))
+  return wrap(core.out_tensor[0], tensor_ctx[self])
+end
+Tensor.narrow = function(self, dim, start, len) return self:slice(dim, start, start + len) end
+
+function Tensor:select(dim, index)
+  check(C.ms_tensor_select(ctx_of(self), H(self), dim, index, core.out_tensor))
+  return wrap(core.out_tensor[0], tensor_ctx[self])
+end
+
+function Tensor:transpose(d0, d1)
+  check(C.ms_tensor_transpose(ctx_of(self), H(self), d0 or -2, d1 or -1, core.out_tensor))
+  return wrap(core.out_tensor[0], tensor_ctx[self])
+end
+function Tensor:t()
+  if self:dim() ~= 2 then error(("t(): a 2-dim tensor is needed (got %d dims)"):format(self:dim()), 2) end
+  return self:transpose(0, 1)
+end
+
+function Tensor:permute(...)
+  local p = shape_args(...)
+  local arr = ffi.new("int[?]", #p > 0 and #p or 1)
+  for i = 1, #p do arr[i - 1] = p[i] end
+  check(C.ms_tensor_permute(ctx_of(self), H(self), #p, arr, core.out_tensor))
+  return wrap(core.out_tensor[0], tensor_ctx[self])
+end
+
+function Tensor:expand(...)
+  local arr, n = as_shape(shape_args(...))
+  check(C.ms_tensor_expand(ctx_of(self), H(self), n, arr, core.out_tensor))
+  return wrap(core.out_tensor[0], tensor_ctx[self])
+end
+
+function Tensor:unsqueeze(d)
+  local s = self:shape()
+  if d < 0 then d = d + #s + 1 end
+  table.insert(s, d + 1, 1)
+  return self:view(s)
+end
+
+function Tensor:squeeze(d)
+  local s, out = self:shape(), {}
+  for i, v in ipairs(s) do
+    if not (v == 1 and (d == nil or i - 1 == d or i - 1 == d + #s)) then out[#out + 1] = v end
+  end
+  return self:view(out)
+end
+
+function Tensor:contiguous()
+  check(C.ms_tensor_contiguous(ctx_of(self), H(self), core.out_tensor))
+  return wrap(core.out_tensor[0], tensor_ctx[self])
+end
+
+-- ---------------------------------------------------------------------------------------------------
+-- copies and conversion
+-- ---------------------------------------------------------------------------------------------------
+function Tensor:copy_(src)
+  if type(src) == "number" then return self:fill_(src) end
+  check(C.ms_copy(ctx_of(self), H(self), H(src)))
+  return self
+end
+
+function Tensor:fill_(v, v_t)
+  check(C.ms_fill(ctx_of(self), H(self), v or 0, v_t and H(v_t) or nil))
+  return self
+end
+function Tensor:zero_() return self:fill_(0) end
+
+function Tensor:clone()
+  local t = M.empty(self:shape(), { dtype = self:dtype(), ctx = M.ctx_object(self) })
+  return t:copy_(self)
+end
+
+--- t:to(dtype_or_device [, dtype]) -> a new tensor (self when nothing changes)
+function Tensor:to(a, b)
+  local dt, dev = self:dtype(), nil
+  for _, x in ipairs { a, b } do
+    if getmetatable(x) == Context then dev = x
+    elseif type(x) == "string" then
+      local n = dtype_alias[x] or x
+      if dtype_enum[n] then dt = n else dev = M.device(x) end
+    elseif x ~= nil then error("to: expected a dtype or a device name", 2) end
+  end
+  dev = dev or M.ctx_object(self)
+  if dt == self:dtype() and dev:name() == self:device() then return self end
+  local t = M.empty(self:shape(), { dtype = dt, ctx = dev })
+  check(C.ms_copy(ctx_handle[dev], H(t), H(self)))
+  return t
+end
+function Tensor:cpu() return self:to("cpu") end
+function Tensor:float() return self:to("f32") end
+function Tensor:double() return self:to("f64") end
+
+--- The values as a flat Lua array of numbers (row-major).
+function Tensor:tolist_flat()
+  local n = self:numel()
+  local out = {}
+  if n == 0 then return out end
+  local host = M.empty(self:shape(), { dtype = "f64", device = "cpu" })
+  check(C.ms_copy(ctx_handle[M.device("cpu")], H(host), H(self)))
+  local buf = ffi.new("double[?]", n)
+  check(C.ms_tensor_read(ctx_handle[M.device("cpu")], H(host), buf, n * 8))
+  for i = 1, n do out[i] = buf[i - 1] end
+  return out
+end
+
+--- Nested Lua tables of numbers (a number for a 0-dim tensor).
+function Tensor:totable()
+  local flat, shape = self:tolist_flat(), self:shape()
+  if #shape == 0 then return flat[1] end
+  local pos = 0
+  local function build(d)
+    local out = {}
+    for i = 1, shape[d] do
+      if d == #shape then pos = pos + 1 out[i] = flat[pos] else out[i] = build(d + 1) end
+    end
+    return out
+  end
+  return build(1)
+end
+
+--- The single value of a one-element tensor.
+function Tensor:item()
+  if self:numel() ~= 1 then error(("item(): tensor has %d elements"):format(self:numel()), 2) end
+  return self:tolist_flat()[1]
+end
+
+-- ---------------------------------------------------------------------------------------------------
+-- elementwise arithmetic
+-- ---------------------------------------------------------------------------------------------------
+local function broadcast_shapes(a, b)
+  local n = math.max(#a, #b)
+  local out = {}
+  for i = 1, n do
+    local x = a[#a - n + i] or 1
+    local y = b[#b - n + i] or 1
+    if x ~= y and x ~= 1 and y ~= 1 then
+      error(("shapes [%s] and [%s] do not broadcast"):format(table.concat(a, ","), table.concat(b, ",")), 4)
+    end
+    out[i] = x == 1 and y or x
+  end
+  return out
+end
+M.broadcast_shapes = broadcast_shapes
+
+local binary_ops = {
+  add = C.MS_BINARY_ADD, sub = C.MS_BINARY_SUB, mul = C.MS_BINARY_MUL, div = C.MS_BINARY_DIV,
+  pow = C.MS_BINARY_POW, maximum = C.MS_BINARY_MAXIMUM, minimum = C.MS_BINARY_MINIMUM,
+  eq = C.MS_BINARY_EQ, ne = C.MS_BINARY_NE, lt = C.MS_BINARY_LT, le = C.MS_BINARY_LE,
+  gt = C.MS_BINARY_GT, ge = C.MS_BINARY_GE,
+}
+
+-- out = a op b for any mix of tensors and numbers (at least one tensor); dst optional (in-place forms)
+local function binary(op, a, b, dst)
+  local code = binary_ops[op]
+  local ta, tb = handle[a] ~= nil, handle[b] ~= nil
+  if ta and tb then
+    dst = dst or M.empty(broadcast_shapes(a:shape(), b:shape()), { dtype = promote(a:dtype(), b:dtype()), ctx = M.ctx_object(a) })
+    check(C.ms_binary(ctx_of(dst), H(dst), H(a), H(b), code), 3)
+  elseif ta and type(b) == "number" then
+    dst = dst or M.empty(a:shape(), { dtype = a:dtype(), ctx = M.ctx_object(a) })
+    check(C.ms_binary_scalar(ctx_of(dst), H(dst), H(a), b, nil, code, 0), 3)
+  elseif tb and type(a) == "number" then
+    dst = dst or M.empty(b:shape(), { dtype = b:dtype(), ctx = M.ctx_object(b) })
+    check(C.ms_binary_scalar(ctx_of(dst), H(dst), H(b), a, nil, code, 1), 3)
+  else
+    error(("%s: expected tensors or numbers (got %s and %s)"):format(op, type(a), type(b)), 3)
+  end
+  return dst
+end
+
+for op in pairs(binary_ops) do
+  Tensor[op] = function(a, b) return binary(op, a, b) end
+  Tensor[op .. "_"] = function(a, b) return binary(op, a, b, a) end
+  M[op] = function(a, b, out) return binary(op, a, b, out) end
+end
+Tensor.__add = function(a, b) return binary("add", a, b) end
+Tensor.__sub = function(a, b) return binary("sub", a, b) end
+Tensor.__mul = function(a, b) return binary("mul", a, b) end
+Tensor.__div = function(a, b) return binary("div", a, b) end
+Tensor.__pow = function(a, b) return binary("pow", a, b) end
+
+local unary_ops = {
+  neg = C.MS_UNARY_NEG, abs = C.MS_UNARY_ABS, sqrt = C.MS_UNARY_SQRT, rsqrt = C.MS_UNARY_RSQRT,
+  exp = C.MS_UNARY_EXP, log = C.MS_UNARY_LOG, sign = C.MS_UNARY_SIGN, square = C.MS_UNARY_SQUARE,
+  reciprocal = C.MS_UNARY_RECIPROCAL, tanh = C.MS_UNARY_TANH, sigmoid = C.MS_UNARY_SIGMOID,
+  relu = C.MS_UNARY_RELU, sin = C.MS_UNARY_SIN, cos = C.MS_UNARY_COS,
+}
+for op, code in pairs(unary_ops) do
+  Tensor[op] = function(self)
+    local dst = M.empty(self:shape(), { dtype = self:dtype(), ctx = M.ctx_object(self) })
+    check(C.ms_unary(ctx_of(dst), H(dst), H(self), code))
+    return dst
+  end
+  Tensor[op .. "_"] = function(self)
+    check(C.ms_unary(ctx_of(self), H(self), H(self), code))
+    return self
+  end
+  M[op] = function(t) return Tensor[op](t) end
+end
+Tensor.__unm = function(a) return a:neg() end
+
+local function clamp_into(dst, src, lo, hi)
+  check(C.ms_clamp(ctx_of(dst), H(dst), H(src), lo or -math.huge, hi or math.huge), 3)
+  return dst
+end
+function Tensor:clamp(lo, hi)
+  return clamp_into(M.empty(self:shape(), { dtype = self:dtype(), ctx = M.ctx_object(self) }), self, lo, hi)
+end
+function Tensor:clamp_(lo, hi) return clamp_into(self, self, lo, hi) end
+
+-- a scalar argument is a number or a one-element tensor (a device scalar)
+local function scalar(x)
+  if type(x) == "number" then return x, nil end
+  return 0, H(x)
+end
+
+local function result_like(a, b, c)
+  local shape, dt = a:shape(), a:dtype()
+  for _, t in ipairs { b, c } do
+    if t then shape = broadcast_shapes(shape, t:shape()) dt = promote(dt, t:dtype()) end
+  end
+  return M.empty(shape, { dtype = dt, ctx = M.ctx_object(a) })
+end
+
+function M.lerp(a, b, w, out)
+  out = out or result_like(a, b)
+  local v, vt = scalar(w)
+  check(C.ms_lerp(ctx_of(out), H(out), H(a), H(b), v, vt))
+  return out
+end
+function Tensor:lerp(b, w) return M.lerp(self, b, w) end
+function Tensor:lerp_(b, w) return M.lerp(self, b, w, self) end
+
+function M.addcmul(a, b, c, value, out)
+  out = out or result_like(a, b, c)
+  local v, vt = scalar(value == nil and 1 or value)
+  check(C.ms_addcmul(ctx_of(out), H(out), H(a), H(b), H(c), v, vt))
+  return out
+end
+function M.addcdiv(a, b, c, value, out)
+  out = out or result_like(a, b, c)
+  local v, vt = scalar(value == nil and 1 or value)
+  check(C.ms_addcdiv(ctx_of(out), H(out), H(a), H(b), H(c), v, vt))
+  return out
+end
+function Tensor:addcmul(b, c, v) return M.addcmul(self, b, c, v) end
+function Tensor:addcmul_(b, c, v) return M.addcmul(self, b, c, v, self) end
+function Tensor:addcdiv(b, c, v) return M.addcdiv(self, b, c, v) end
+function Tensor:addcdiv_(b, c, v) return M.addcdiv(self, b, c, v, self) end
+
+-- ---------------------------------------------------------------------------------------------------
+-- reductions
+-- ---------------------------------------------------------------------------------------------------
+local reduce_ops = {
+  sum = C.MS_REDUCE_SUM, mean = C.MS_REDUCE_MEAN, max = C.MS_REDUCE_MAX, min = C.MS_REDUCE_MIN,
+  norm = C.MS_REDUCE_NORM2, sumsq = C.MS_REDUCE_SUMSQ, amax = C.MS_REDUCE_AMAX,
+}
+local function acc_dtype(dt) return (dt == "f64" or dt == "i32") and "f64" or (dt == "u8" and "f32" or dt) end
+
+--- t:sum() -> number; t:sum(dim [, keepdim]) -> tensor.  Likewise mean, max, min, norm, sumsq, amax.
+local function reduce(op, self, dim, keepdim)
+  local code = reduce_ops[op]
+  local ctx = M.ctx_object(self)
+  if dim == nil then
+    local dst = M.empty({}, { dtype = acc_dtype(self:dtype()) == "f64" and "f64" or "f32", ctx = ctx })
+    check(C.ms_reduce(ctx_handle[ctx], H(dst), H(self), code, C.MS_DIM_ALL), 3)
+    return dst:item()
+  end
+  local shape = self:shape()
+  local d = dim < 0 and dim + #shape or dim
+  if d < 0 or d >= #shape then
+    error(("%s: dim %d out of range for a %d-dim tensor"):format(op, dim, #shape), 3)
+  end
+  if keepdim then shape[d + 1] = 1 else table.remove(shape, d + 1) end
+  local dst = M.empty(shape, { dtype = acc_dtype(self:dtype()), ctx = ctx })
+  check(C.ms_reduce(ctx_handle[ctx], H(dst), H(self), code, d), 3)
+  return dst
+end
+for op in pairs(reduce_ops) do
+  Tensor[op] = function(self, dim, keepdim) return reduce(op, self, dim, keepdim) end
+  M[op] = function(t, dim, keepdim) return reduce(op, t, dim, keepdim) end
+end
+
+--- ms.dot(a, b) -> number (sum of products over all elements)
+function M.dot(a, b)
+  local ctx = M.ctx_object(a)
+  local dst = M.empty({}, { dtype = acc_dtype(a:dtype()) == "f64" and "f64" or "f32", ctx = ctx })
+  check(C.ms_dot(ctx_handle[ctx], H(dst), H(a), H(b)))
+  return dst:item()
+end
+Tensor.dot = M.dot
+
+-- ---------------------------------------------------------------------------------------------------
+-- linear algebra
+-- ---------------------------------------------------------------------------------------------------
+--- ms.matmul(a, b, {trans_a=, trans_b=, alpha=, beta=, tf32=, out=, dtype=})
+function M.matmul(a, b, opts)
+  opts = opts or {}
+  local sa, sb = a:shape(), b:shape()
+  if #sa < 2 or #sb < 2 then error("matmul: a and b need at least 2 dims", 2) end
+  local m = opts.trans_a and sa[#sa] or sa[#sa - 1]
+  local n = opts.trans_b and sb[#sb - 1] or sb[#sb]
+  local out = opts.out
+  if not out then
+    local ba, bb = {}, {}
+    for i = 1, #sa - 2 do ba[i] = sa[i] end
+    for i = 1, #sb - 2 do bb[i] = sb[i] end
+    local shape = broadcast_shapes(ba, bb)
+    shape[#shape + 1], shape[#shape + 2] = m, n
+    out = M.empty(shape, { dtype = opts.dtype or a:dtype(), ctx = M.ctx_object(a) })
+  end
+  local o = ffi.new("ms_matmul_options")
+  o.trans_a, o.trans_b = opts.trans_a and 1 or 0, opts.trans_b and 1 or 0
+  o.alpha, o.beta = opts.alpha or 1, opts.beta or 0
+  o.allow_tf32 = opts.tf32 and 1 or 0
+  check(C.ms_matmul(ctx_of(out), H(out), H(a), H(b), o))
+  return out
+end
+Tensor.matmul = M.matmul
+
+function M.eye(n, m, opts)
+  if type(m) == "table" then opts, m = m, nil end
+  local t = M.empty({ n, m or n }, opts)
+  check(C.ms_eye(ctx_of(t), H(t)))
+  return t
+end
+
+--- ms.diag(v) -> matrix with v on its diagonal; ms.diag(matrix) -> its diagonal (batched)
+function M.diag(src)
+  local s = src:shape()
+  local shape = {}
+  for i = 1, #s - 1 do shape[i] = s[i] end
+  if #s >= 2 and s[#s] == s[#s - 1] then
+    -- a square (batched) matrix: extract
+  else
+    shape[#shape + 1] = s[#s]
+    shape[#shape + 1] = s[#s]
+  end
+  local dst = M.empty(shape, { dtype = src:dtype(), ctx = M.ctx_object(src) })
+  check(C.ms_diag(ctx_of(dst), H(dst), H(src)))
+  return dst
+end
+Tensor.diag = M.diag
+
+--- ms.eigh(a [, {vectors = false}]) -> w (ascending), v (eigenvectors in columns)
+function M.eigh(a, opts)
+  local s = a:shape()
+  local ws = {}
+  for i = 1, #s - 1 do ws[i] = s[i] end
+  local ctx = M.ctx_object(a)
+  local w = M.empty(ws, { dtype = a:dtype(), ctx = ctx })
+  local v = not (opts and opts.vectors == false) and M.empty(s, { dtype = a:dtype(), ctx = ctx }) or nil
+  check(C.ms_eigh(ctx_handle[ctx], H(w), v and H(v) or nil, H(a), core.out_int))
+  return w, v
+end
+
+-- ---------------------------------------------------------------------------------------------------
+-- indexing and printing
+-- ---------------------------------------------------------------------------------------------------
+Tensor.__index = function(self, k)
+  if type(k) == "number" then return Tensor.select(self, 0, k) end
+  return Tensor[k]
+end
+Tensor.__newindex = function(self, k, v)
+  if type(k) == "number" then
+    local view = Tensor.select(self, 0, k)
+    if type(v) == "number" then view:fill_(v) else view:copy_(v) end
+    return
+  end
+  error("tensors have no assignable fields (tried to set '" .. tostring(k) .. "')", 2)
+end
+Tensor.__len = function(self) local s = self:shape() return s[1] or 0 end
+
+local function fmt_values(vals)
+  local maxabs, allint, finite = 0, true, true
+  for _, v in ipairs(vals) do
+    if v ~= v or v == math.huge or v == -math.huge then finite = false
+    else
+      maxabs = math.max(maxabs, math.abs(v))
+      if v ~= math.floor(v) then allint = false end
+    end
+  end
+  local f
+  if allint and maxabs < 1e9 then f = function(v) return ("%.0f"):format(v) end
+  elseif maxabs ~= 0 and (maxabs >= 1e5 or maxabs < 1e-3) then f = function(v) return ("%.4e"):format(v) end
+  else f = function(v) return ("%.4f"):format(v) end end
+  local _ = finite
+  local strs, width = {}, 0
+  for i, v in ipairs(vals) do
+    local s
+    if v ~= v then s = "nan" elseif v == math.huge then s = "inf" elseif v == -math.huge then s = "-inf" else s = f(v) end
+    strs[i] = s
+    width = math.max(width, #s)
+  end
+  return strs, width
+end
+
+function Tensor:__tostring()
+  local shape, n = self:shape(), self:numel()
+  local meta = ("dtype=%s, device=%s, shape=[%s]"):format(self:dtype(), self:device(), table.concat(shape, ","))
+  if n == 0 then return "tensor([], " .. meta .. ")" end
+  local edge = n > 1000 and 3 or math.huge
+  -- indices shown along each dim (with a gap marker after `edge` leading ones)
+  local function shown(len)
+    if len <= 2 * edge then
+      local r = {}
+      for i = 0, len - 1 do r[#r + 1] = i end
+      return r
+    end
+    local r = {}
+    for i = 0, edge - 1 do r[#r + 1] = i end
+    r[#r + 1] = false
+    for i = len - edge, len - 1 do r[#r + 1] = i end
+    return r
+  end
+  local src = self
+  if n > 1000 then src = self end
+  local flat = src:tolist_flat()
+  local strides, acc = {}, 1
+  for d = #shape, 1, -1 do strides[d] = acc acc = acc * shape[d] end
+  local vals = {}
+  local function collect(d, base)
+    if d > #shape then vals[#vals + 1] = flat[base + 1] return end
+    for _, i in ipairs(shown(shape[d])) do if i then collect(d + 1, base + i * strides[d]) end end
+  end
+  collect(1, 0)
+  local strs, width = fmt_values(vals)
+  local pos = 0
+  local function render(d, indent)
+    if d > #shape then pos = pos + 1 return (" "):rep(width - #strs[pos]) .. strs[pos] end
+    local parts = {}
+    for _, i in ipairs(shown(shape[d])) do parts[#parts + 1] = i and render(d + 1, indent .. " ") or "..." end
+    local sep = d == #shape and ", " or (",\n" .. ("\n"):rep(#shape - d - 1) .. indent .. " ")
+    return "[" .. table.concat(parts, sep) .. "]"
+  end
+  if #shape == 0 then return "tensor(" .. strs[1] .. ", " .. meta .. ")" end
+  return "tensor(" .. render(1, "       ") .. ", " .. meta .. ")"
+end
+
+return M

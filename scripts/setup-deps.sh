@@ -1,0 +1,26 @@
+#!/bin/sh
+# Makes sure the Debian packages moonstep builds and tests with are present.  Installs what is missing
+# when it can (root, apt-get, a reachable archive); otherwise only checks and says what is missing, so a
+# host with no package access can still run the tests of a build carried there.
+# Usage: setup-deps.sh [--check]
+set -u
+pkgs="luajit libluajit-5.1-dev lua-busted libopenblas-dev liblapacke-dev libdlpack-dev libreadline-dev pkg-config"
+missing=""
+for p in $pkgs; do
+    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "ok installed" || missing="$missing $p"
+done
+if [ -n "$missing" ] && [ "${1:-}" != "--check" ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    echo "setup-deps: installing$missing"
+    if { [ -n "$(ls /var/lib/apt/lists/ 2>/dev/null | grep _Packages)" ] || apt-get update -qq; } &&
+       DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $missing >/dev/null; then
+        missing=""
+    else
+        echo "setup-deps: could not install$missing (no package access?)"
+    fi
+fi
+# what really matters is that the tools and headers are reachable (a carried bundle counts)
+for tool in luajit busted; do
+    command -v "$tool" >/dev/null || { echo "setup-deps: '$tool' not found on PATH"; exit 1; }
+done
+[ -z "$missing" ] || echo "setup-deps: packages not installed:$missing (continuing with what is reachable)"
+exit 0

@@ -1,0 +1,173 @@
+/*
+** The C ABI as a C trainer uses it: contexts, owning and wrapped tensors, views, reference counting,
+** memory statistics, and the error protocol (status + last-error message; nothing changed on failure).
+*/
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "check.h"
+#include "moonstep.h"
+
+static int contains(const char *s, const char *sub) { return s && strstr(s, sub) != NULL; }
+
+static void test_status_names(void)
+{
+    const ms_status all[] = { MS_OK, MS_E_ARG, MS_E_SHAPE, MS_E_DTYPE, MS_E_DEVICE, MS_E_OOM, MS_E_NUMERIC,
+                              MS_E_IO, MS_E_FORMAT, MS_E_UNSUPPORTED, MS_E_LAYOUT, MS_E_BACKEND };
+    for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) {
+        const char *n = ms_status_name(all[i]);
+        CHECK(n && strncmp(n, "MS_", 3) == 0 && strcmp(n, "MS_E_UNKNOWN") != 0, "name of status %d: %s", all[i], n);
+    }
+    CHECK(strcmp(ms_status_name((ms_status)-99), "MS_E_UNKNOWN") == 0, "unknown status name");
+    CHECK(ms_abi_version() == MS_ABI_VERSION, "abi %d", ms_abi_version());
+    CHECK(strcmp(ms_version(), MS_VERSION_STRING) == 0, "version %s", ms_version());
+    CHECK(contains(ms_cdef(), "ms_status ms_tensor_new("), "cdef carries the declarations");
+    CHECK(contains(ms_build_info(), "cpu"), "build info: %s", ms_build_info());
+}
+
+static void test_contexts(void)
+{
+    ms_ctx *ctx = (ms_ctx *)0x1;
+    CHECK(ms_ctx_new("gpu", NULL, &ctx) == MS_E_ARG && ctx == NULL, "bad device name");
+    CHECK(contains(ms_last_error(), "unknown device \"gpu\""), "message: %s", ms_last_error());
+    CHECK(ms_ctx_new("cpu", NULL, NULL) == MS_E_ARG, "NULL out");
+    ms_status st = ms_ctx_new("cuda:0", NULL, &ctx);
+    if (ms_device_count(MS_DEVICE_CUDA) == 0) {
+        CHECK(st == MS_E_DEVICE || st == MS_E_UNSUPPORTED, "cuda without a GPU: %s", ms_status_name(st));
+        CHECK(contains(ms_last_error(), "cuda:0"), "message names the device: %s", ms_last_error());
+    } else {
+        CHECK(st == MS_OK, "cuda:0 on a GPU machine");
+        ms_ctx_free(ctx);
+    }
+    ms_ctx_options bad = { .mem_limit = -1 };
+    CHECK(ms_ctx_new("cpu", &bad, &ctx) == MS_E_ARG, "negative limit");
+    CHECK(ms_ctx_new("cpu", NULL, &ctx) == MS_OK, "cpu context");
+    CHECK(ms_ctx_device_type(ctx) == MS_DEVICE_CPU && strcmp(ms_ctx_device_name(ctx), "cpu") == 0, "cpu name");
+    CHECK(ms_ctx_sync(ctx) == MS_OK, "sync");
+    CHECK(ms_device_count(MS_DEVICE_CPU) == 1, "one cpu");
+    ms_ctx_free(ctx);
+    ms_ctx_free(NULL);
+    ms_tensor_free(NULL);
+    ms_tensor_set_free(NULL);
+}
+
+static void test_tensors_and_lifetimes(void)
+{
+    ms_ctx *ctx;
+    ms_ctx_options o = { .mem_limit = 1 << 20 };
+    CHECK(ms_ctx_new("cpu", &o, &ctx) == MS_OK, "ctx");
+    ms_tensor *t = NULL;
+    int64_t shape[2] = { 3, 4 };
+    CHECK(ms_tensor_new(ctx, MS_DTYPE_F32, 2, shape, &t) == MS_OK, "new");
+    CHECK(ms_tensor_ndim(t) == 2 && ms_tensor_size(t, 0) == 3 && ms_tensor_size(t, -1) == 4, "shape");
+    CHECK(ms_tensor_stride(t, 0) == 4 && ms_tensor_stride(t, 1) == 1, "strides");
+    CHECK(ms_tensor_numel(t) == 12 && ms_tensor_is_contiguous(t) && ms_tensor_owns_memory(t), "props");
+    ms_mem_stats st;
+    CHECK(ms_ctx_mem_stats(ctx, &st) == MS_OK && st.bytes_in_use == 48 && st.limit == 1 << 20, "stats %lld",
+          (long long)st.bytes_in_use);
+
+    /* the context lives on while a tensor uses it */
+    ms_ctx_free(ctx);
+    CHECK(ms_fill(ms_tensor_ctx(t), t, 2.0, NULL) == MS_OK, "fill after ctx_free");
+    float host[12];
+    CHECK(ms_tensor_read(ms_tensor_ctx(t), t, host, sizeof host) == MS_OK && host[11] == 2.0f, "read");
+    CHECK(ms_tensor_read(ms_tensor_ctx(t), t, host, 4) == MS_E_SHAPE, "read with a wrong size");
+    CHECK(contains(ms_last_error(), "4 bytes given") && contains(ms_last_error(), "48 bytes"), "%s", ms_last_error());
+
+    /* a view outlives its source */
+    ms_tensor *v = NULL;
+    CHECK(ms_tensor_transpose(ms_tensor_ctx(t), t, 0, 1, &v) == MS_OK, "transpose");
+    ms_tensor_free(t);
+    CHECK(ms_tensor_size(v, 0) == 4 && ms_tensor_stride(v, 0) == 1 && !ms_tensor_is_contiguous(v), "view");
+    CHECK(ms_tensor_read(ms_tensor_ctx(v), v, host, sizeof host) == MS_OK && host[0] == 2.0f, "read view");
+    ms_tensor_free(v);   /* frees the storage and then the context */
+}
+
+static void test_wrap(void)
+{
+    ms_ctx *ctx;
+    CHECK(ms_ctx_new("cpu", NULL, &ctx) == MS_OK, "ctx");
+    double *buf = malloc(sizeof(double) * 6);
+    for (int i = 0; i < 6; i++) buf[i] = i;
+    int64_t shape[2] = { 2, 3 }, strides[2] = { 1, 2 };   /* column-major view of the buffer */
+    ms_tensor *w = NULL;
+    CHECK(ms_tensor_wrap(ctx, buf, MS_DTYPE_F64, 2, shape, strides, &w) == MS_OK, "wrap");
+    CHECK(!ms_tensor_owns_memory(w) && ms_tensor_data_ptr(w) == buf, "foreign");
+    double out[6];
+    CHECK(ms_tensor_read(ctx, w, out, sizeof out) == MS_OK, "read");
+    CHECK(out[0] == 0 && out[1] == 2 && out[2] == 4 && out[3] == 1, "column-major read %g %g %g %g", out[0], out[1],
+          out[2], out[3]);
+    CHECK(ms_fill(ctx, w, 7, NULL) == MS_OK && buf[5] == 7, "writes go to the caller's memory");
+    ms_mem_stats st;
+    ms_ctx_mem_stats(ctx, &st);
+    CHECK(st.bytes_in_use == 0, "wrapped memory is not accounted: %lld", (long long)st.bytes_in_use);
+    ms_tensor_free(w);
+    buf[0] = 1;           /* still ours: moonstep did not free it (ASan would report a double free) */
+    free(buf);
+    int64_t neg[2] = { -1, 1 };
+    CHECK(ms_tensor_wrap(ctx, out, MS_DTYPE_F64, 2, shape, neg, &w) == MS_E_LAYOUT && w == NULL, "negative stride");
+    CHECK(ms_tensor_wrap(ctx, (char *)out + 1, MS_DTYPE_F64, 2, shape, NULL, &w) == MS_E_LAYOUT, "misaligned");
+    CHECK(ms_tensor_wrap(ctx, NULL, MS_DTYPE_F64, 2, shape, NULL, &w) == MS_E_ARG, "NULL pointer");
+    CHECK(ms_tensor_wrap(ctx, out, (ms_dtype)42, 2, shape, NULL, &w) == MS_E_DTYPE, "bad dtype");
+    ms_ctx_free(ctx);
+}
+
+static void test_errors_change_nothing(void)
+{
+    ms_ctx *ctx;
+    ms_ctx_options o = { .mem_limit = 1000 };
+    CHECK(ms_ctx_new("cpu", &o, &ctx) == MS_OK, "ctx");
+    int64_t s4[1] = { 4 }, s5[1] = { 5 }, big[1] = { 1000 };
+    ms_tensor *a, *b, *c = NULL;
+    ms_tensor_new(ctx, MS_DTYPE_F32, 1, s4, &a);
+    ms_tensor_new(ctx, MS_DTYPE_F32, 1, s5, &b);
+    ms_fill(ctx, a, 1, NULL);
+    ms_fill(ctx, b, 2, NULL);
+    CHECK(ms_binary(ctx, a, a, b, MS_BINARY_ADD) == MS_E_SHAPE, "shape mismatch");
+    CHECK(contains(ms_ctx_last_error(ctx), "does not broadcast") && contains(ms_ctx_last_error(ctx), "[5]"),
+          "ctx message: %s", ms_ctx_last_error(ctx));
+    float host[4];
+    ms_tensor_read(ctx, a, host, sizeof host);
+    CHECK(host[0] == 1 && host[3] == 1, "a unchanged");
+    CHECK(ms_binary(ctx, a, a, a, (ms_binary_op)99) == MS_E_ARG, "bad op");
+    CHECK(ms_tensor_new(ctx, MS_DTYPE_F32, 1, big, &c) == MS_E_OOM && c == NULL, "limit");
+    CHECK(contains(ms_last_error(), "out of memory") && contains(ms_last_error(), "limit 1000"), "%s", ms_last_error());
+    ms_mem_stats st;
+    ms_ctx_mem_stats(ctx, &st);
+    CHECK(st.bytes_in_use == 36, "failed allocation left no trace: %lld", (long long)st.bytes_in_use);
+    CHECK(ms_binary(NULL, a, a, a, MS_BINARY_ADD) == MS_E_ARG, "NULL ctx");
+    CHECK(ms_binary(ctx, a, a, NULL, MS_BINARY_ADD) == MS_E_ARG && contains(ms_last_error(), "b is NULL"), "NULL b");
+    ms_tensor *i32;
+    ms_tensor_new(ctx, MS_DTYPE_I32, 1, s4, &i32);
+    CHECK(ms_rand(ctx, i32, NULL) == MS_E_DTYPE && contains(ms_last_error(), "i32"), "rand needs a float dtype");
+    CHECK(ms_matmul(ctx, a, a, i32, NULL) == MS_E_DTYPE, "matmul dtypes");
+    ms_tensor_free(i32);
+    ms_tensor_free(a);
+    ms_tensor_free(b);
+    ms_ctx_free(ctx);
+}
+
+static void test_huge_allocation(void)
+{
+    ms_ctx *ctx;
+    ms_ctx_new("cpu", NULL, &ctx);
+    int64_t huge[2] = { (int64_t)1 << 31, (int64_t)1 << 31 };
+    ms_tensor *t = NULL;
+    ms_status st = ms_tensor_new(ctx, MS_DTYPE_F64, 2, huge, &t);
+    CHECK(st == MS_E_OOM && t == NULL, "2^62 elements: %s", ms_status_name(st));
+    int64_t overflow[3] = { (int64_t)1 << 40, (int64_t)1 << 40, 4 };
+    CHECK(ms_tensor_new(ctx, MS_DTYPE_F32, 3, overflow, &t) == MS_E_ARG, "element count overflow");
+    ms_ctx_free(ctx);
+}
+
+int main(void)
+{
+    test_status_names();
+    test_contexts();
+    test_tensors_and_lifetimes();
+    test_wrap();
+    test_errors_change_nothing();
+    test_huge_allocation();
+    return CHECK_REPORT();
+}

@@ -1,0 +1,113 @@
+--[[
+Shared helpers for the busted specs (loaded by .busted as the helper).  Comparisons against f64 reference
+values computed in Lua: |got - want| <= atol + rtol * |want| elementwise, where NaN always fails unless the
+reference is NaN too.
+]]
+package.path = "lua/?.lua;lua/?/init.lua;" .. package.path
+
+local H = {}
+_G.H = H
+
+local ms = require("moonstep")
+H.ms = ms
+
+-- per-dtype tolerances for results computed from exactly-known inputs (one rounding of the output,
+-- plus accumulation error for reductions, which specs widen where needed)
+H.tol = {
+  f64  = { rtol = 1e-12, atol = 1e-12 },
+  f32  = { rtol = 2e-6,  atol = 1e-6 },
+  bf16 = { rtol = 8e-3,  atol = 1e-3 },
+  f16  = { rtol = 1e-3,  atol = 1e-4 },
+  i32  = { rtol = 0,     atol = 0 },
+  u8   = { rtol = 0,     atol = 0 },
+}
+
+H.has_cuda = ms.device_count("cuda") > 0
+H.dtypes_float = { "f32", "f64", "bf16", "f16" }
+
+local function isnan(x) return x ~= x end
+
+-- walks got/want (numbers or nested tables) and returns the worst violation, if any
+local function compare(got, want, rtol, atol, path, worst)
+  if type(want) == "table" then
+    if type(got) ~= "table" then return { path = path, msg = "expected a table, got " .. type(got) } end
+    if #got ~= #want then return { path = path, msg = ("length %d, expected %d"):format(#got, #want) } end
+    for i = 1, #want do
+      local bad = compare(got[i], want[i], rtol, atol, path .. "[" .. i .. "]", worst)
+      if bad and bad.msg then return bad end
+    end
+    return nil
+  end
+  if type(got) ~= "number" then return { path = path, msg = "expected a number, got " .. type(got) } end
+  if isnan(want) then
+    if isnan(got) then return nil end
+    return { path = path, msg = ("got %.9g, expected NaN"):format(got) }
+  end
+  if want == math.huge or want == -math.huge then
+    if got == want then return nil end
+    return { path = path, msg = ("got %.9g, expected %s"):format(got, tostring(want)) }
+  end
+  local err = math.abs(got - want)
+  local tol = atol + rtol * math.abs(want)
+  if not (err <= tol) then
+    return { path = path, msg = ("got %.9g, expected %.9g (error %.3g > tolerance %.3g)"):format(got, want, err, tol) }
+  end
+  if worst then worst.max = math.max(worst.max, err / (tol > 0 and tol or 1)) end
+  return nil
+end
+
+--- Asserts got ~ want (numbers or nested tables).  rtol/atol default to H.tol.f32.
+function H.assert_close(got, want, rtol, atol, what)
+  rtol = rtol or H.tol.f32.rtol
+  atol = atol or H.tol.f32.atol
+  local bad = compare(got, want, rtol, atol, "", { max = 0 })
+  if bad then error((what and (what .. ": ") or "") .. "mismatch at " .. (bad.path ~= "" and bad.path or "value") .. ": " .. bad.msg, 2) end
+end
+
+--- Tolerance pair for a dtype, optionally scaled (e.g. for long reductions).
+function H.tols(dtype, scale)
+  local t = H.tol[dtype]
+  scale = scale or 1
+  return t.rtol * scale, t.atol * scale
+end
+
+--- Flattens nested tables of numbers.
+function H.flat(t, out)
+  out = out or {}
+  if type(t) == "number" then out[#out + 1] = t return out end
+  for i = 1, #t do H.flat(t[i], out) end
+  return out
+end
+
+--- Maps fn over nested tables (f64 reference of an elementwise op).
+function H.map(t, fn)
+  if type(t) == "number" then return fn(t) end
+  local out = {}
+  for i = 1, #t do out[i] = H.map(t[i], fn) end
+  return out
+end
+
+--- Asserts fn() raises an error whose message contains every given plain substring; returns the message.
+function H.expect_error(fn, ...)
+  local ok, err = pcall(fn)
+  if ok then error("expected an error, but the call succeeded", 2) end
+  err = tostring(err)
+  for _, s in ipairs { ... } do
+    if not err:find(s, 1, true) then error(("error message %q does not contain %q"):format(err, s), 2) end
+  end
+  return err
+end
+
+--- A fresh seed per call, so specs never reuse inputs by accident.
+local seed_counter = os.time() % 100000
+function H.seed()
+  seed_counter = seed_counter + 1
+  return seed_counter
+end
+
+--- it() for specs that need a GPU: runs where one is present, else pending (counted as skipped).
+function H.cuda_it(name, fn)
+  if H.has_cuda then it(name, fn) else pending(name .. " (no CUDA device)") end
+end
+
+return H
