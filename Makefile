@@ -109,7 +109,7 @@ $(BUILD)/obj/%.o: %.cu
 
 $(BUILD)/$(REAL): $(LIB_OBJ)
 	$(E) LD $@
-	$(Q)$(CC) -shared -Wl,-soname,$(SONAME) -Wl,--no-undefined $(SAN_FLAGS) -o $@ $(LIB_OBJ) $(LIB_LIBS)
+	$(Q)$(CC) -shared -Wl,-soname,$(SONAME) -Wl,--no-undefined -Wl,-z,nodelete $(SAN_FLAGS) -o $@ $(LIB_OBJ) $(LIB_LIBS)
 
 $(LIB): $(BUILD)/$(REAL)
 	$(Q)ln -sf $(notdir $<) $(BUILD)/$(SONAME)
@@ -126,7 +126,7 @@ $(HOST): engine/host/main.c $(LIB)
 $(BUILD)/tests/%: tests/c/%.c tests/c/check.h $(LIB_OBJ)
 	$(E) CC $@
 	$(Q)mkdir -p $(dir $@)
-	$(Q)$(CC) $(CFLAGS_ALL) -DMS_BUILDING_LIBRARY -Itests/c $< $(LIB_OBJ) -o $@ $(LIB_LIBS)
+	$(Q)$(CC) $(CFLAGS_ALL) -DMS_BUILDING_LIBRARY -Itests/c -Iengine/cpu $< $(LIB_OBJ) -o $@ $(LIB_LIBS)
 
 # ------------------------------------------------------------------------------------------------------
 # Tests, demo, sanitizers

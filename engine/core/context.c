@@ -124,6 +124,7 @@ MS_API ms_status ms_ctx_mem_stats(const ms_ctx *ctx, ms_mem_stats *out)
     out->num_allocs = ctx->num_allocs;
     out->num_frees = ctx->num_frees;
     out->num_device_allocs = ctx->num_device_allocs;
+    out->bytes_cached = ctx->bytes_cached;
     out->launches = ctx->launches;
     return MS_OK;
 }

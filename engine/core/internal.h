@@ -26,6 +26,9 @@ typedef struct ms_storage {
     void      *data;
     size_t     nbytes;
     bool       owned;
+    /* (optional) called once when the storage goes: foreign memory's owner (a DLPack producer) */
+    void     (*release)(void *arg);
+    void      *release_arg;
 } ms_storage;
 
 struct ms_tensor {
@@ -50,7 +53,13 @@ struct ms_ctx {
     int64_t            mem_limit;
     int64_t            bytes_in_use, peak_bytes, num_allocs, num_frees, num_device_allocs;
     int64_t            launches;
+    int64_t            bytes_cached;  /* kept by the backend's pool for reuse (CUDA), maintained by the backend */
     char               last_error[MS_ERRMSG_SIZE];
+};
+
+/* A captured op sequence (engine/core/runtime.c); backends extend it (the CUDA one: engine/cuda/cuda.h). */
+struct ms_graph {
+    ms_ctx *ctx;          /* retained */
 };
 
 /* A device-resident or host scalar: the value of `t` when t != NULL, else v. */
@@ -108,6 +117,20 @@ struct ms_backend {
     ms_status (*eye)(ms_ctx *ctx, ms_tensor *dst);
     ms_status (*diag)(ms_ctx *ctx, ms_tensor *dst, const ms_tensor *src);
     ms_status (*eigh)(ms_ctx *ctx, ms_tensor *w, ms_tensor *v, const ms_tensor *a, int *info);
+    /* runtime, all (optional): NULL where the device has no such thing.  The core then answers
+    ** MS_E_UNSUPPORTED (graphs), does nothing (empty_cache), returns NULL (stream) or uses the host's
+    ** monotonic clock (events). */
+    void     *(*stream)(const ms_ctx *ctx);
+    ms_status (*empty_cache)(ms_ctx *ctx);
+    ms_status (*event_create)(ms_ctx *ctx, void **ev);
+    void      (*event_destroy)(ms_ctx *ctx, void *ev);
+    ms_status (*event_record)(ms_ctx *ctx, void *ev);
+    ms_status (*event_elapsed)(ms_ctx *ctx, void *start, void *end, double *ms);   /* waits for end */
+    ms_status (*graph_begin)(ms_ctx *ctx);
+    ms_status (*graph_end)(ms_ctx *ctx, ms_graph **out);   /* the backend's graph, base.ctx retained */
+    ms_status (*graph_launch)(ms_ctx *ctx, ms_graph *g);
+    int64_t   (*graph_num_nodes)(const ms_graph *g);
+    void      (*graph_free)(ms_graph *g);                   /* releases base.ctx too */
 };
 
 /* Backends compiled into this build (the CUDA one only with MS_WITH_CUDA). */

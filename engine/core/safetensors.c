@@ -10,6 +10,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <inttypes.h>
+#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -92,7 +93,18 @@ typedef struct loader {
     uint64_t    data_size;
 } loader;
 
-#define LFAIL(L, st, fmt, ...) MS_FAIL((L)->ctx, st, "ms_safetensors_load: %s: " fmt, (L)->path, __VA_ARGS__)
+/* Records "ms_safetensors_load: <path>: <detail>" with the caller's line. */
+__attribute__((format(printf, 4, 5)))
+static ms_status load_fail(const loader *L, ms_status st, int line, const char *fmt, ...)
+{
+    char detail[MS_ERRMSG_SIZE];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(detail, sizeof detail, fmt, ap);
+    va_end(ap);
+    return ms_error_at(L->ctx, st, __FILE__, line, "ms_safetensors_load: %s: %s", L->path, detail);
+}
+#define LFAIL(L, st, ...) load_fail((L), (st), __LINE__, __VA_ARGS__)
 
 static bool nonneg_int(const ms_json *v) { return v->type == MS_JSON_NUMBER && v->is_int && v->i >= 0; }
 
@@ -101,9 +113,9 @@ static ms_status parse_entry(loader *L, const ms_json *v, entry *e)
     const ms_json *dup, *dtype = ms_json_get(v, "dtype"), *shape = ms_json_get(v, "shape");
     const ms_json *offs = ms_json_get(v, "data_offsets");
     e->name = v->key;
-    if (strlen(v->key) != v->key_len) return LFAIL(L, MS_E_FORMAT, "a tensor name contains a NUL byte%s", "");
+    if (strlen(v->key) != v->key_len) return LFAIL(L, MS_E_FORMAT, "a tensor name contains a NUL byte");
     if (v->type != MS_JSON_OBJECT) return LFAIL(L, MS_E_FORMAT, "tensor " NAME_FMT ": entry is not an object", e->name);
-    if (ms_json_dup_key(v, &dup) != MS_OK) return LFAIL(L, MS_E_OOM, "out of memory%s", "");
+    if (ms_json_dup_key(v, &dup) != MS_OK) return LFAIL(L, MS_E_OOM, "out of memory");
     if (dup) return LFAIL(L, MS_E_FORMAT, "tensor " NAME_FMT ": key \"%.40s\" given twice", e->name, dup->key);
     for (size_t k = 0; k < v->len; k++) {
         const ms_json *c = &v->items[k];
@@ -166,8 +178,8 @@ static ms_status parse_entry(loader *L, const ms_json *v, entry *e)
 static ms_status parse_metadata(loader *L, const ms_json *v, char **out)
 {
     const ms_json *dup;
-    if (v->type != MS_JSON_OBJECT) return LFAIL(L, MS_E_FORMAT, "__metadata__ is not an object%s", "");
-    if (ms_json_dup_key(v, &dup) != MS_OK) return LFAIL(L, MS_E_OOM, "out of memory%s", "");
+    if (v->type != MS_JSON_OBJECT) return LFAIL(L, MS_E_FORMAT, "__metadata__ is not an object");
+    if (ms_json_dup_key(v, &dup) != MS_OK) return LFAIL(L, MS_E_OOM, "out of memory");
     if (dup) return LFAIL(L, MS_E_FORMAT, "__metadata__ has the key " NAME_FMT " twice", dup->key);
     for (size_t k = 0; k < v->len; k++)
         if (v->items[k].type != MS_JSON_STRING)
@@ -175,7 +187,7 @@ static ms_status parse_metadata(loader *L, const ms_json *v, char **out)
     ms_json_buf b;
     ms_json_buf_init(&b);
     ms_json_buf_value(&b, v);
-    if (b.st != MS_OK) { ms_json_buf_free(&b); return LFAIL(L, MS_E_OOM, "out of memory%s", ""); }
+    if (b.st != MS_OK) { ms_json_buf_free(&b); return LFAIL(L, MS_E_OOM, "out of memory"); }
     *out = b.data;
     return MS_OK;
 }
@@ -238,7 +250,7 @@ static ms_status read_tensors(loader *L, int fd, uint64_t data_start, entry **so
         const entry *e = sorted[k];
         size_t nbytes = (size_t)(e->end - e->begin);
         ms_tensor **t = &set->tensors[e->index];
-        if ((set->names[e->index] = strdup(e->name)) == NULL) { st = LFAIL(L, MS_E_OOM, "out of memory%s", ""); break; }
+        if ((set->names[e->index] = strdup(e->name)) == NULL) { st = LFAIL(L, MS_E_OOM, "out of memory"); break; }
         if ((st = ms_tensor_new(L->ctx, e->dt, e->ndim, e->shape, t)) != MS_OK) {
             char why[MS_ERRMSG_SIZE];
             snprintf(why, sizeof why, "%s", ms_ctx_last_error(L->ctx));
@@ -264,11 +276,11 @@ static ms_status load_fd(loader *L, int fd, ms_tensor_set **out)
     struct stat sb;
     unsigned char lenbytes[8];
     if (fstat(fd, &sb) != 0) return LFAIL(L, MS_E_IO, "%s", strerror(errno));
-    if (!S_ISREG(sb.st_mode)) return LFAIL(L, MS_E_IO, "not a regular file%s", "");
+    if (!S_ISREG(sb.st_mode)) return LFAIL(L, MS_E_IO, "not a regular file");
     uint64_t fsize = (uint64_t)sb.st_size, hlen;
     if (fsize < 8) return LFAIL(L, MS_E_FORMAT, "file of %llu bytes is too short for the 8-byte header length", U64(fsize));
     int r = read_full(fd, lenbytes, 8, 0);
-    if (r != 0) return r < 0 ? LFAIL(L, MS_E_IO, "%s", strerror(errno)) : LFAIL(L, MS_E_FORMAT, "file shrank%s", "");
+    if (r != 0) return r < 0 ? LFAIL(L, MS_E_IO, "%s", strerror(errno)) : LFAIL(L, MS_E_FORMAT, "file shrank");
     memcpy(&hlen, lenbytes, 8);
     if (hlen > MAX_HEADER)
         return LFAIL(L, MS_E_FORMAT, "header length %llu is over the limit of %u bytes", U64(hlen), MAX_HEADER);
@@ -282,9 +294,10 @@ static ms_status load_fd(loader *L, int fd, ms_tensor_set **out)
     ms_json *root = NULL;
     ms_status st = MS_OK;
     if ((r = read_full(fd, text, (size_t)hlen, 8)) != 0)
-        st = r < 0 ? LFAIL(L, MS_E_IO, "%s", strerror(errno)) : LFAIL(L, MS_E_FORMAT, "file shrank%s", "");
+        st = r < 0 ? LFAIL(L, MS_E_IO, "%s", strerror(errno)) : LFAIL(L, MS_E_FORMAT, "file shrank");
     else if ((st = ms_json_parse(text, (size_t)hlen, &root, err, sizeof err)) != MS_OK)
-        st = LFAIL(L, st, "header is not valid JSON: header %s", err);
+        st = st == MS_E_OOM ? LFAIL(L, st, "no memory to parse the header of %llu bytes", U64(hlen))
+                            : LFAIL(L, st, "header is not valid JSON: header %s", err);
     free(text);
     if (st != MS_OK) return st;
 
@@ -292,14 +305,14 @@ static ms_status load_fd(loader *L, int fd, ms_tensor_set **out)
     entry *entries = NULL, **sorted = NULL;
     ms_tensor_set *set = NULL;
     int n = 0;   /* a 100 MB header holds far fewer than INT_MAX entries */
-    if (root->type != MS_JSON_OBJECT) { st = LFAIL(L, MS_E_FORMAT, "header is not a JSON object%s", ""); goto done; }
-    if (ms_json_dup_key(root, &dup) != MS_OK) { st = LFAIL(L, MS_E_OOM, "out of memory%s", ""); goto done; }
+    if (root->type != MS_JSON_OBJECT) { st = LFAIL(L, MS_E_FORMAT, "header is not a JSON object"); goto done; }
+    if (ms_json_dup_key(root, &dup) != MS_OK) { st = LFAIL(L, MS_E_OOM, "out of memory"); goto done; }
     if (dup) { st = LFAIL(L, MS_E_FORMAT, "duplicate tensor name " NAME_FMT, dup->key); goto done; }
     n = (int)root->len - (meta ? 1 : 0);
     entries = calloc((size_t)n + 1, sizeof *entries);
     sorted = calloc((size_t)n + 1, sizeof *sorted);
     set = calloc(1, sizeof *set);
-    if (!entries || !sorted || !set) { st = LFAIL(L, MS_E_OOM, "out of memory%s", ""); goto done; }
+    if (!entries || !sorted || !set) { st = LFAIL(L, MS_E_OOM, "out of memory"); goto done; }
     ms_ctx_retain(L->ctx);
     set->ctx = L->ctx;
     for (size_t k = 0, i = 0; k < root->len && st == MS_OK; k++) {
@@ -312,10 +325,10 @@ static ms_status load_fd(loader *L, int fd, ms_tensor_set **out)
     qsort(sorted, (size_t)n, sizeof *sorted, cmp_offsets);
     if ((st = check_tiling(L, sorted, n)) != MS_OK) goto done;
 
-    if (!set->metadata && !(set->metadata = strdup("{}"))) { st = LFAIL(L, MS_E_OOM, "out of memory%s", ""); goto done; }
+    if (!set->metadata && !(set->metadata = strdup("{}"))) { st = LFAIL(L, MS_E_OOM, "out of memory"); goto done; }
     set->names = calloc((size_t)n + 1, sizeof *set->names);
     set->tensors = calloc((size_t)n + 1, sizeof *set->tensors);
-    if (!set->names || !set->tensors) { st = LFAIL(L, MS_E_OOM, "out of memory%s", ""); goto done; }
+    if (!set->names || !set->tensors) { st = LFAIL(L, MS_E_OOM, "out of memory"); goto done; }
     set->n = n;
     st = read_tensors(L, fd, 8 + hlen, sorted, set);
 done:
@@ -360,7 +373,17 @@ MS_API const char *ms_tensor_set_metadata(const ms_tensor_set *set) { return set
 
 /* --- save ----------------------------------------------------------------------------------------- */
 
-#define SFAIL(ctx, st, path, fmt, ...) MS_FAIL(ctx, st, "ms_safetensors_save: %s: " fmt, path, __VA_ARGS__)
+__attribute__((format(printf, 5, 6)))
+static ms_status save_fail(ms_ctx *ctx, ms_status st, const char *path, int line, const char *fmt, ...)
+{
+    char detail[MS_ERRMSG_SIZE];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(detail, sizeof detail, fmt, ap);
+    va_end(ap);
+    return ms_error_at(ctx, st, __FILE__, line, "ms_safetensors_save: %s: %s", path, detail);
+}
+#define SFAIL(ctx, st, path, ...) save_fail((ctx), (st), (path), __LINE__, __VA_ARGS__)
 
 typedef struct slot {
     const char *name;
@@ -389,11 +412,11 @@ static ms_status parse_user_metadata(ms_ctx *ctx, const char *path, const char *
     char err[160];
     const ms_json *dup;
     ms_status st = ms_json_parse(text, strlen(text), out, err, sizeof err);
-    if (st == MS_E_OOM) return SFAIL(ctx, MS_E_OOM, path, "out of memory%s", "");
+    if (st == MS_E_OOM) return SFAIL(ctx, MS_E_OOM, path, "out of memory");
     if (st != MS_OK) return SFAIL(ctx, MS_E_ARG, path, "metadata_json is not valid JSON: %s", err);
     const ms_json *m = *out;
-    if (m->type != MS_JSON_OBJECT) st = SFAIL(ctx, MS_E_ARG, path, "metadata_json is not a JSON object%s", "");
-    else if (ms_json_dup_key(m, &dup) != MS_OK) st = SFAIL(ctx, MS_E_OOM, path, "out of memory%s", "");
+    if (m->type != MS_JSON_OBJECT) st = SFAIL(ctx, MS_E_ARG, path, "metadata_json is not a JSON object");
+    else if (ms_json_dup_key(m, &dup) != MS_OK) st = SFAIL(ctx, MS_E_OOM, path, "out of memory");
     else if (dup) st = SFAIL(ctx, MS_E_ARG, path, "metadata_json has the key " NAME_FMT " twice", dup->key);
     for (size_t k = 0; k < m->len && st == MS_OK; k++)
         if (m->items[k].type != MS_JSON_STRING)
@@ -427,7 +450,7 @@ static ms_status write_file(ms_ctx *ctx, const char *path, const ms_json_buf *hd
 {
     const char *slash = strrchr(path, '/'), *base = slash ? slash + 1 : path;
     size_t dlen = (size_t)(base - path), tlen = strlen(path) + 48, stage_size = 0;
-    if (!*base) return SFAIL(ctx, MS_E_ARG, path, "the path names a folder, not a file%s", "");
+    if (!*base) return SFAIL(ctx, MS_E_ARG, path, "the path names a folder, not a file");
     for (int k = 0; k < n; k++) {
         const ms_tensor *t = tensors[layout[k].index];
         size_t nbytes = (size_t)ms_tensor_numel(t) * layout[k].esize;
@@ -440,7 +463,8 @@ static ms_status write_file(ms_ctx *ctx, const char *path, const ms_json_buf *hd
         return SFAIL(ctx, MS_E_OOM, path, "out of memory (a %zu-byte write buffer)", stage_size);
     }
     snprintf(tmp, tlen, "%.*s.%s.tmp.%ld", (int)dlen, path, base, (long)getpid());
-    snprintf(dir, dlen + 2, "%.*s", (int)dlen, dlen ? path : ".");
+    if (dlen) snprintf(dir, dlen + 2, "%.*s", (int)dlen, path);
+    else strcpy(dir, ".");
 
     ms_status st = MS_OK;
     uint64_t hlen = hdr->len;
@@ -515,7 +539,7 @@ MS_API ms_status ms_safetensors_save(ms_ctx *ctx, const char *path, int n, const
     slot *slots = malloc(((size_t)n + 1) * sizeof *slots);
     uint64_t *begin = malloc(((size_t)n + 1) * sizeof *begin), off = 0;
     ms_status st = MS_OK;
-    if (!slots || !begin) { st = SFAIL(ctx, MS_E_OOM, path, "out of memory%s", ""); goto done; }
+    if (!slots || !begin) { st = SFAIL(ctx, MS_E_OOM, path, "out of memory"); goto done; }
     if (metadata_json && *metadata_json && (st = parse_user_metadata(ctx, path, metadata_json, &meta)) != MS_OK)
         goto done;
     for (int i = 0; i < n; i++) slots[i] = (slot){ names[i], i, ms_dtype_size(tensors[i]->dtype) };
@@ -544,7 +568,7 @@ MS_API ms_status ms_safetensors_save(ms_ctx *ctx, const char *path, int n, const
     }
     ms_json_buf_raw(&hdr, "}", 1);
     while (hdr.st == MS_OK && hdr.len % 8 != 0) ms_json_buf_raw(&hdr, " ", 1);   /* data starts 8-aligned */
-    if (hdr.st != MS_OK) { st = SFAIL(ctx, MS_E_OOM, path, "out of memory building the header%s", ""); goto done; }
+    if (hdr.st != MS_OK) { st = SFAIL(ctx, MS_E_OOM, path, "out of memory building the header"); goto done; }
     st = write_file(ctx, path, &hdr, tensors, names, slots, n);
 done:
     ms_json_buf_free(&hdr);

@@ -146,6 +146,7 @@ static void storage_release(ms_storage *s)
 {
     if (atomic_fetch_sub(&s->refcount, 1) != 1) return;
     if (s->owned) ms_ctx_dealloc(s->ctx, s->data, s->nbytes);
+    if (s->release) s->release(s->release_arg);
     ms_ctx_release(s->ctx);
     free(s);
 }

@@ -77,4 +77,16 @@ const ms_backend ms_cpu_backend = {
     /* .eye              = */ ms_cpu_eye,
     /* .diag             = */ ms_cpu_diag,
     /* .eigh             = */ ms_cpu_eigh,
+    /* the runtime members: the CPU has no stream, cache, device events or graphs (the core's defaults) */
+    /* .stream           = */ NULL,
+    /* .empty_cache      = */ NULL,
+    /* .event_create     = */ NULL,
+    /* .event_destroy    = */ NULL,
+    /* .event_record     = */ NULL,
+    /* .event_elapsed    = */ NULL,
+    /* .graph_begin      = */ NULL,
+    /* .graph_end        = */ NULL,
+    /* .graph_launch     = */ NULL,
+    /* .graph_num_nodes  = */ NULL,
+    /* .graph_free       = */ NULL,
 };

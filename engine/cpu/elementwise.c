@@ -104,37 +104,37 @@ static uint8_t saturate_u8(double x)
     return (uint8_t)x;
 }
 
-/* One run of n elements `st` apart: convert in or out.  Defined for T = float and double. */
+/* A loop over a run of n elements `st` apart: i indexes the buffer, j the memory.  Unit strides get a loop
+** of their own, which the compiler can vectorise. */
+#define RUN_LOOP(...)                                                                                  \
+    do {                                                                                               \
+        if (st == 1) for (int64_t i = 0; i < n; i++) { const int64_t j = i; __VA_ARGS__; }             \
+        else for (int64_t i = 0; i < n; i++) { const int64_t j = i * st; __VA_ARGS__; }                \
+    } while (0)
+
+/* One run converted in or out.  Defined for T = float and double. */
 #define DEFINE_RUN_IO(T, SUF)                                                                          \
     static void load_run_##SUF(T *out, ms_dtype dt, const char *p, int64_t st, int64_t n)              \
     {                                                                                                  \
         switch (dt) {                                                                                  \
-        case MS_DTYPE_F32:  for (int64_t i = 0; i < n; i++) out[i] = (T)((const float *)p)[i * st]; break;   \
-        case MS_DTYPE_F64:  for (int64_t i = 0; i < n; i++) out[i] = (T)((const double *)p)[i * st]; break;  \
-        case MS_DTYPE_BF16:                                                                            \
-            for (int64_t i = 0; i < n; i++) out[i] = (T)ms_bf16_to_f32(((const uint16_t *)p)[i * st]); \
-            break;                                                                                     \
-        case MS_DTYPE_F16:                                                                             \
-            for (int64_t i = 0; i < n; i++) out[i] = (T)ms_f16_to_f32(((const uint16_t *)p)[i * st]);  \
-            break;                                                                                     \
-        case MS_DTYPE_I32:  for (int64_t i = 0; i < n; i++) out[i] = (T)((const int32_t *)p)[i * st]; break; \
-        case MS_DTYPE_U8:   for (int64_t i = 0; i < n; i++) out[i] = (T)((const uint8_t *)p)[i * st]; break; \
+        case MS_DTYPE_F32:  RUN_LOOP(out[i] = (T)((const float *)p)[j]); break;                        \
+        case MS_DTYPE_F64:  RUN_LOOP(out[i] = (T)((const double *)p)[j]); break;                       \
+        case MS_DTYPE_BF16: RUN_LOOP(out[i] = (T)ms_bf16_to_f32(((const uint16_t *)p)[j])); break;     \
+        case MS_DTYPE_F16:  RUN_LOOP(out[i] = (T)ms_f16_to_f32(((const uint16_t *)p)[j])); break;      \
+        case MS_DTYPE_I32:  RUN_LOOP(out[i] = (T)((const int32_t *)p)[j]); break;                      \
+        case MS_DTYPE_U8:   RUN_LOOP(out[i] = (T)((const uint8_t *)p)[j]); break;                      \
         default: break;                                                                                \
         }                                                                                              \
     }                                                                                                  \
     static void store_run_##SUF(char *p, ms_dtype dt, int64_t st, int64_t n, const T *in)              \
     {                                                                                                  \
         switch (dt) {                                                                                  \
-        case MS_DTYPE_F32:  for (int64_t i = 0; i < n; i++) ((float *)p)[i * st] = (float)in[i]; break;   \
-        case MS_DTYPE_F64:  for (int64_t i = 0; i < n; i++) ((double *)p)[i * st] = (double)in[i]; break; \
-        case MS_DTYPE_BF16:                                                                            \
-            for (int64_t i = 0; i < n; i++) ((uint16_t *)p)[i * st] = ms_f32_to_bf16((float)in[i]);    \
-            break;                                                                                     \
-        case MS_DTYPE_F16:                                                                             \
-            for (int64_t i = 0; i < n; i++) ((uint16_t *)p)[i * st] = ms_f32_to_f16((float)in[i]);     \
-            break;                                                                                     \
-        case MS_DTYPE_I32:  for (int64_t i = 0; i < n; i++) ((int32_t *)p)[i * st] = saturate_i32(in[i]); break; \
-        case MS_DTYPE_U8:   for (int64_t i = 0; i < n; i++) ((uint8_t *)p)[i * st] = saturate_u8(in[i]); break;  \
+        case MS_DTYPE_F32:  RUN_LOOP(((float *)p)[j] = (float)in[i]); break;                           \
+        case MS_DTYPE_F64:  RUN_LOOP(((double *)p)[j] = (double)in[i]); break;                         \
+        case MS_DTYPE_BF16: RUN_LOOP(((uint16_t *)p)[j] = ms_f32_to_bf16((float)in[i])); break;        \
+        case MS_DTYPE_F16:  RUN_LOOP(((uint16_t *)p)[j] = ms_f32_to_f16((float)in[i])); break;         \
+        case MS_DTYPE_I32:  RUN_LOOP(((int32_t *)p)[j] = saturate_i32(in[i])); break;                  \
+        case MS_DTYPE_U8:   RUN_LOOP(((uint8_t *)p)[j] = saturate_u8(in[i])); break;                   \
         default: break;                                                                                \
         }                                                                                              \
     }                                                                                                  \
@@ -181,11 +181,10 @@ DEFINE_RUN_IO(double, f64)
 double ms_cpu_read_scalar(const ms_scalar *s)
 {
     if (!s->t) return s->v;
-    double v;
+    double buf;
     ms_cpu_view view;
     ms_cpu_view_of(&view, s->t);
-    ms_cpu_load_f64(&view, 0, 1, &v);
-    return v;
+    return *ms_cpu_load_f64(&view, 0, 1, &buf);
 }
 
 int ms_cpu_threads(const ms_ctx *ctx)

@@ -245,7 +245,7 @@ ms_status ms_cpu_eigh(ms_ctx *ctx, ms_tensor *w, ms_tensor *v, const ms_tensor *
     int64_t nbatch = 1;
     for (int d = 0; d < nd - 2; d++) nbatch *= a->shape[d];
     if (nbatch == 0 || n == 0) return MS_OK;
-    if (n > 46340)   /* n * n must fit LAPACK's int workspace sizes */
+    if (n > 32000)   /* the workspace, 1 + 6n + 2n^2 elements, must fit LAPACK's int */
         return MS_FAIL(ctx, MS_E_UNSUPPORTED, "eigh: n=%lld is too large for LAPACK's int", (long long)n);
     const size_t esz = dbl ? 8 : 4;
     const char jobz = v ? 'V' : 'N';
@@ -258,7 +258,11 @@ ms_status ms_cpu_eigh(ms_ctx *ctx, ms_tensor *w, ms_tensor *v, const ms_tensor *
         st = dbl ? LAPACKE_dsyevd_work(LAPACK_COL_MAJOR, jobz, 'L', ni, &dummy, ni, &dummy, &wq, -1, &liwork, -1)
                  : LAPACKE_ssyevd_work(LAPACK_COL_MAJOR, jobz, 'L', ni, &dummyf, ni, &dummyf, &wqf, -1, &liwork, -1);
         if (st != 0) return MS_FAIL(ctx, MS_E_BACKEND, "eigh: LAPACK ?syevd workspace query failed (info=%d)", st);
-        lwork = (int)(dbl ? wq : (double)wqf);
+        /* an f32 query can round a large size down: never go below LAPACK's documented minimum */
+        int64_t min_lwork = v ? 1 + 6 * n + 2 * n * n : 2 * n + 1, min_liwork = v ? 3 + 5 * n : 1;
+        double q = dbl ? wq : (double)wqf;
+        lwork = (int)(q > (double)min_lwork ? q : (double)min_lwork);
+        if (liwork < min_liwork) liwork = (int)min_liwork;
     }
     size_t s_mats = (size_t)(nbatch * n * n) * esz, s_vals = (size_t)(nbatch * n) * esz;
     size_t s_work = (size_t)lwork * esz, s_iwork = (size_t)liwork * sizeof(int);

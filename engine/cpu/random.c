@@ -57,8 +57,9 @@ static double step_down(ms_dtype dt, double x)
     return dt == MS_DTYPE_BF16 ? ms_bf16_to_f32(h) : ms_f16_to_f32(h);
 }
 
-/* Values are computed in f64 from the documented formulas and rounded once to dst's dtype (so a backend
-** using the same f64 formulas agrees bit for bit on uniforms and to ~1 f64 ulp before rounding on normals).
+/* Values are computed in f64 from the documented formulas, then stored in dst's dtype like any f64 value
+** (bf16/f16 through f32).  A backend using the same f64 formulas agrees bit for bit on uniforms, and on
+** normals up to its libm's last f64 bit (what survives rounding to f32 about once in 10^8).
 ** Uniform: v = a + (b - a) * u.  Rounding can carry v up to b (bf16 [0,1): u >= 1 - 2^-9); such a value
 ** becomes the largest value of dst's dtype below b, keeping the documented [a, b). */
 ms_status ms_cpu_rand(ms_ctx *ctx, ms_tensor *dst, const ms_rand_options *o)
@@ -80,6 +81,7 @@ ms_status ms_cpu_rand(ms_ctx *ctx, ms_tensor *dst, const ms_rand_options *o)
     const uint32_t key[2] = { (uint32_t)o->seed, (uint32_t)(o->seed >> 32) };
     const uint32_t off_lo = (uint32_t)o->offset, off_hi = (uint32_t)(o->offset >> 32);
 
+    /* an element costs tens of ns (10 Philox rounds, log and cos): threads pay off on smaller tensors */
     #pragma omp parallel for schedule(static) num_threads(numel >= MS_CPU_PAR_MIN / 8 ? ms_cpu_threads(ctx) : 1)
     for (int64_t blk = 0; blk < nblk; blk++) {
         double buf[BLOCK];

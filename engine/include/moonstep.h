@@ -229,7 +229,8 @@ MS_API ms_status ms_tensor_write(ms_ctx *ctx, ms_tensor *dst, const void *host_s
 ** ------------------------------------------------------------------------------------------------- */
 
 /* dst <- src, converting dtype (cast) and broadcasting src to dst's shape; src and dst may be on
-** different devices (host <-> device copies go through ms_copy too). */
+** different devices (host <-> device copies go through ms_copy too).  Casts: f64 -> bf16/f16 rounds through
+** f32 (as torch does); float -> i32/u8 truncates toward zero and saturates at the type's range, NaN -> 0. */
 MS_API ms_status ms_copy(ms_ctx *ctx, ms_tensor *dst, const ms_tensor *src);
 
 /* dst <- value (or *value_t). */
@@ -253,6 +254,8 @@ typedef struct ms_rand_options {
 **   uniform f32/bf16/f16: u = (w0 >> 8) * 2^-24;  f64: u = ((w0 >> 5) * 2^26 + (w1 >> 6)) * 2^-53
 **   normal: Box-Muller, u1 = ((w0 >> 8) + 1) * 2^-24, u2 = (w2 >> 8) * 2^-24 (f64: 53-bit forms of
 **   w0,w1 and w2,w3), z = sqrt(-2 ln u1) cos(2 pi u2).
+** The value a + (b - a) u (uniform) or a + b z (normal) is computed in f64 and rounded once to dst's dtype;
+** a uniform value that rounds up to b is stored as the largest value below b, so [a, b) holds in bf16 too.
 ** Float dtypes only. */
 MS_API ms_status ms_rand(ms_ctx *ctx, ms_tensor *dst, const ms_rand_options *opts);
 
@@ -263,7 +266,7 @@ typedef enum ms_unary_op {
     MS_UNARY_COUNT
 } ms_unary_op;
 
-/* dst <- op(src). */
+/* dst <- op(src).  sign(+-0) = +-0 and sign(NaN) = NaN; relu(NaN) = NaN; sigmoid is computed stably. */
 MS_API ms_status ms_unary(ms_ctx *ctx, ms_tensor *dst, const ms_tensor *src, ms_unary_op op);
 
 typedef enum ms_binary_op {
@@ -335,8 +338,107 @@ MS_API ms_status ms_diag(ms_ctx *ctx, ms_tensor *dst, const ms_tensor *src);
 /* Symmetric eigendecomposition (batched over leading dims) of a [..., n, n] (the lower triangle is used):
 ** w [..., n] eigenvalues in ascending order, v [..., n, n] eigenvectors in columns (may be NULL for values
 ** only).  f32 or f64 (all three the same dtype).  A non-converged batch member gives MS_E_NUMERIC, with
-** *info (may be NULL) set to the LAPACK/cuSOLVER info of the first failing member, and a message naming it. */
+** *info (may be NULL) set to the LAPACK/cuSOLVER info of the first failing member, and a message naming it;
+** a non-finite entry in the lower triangle is MS_E_NUMERIC with *info = -5 (as LAPACKE's NaN check reports).
+** w and v are left unchanged on any failure. */
 MS_API ms_status ms_eigh(ms_ctx *ctx, ms_tensor *w, ms_tensor *v, const ms_tensor *a, int *info);
+
+/* ---------------------------------------------------------------------------------------------------
+** Streams and the memory pool (CUDA)
+**
+** A CUDA context queues all its work, in call order, on one stream: its own (created with the context) or
+** the caller's (ms_ctx_options.stream; moonstep never destroys it).  Ops return as soon as their work is
+** queued; only calls that hand values to the host wait for it (ms_tensor_read / ms_tensor_write, copies to
+** or from CPU tensors, ms_eigh's convergence check, ms_event_elapsed, ms_ctx_sync).  Work of different
+** contexts is not ordered: synchronise (ms_ctx_sync) before one context reads what another one wrote.
+**
+** Device memory comes from the context's stream-ordered caching pool: freed blocks are kept, by size class,
+** and handed to later allocations of the same context without calling the driver; the stream's order makes
+** that safe.  A block that another context's stream used is reused only after that stream has passed the
+** use (an event is recorded at the use).  Freeing never calls the driver, so tensors may be freed from any
+** thread and from garbage-collector finalizers.  When the driver is out of memory (or the mem_limit of the
+** context would be passed) the pool first returns its cached blocks to the driver and tries again.
+** Statistics: ms_ctx_mem_stats (bytes_cached = bytes kept for reuse; num_device_allocs = driver allocations).
+** Memory of the cuBLAS / cuSOLVER handles (a 32 MiB workspace) is not counted.
+** ------------------------------------------------------------------------------------------------- */
+
+/* The stream ctx's work runs on (a cudaStream_t), NULL for a CPU context. */
+MS_API void *ms_ctx_stream(const ms_ctx *ctx);
+
+/* Waits for the context's stream, then returns every cached block to the driver (bytes_cached drops to the
+** blocks still kept for live graphs or awaiting another stream).  A no-op on the CPU.
+** Errors: MS_E_UNSUPPORTED while the context captures a graph, MS_E_BACKEND. */
+MS_API ms_status ms_ctx_empty_cache(ms_ctx *ctx);
+
+/* ---------------------------------------------------------------------------------------------------
+** Events: timestamps in a context's stream order (CPU: the host's monotonic clock when recorded)
+** ------------------------------------------------------------------------------------------------- */
+
+typedef struct ms_event ms_event;
+
+MS_API ms_status ms_event_new(ms_ctx *ctx, ms_event **out);
+MS_API void ms_event_free(ms_event *ev);
+/* Marks the point the context's queued work has reached (re-recording moves the mark). */
+MS_API ms_status ms_event_record(ms_ctx *ctx, ms_event *ev);
+/* Milliseconds between two recorded events of the same device, waiting until `end` has been reached.
+** Errors: MS_E_ARG (NULL, never recorded), MS_E_DEVICE (events of different devices). */
+MS_API ms_status ms_event_elapsed(const ms_event *start, const ms_event *end, double *ms);
+
+/* ---------------------------------------------------------------------------------------------------
+** Graphs: capture a sequence of ops on a context and replay it (CUDA)
+**
+** ms_graph_begin starts capturing the context's stream: the ops called on that context until ms_graph_end
+** are recorded, not run; ms_graph_launch queues a replay of the whole sequence on the context's stream.
+** Device scalars (the "_t" arguments) are read when a replay runs, so writing new values into them
+** (ms_fill, ms_tensor_write, ms_copy) between replays changes the results without re-capturing.
+** While a context captures:
+**  - Allocations are served only from its pool's cache, never by the driver: run the sequence once before
+**    capturing so that its temporaries are cached.  A request the cache cannot serve fails (MS_E_OOM, with
+**    a message saying so) instead of being allocated.
+**  - Memory freed during the capture, and memory allocated during it (whenever it is freed), is kept for
+**    the graph until ms_graph_free, because replays write it.  Tensors created before the capture that the
+**    sequence uses must stay alive as long as the graph is launched.
+**  - Calls that wait for the device are refused (MS_E_UNSUPPORTED): ms_ctx_sync, ms_ctx_empty_cache, host
+**    transfers (ms_tensor_read / ms_tensor_write, copies to or from CPU tensors).  ms_eigh does not check
+**    convergence under capture (its results are written whatever the solver's info).
+**  - An op that fails poisons the capture: ms_graph_end then fails with that op's message.
+** CPU contexts: MS_E_UNSUPPORTED.
+** ------------------------------------------------------------------------------------------------- */
+
+typedef struct ms_graph ms_graph;
+
+/* Errors: MS_E_UNSUPPORTED (CPU, or already capturing), MS_E_BACKEND. */
+MS_API ms_status ms_graph_begin(ms_ctx *ctx);
+/* Ends the capture begun on ctx and hands back the replayable graph (the capture ends even on error). */
+MS_API ms_status ms_graph_end(ms_ctx *ctx, ms_graph **out);
+/* Queues one replay of g on ctx's stream; ctx must be the context g was captured on (MS_E_ARG). */
+MS_API ms_status ms_graph_launch(ms_ctx *ctx, ms_graph *g);
+/* Number of operations (graph nodes) captured in g; -1 for NULL. */
+MS_API int64_t ms_graph_num_nodes(const ms_graph *g);
+/* Frees g; the memory it kept returns to its context's pool (stream-ordered after its replays). */
+MS_API void ms_graph_free(ms_graph *g);
+
+/* ---------------------------------------------------------------------------------------------------
+** DLPack (https://dmlc.github.io/dlpack/latest/): exchanging tensors with PyTorch, JAX, CuPy, ... without
+** copies.  `managed` is a DLManagedTensor * (the unversioned struct of dlpack.h 0.6 and later, which is what
+** `__dlpack__()` capsules named "dltensor" hold), passed as void * so this header needs no DLPack header.
+** ------------------------------------------------------------------------------------------------- */
+
+/* A tensor on ctx's device viewing the DLPack tensor's memory (data + byte_offset, its shape and strides;
+** NULL strides = row-major contiguous).  moonstep takes ownership: the producer's deleter is called exactly
+** once, when the last moonstep tensor viewing the memory is freed.  On error nothing is taken (the caller
+** still owns `managed`).  Work queued by the producer on other streams must be finished or ordered before
+** ctx's (synchronise first).
+** Errors: MS_E_ARG (NULL, ndim > MS_MAX_DIMS), MS_E_DEVICE (kDLCPU for a CPU context, kDLCUDA with ctx's
+** device index for a CUDA one; anything else is refused), MS_E_DTYPE (not one of f32 f64 bf16 f16 i32 u8, or
+** lanes != 1), MS_E_LAYOUT (negative strides, misaligned data). */
+MS_API ms_status ms_tensor_from_dlpack(ms_ctx *ctx, void *managed, ms_tensor **out);
+
+/* A DLManagedTensor * viewing t (same memory, shape and strides; byte_offset 0) for a consumer, which must
+** call its deleter once when done; t's memory stays alive until then, even after t is freed.  The device is
+** kDLCPU or kDLCUDA with the context's index.  The consumer must order its work after t's context's stream
+** (ms_ctx_sync, or a wait on ms_ctx_stream).  Errors: MS_E_ARG, MS_E_DEVICE (t not on ctx's device). */
+MS_API ms_status ms_tensor_to_dlpack(ms_ctx *ctx, const ms_tensor *t, void **out_managed);
 
 /* ---------------------------------------------------------------------------------------------------
 ** safetensors files
