@@ -81,13 +81,13 @@ static int traceback(lua_State *L)
     return 1;
 }
 
+/* Prints a failed chunk's error; returns the exit status (1 on failure). */
 static int report(lua_State *L, int status)
 {
-    if (status != 0) {
-        fprintf(stderr, "moonstep: %s\n", lua_tostring(L, -1));
-        lua_pop(L, 1);
-    }
-    return status;
+    if (status == 0) return 0;
+    fprintf(stderr, "moonstep: %s\n", lua_tostring(L, -1));
+    lua_pop(L, 1);
+    return 1;
 }
 
 static int run_protected(lua_State *L, int nargs)
@@ -200,5 +200,5 @@ int main(int argc, char **argv)
         }
     }
     lua_close(L);     /* runs the finalizers: every tensor and context is freed before exit */
-    return status == 0 ? 0 : status == 2 ? 2 : 1;
+    return status;
 }

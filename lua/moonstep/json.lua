@@ -28,6 +28,10 @@ local function encode(v, seen)
   elseif tv == "number" then
     if v ~= v or v == math.huge or v == -math.huge then error("json: cannot encode " .. tostring(v), 0) end
     if v == math.floor(v) and math.abs(v) < 2 ^ 53 then return ("%.0f"):format(v) end
+    for _, f in ipairs { "%.15g", "%.16g" } do     -- the shortest form that reads back exactly
+      local s = f:format(v)
+      if tonumber(s) == v then return s end
+    end
     return ("%.17g"):format(v)
   elseif tv == "string" then return encode_string(v)
   elseif tv == "table" then

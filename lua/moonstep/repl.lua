@@ -43,7 +43,7 @@ function M.run()
     local chunk, err = loadstring("return " .. line, "=stdin")
     if not chunk then
       chunk, err = loadstring(line, "=stdin")
-      while not chunk and err and err:match("<eof>$") do   -- incomplete: read more lines
+      while not chunk and err and err:match("<eof>'?$") do   -- incomplete: read more lines
         local more = readline(">> ")
         if more == nil then break end
         line = line .. "\n" .. more

@@ -1,0 +1,31 @@
+-- moonstep.json, the Lua-side encoder/decoder for metadata, options and settings.
+local json = require("moonstep.json")
+
+describe("moonstep.json", function()
+  it("round-trips values exactly, with stable key order", function()
+    local v = { b = { 1, 2.5, -3e-300, 0.1 }, a = "q\"\\\n\t\1é", c = true, d = false, e = {} }
+    local s = json.encode(v)
+    assert.equals('{"a":"q\\"\\\\\\n\\t\\u0001é","b":[1,2.5,-3e-300,0.1],"c":true,"d":false,"e":{}}', s)
+    assert.same(v, json.decode(s))
+    assert.equals("0.1", json.encode(0.1))
+    assert.equals(2 ^ -40, json.decode(json.encode(2 ^ -40)))
+  end)
+
+  it("decodes escapes and surrogate pairs", function()
+    assert.equals("A\240\159\152\128", json.decode('"\\u0041\\ud83d\\ude00"'))
+    assert.equals(json.null, json.decode("[null]")[1])
+  end)
+
+  it("refuses what it cannot encode and malformed text, with positions", function()
+    assert.has_error(function() json.encode(0 / 0) end)
+    assert.has_error(function() json.encode({ [1.5] = 1 }) end)
+    local t = {}
+    t.self = t
+    assert.has_error(function() json.encode(t) end)
+    for _, bad in ipairs { "", "{", "[1,]", "{\"a\" 1}", "01", "1.", "\"\\ud800\"", "tru", "[1] x", "\"a\nb\"" } do
+      local ok, err = pcall(json.decode, bad)
+      assert.is_false(ok, bad)
+      assert.truthy(tostring(err):find("json:", 1, true), err)
+    end
+  end)
+end)
