@@ -61,8 +61,8 @@ NVCCFLAGS  := -O3 -std=c++17 -Xcompiler -fPIC,-fvisibility=hidden -DMS_BUILDING_
               -Iengine/include -Iengine/core -Ikernels -gencode arch=compute_90,code=[sm_90,compute_90]
 
 ifeq ($(WITH_CUDA),1)
-LIB_CFLAGS += -DMS_WITH_CUDA -I$(CUDA_HOME)/include
-LIB_LIBS   += -L$(CUDA_HOME)/lib64 -Wl,-rpath,$(CUDA_HOME)/lib64 -lcublas -lcusolver -lcudart
+LIB_CFLAGS += -DMS_WITH_CUDA -I$(CUDA_HOME)/include -Ikernels
+LIB_LIBS   += -L$(CUDA_HOME)/lib64 -Wl,-rpath,$(CUDA_HOME)/lib64 -lcublas -lcusolver -lcudart -lstdc++
 endif
 
 # ------------------------------------------------------------------------------------------------------

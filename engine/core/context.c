@@ -65,7 +65,7 @@ MS_API ms_status ms_ctx_new(const char *device, const ms_ctx_options *opts, ms_c
         int count = ms_cuda_device_count();
         if (count == 0)
             return MS_FAIL(NULL, MS_E_DEVICE, "ms_ctx_new: \"%s\": no CUDA device is usable (no GPU or no "
-                           "driver)", device);
+                           "driver: %s)", device, ms_cuda_probe_error());
         if (index >= count)
             return MS_FAIL(NULL, MS_E_DEVICE, "ms_ctx_new: \"%s\": device index %d out of range (%d CUDA "
                            "device%s)", device, index, count, count == 1 ? "" : "s");

@@ -131,6 +131,16 @@ struct ms_backend {
     ms_status (*graph_launch)(ms_ctx *ctx, ms_graph *g);
     int64_t   (*graph_num_nodes)(const ms_graph *g);
     void      (*graph_free)(ms_graph *g);                   /* releases base.ctx too */
+    /* multi-tensor ("foreach") ops and fused optimizer steps, as in moonstep.h after engine/core/optim_ops.c
+    ** has validated them (sgd_step gets momentum_buf NULL when momentum == 0).  Last in the table, so a
+    ** backend that does not list them has NULL here and the core answers MS_E_UNSUPPORTED. */
+    ms_status (*foreach_sumsq)(ms_ctx *ctx, ms_tensor *dst, int n, const ms_tensor *const *srcs);
+    ms_status (*foreach_scale)(ms_ctx *ctx, int n, ms_tensor *const *tensors, ms_scalar s);
+    ms_status (*adamw_step)(ms_ctx *ctx, int n, ms_tensor *const *params, const ms_tensor *const *grads,
+                            ms_tensor *const *exp_avg, ms_tensor *const *exp_avg_sq, const double *scales,
+                            const ms_adamw_options *o);
+    ms_status (*sgd_step)(ms_ctx *ctx, int n, ms_tensor *const *params, const ms_tensor *const *grads,
+                          ms_tensor *const *momentum_buf, const double *scales, const ms_sgd_options *o);
 };
 
 /* Backends compiled into this build (the CUDA one only with MS_WITH_CUDA). */
@@ -138,6 +148,8 @@ extern const ms_backend ms_cpu_backend;
 #ifdef MS_WITH_CUDA
 extern const ms_backend ms_cuda_backend;
 int ms_cuda_device_count(void);
+/* Why ms_cuda_device_count() found no device (the CUDA runtime's words), for messages. */
+const char *ms_cuda_probe_error(void);
 #endif
 
 /* --- errors ------------------------------------------------------------------------------------- */

@@ -89,4 +89,8 @@ const ms_backend ms_cpu_backend = {
     /* .graph_launch     = */ NULL,
     /* .graph_num_nodes  = */ NULL,
     /* .graph_free       = */ NULL,
+    /* .foreach_sumsq    = */ ms_cpu_foreach_sumsq,
+    /* .foreach_scale    = */ ms_cpu_foreach_scale,
+    /* .adamw_step       = */ ms_cpu_adamw_step,
+    /* .sgd_step         = */ ms_cpu_sgd_step,
 };

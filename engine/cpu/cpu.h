@@ -70,5 +70,13 @@ ms_status ms_cpu_matmul(ms_ctx *ctx, ms_tensor *dst, const ms_tensor *a, const m
 ms_status ms_cpu_eye(ms_ctx *ctx, ms_tensor *dst);
 ms_status ms_cpu_diag(ms_ctx *ctx, ms_tensor *dst, const ms_tensor *src);
 ms_status ms_cpu_eigh(ms_ctx *ctx, ms_tensor *w, ms_tensor *v, const ms_tensor *a, int *info);
+/* engine/cpu/optim.c: the multi-tensor helpers and fused optimizer steps */
+ms_status ms_cpu_foreach_sumsq(ms_ctx *ctx, ms_tensor *dst, int n, const ms_tensor *const *srcs);
+ms_status ms_cpu_foreach_scale(ms_ctx *ctx, int n, ms_tensor *const *tensors, ms_scalar s);
+ms_status ms_cpu_adamw_step(ms_ctx *ctx, int n, ms_tensor *const *params, const ms_tensor *const *grads,
+                            ms_tensor *const *exp_avg, ms_tensor *const *exp_avg_sq, const double *scales,
+                            const ms_adamw_options *o);
+ms_status ms_cpu_sgd_step(ms_ctx *ctx, int n, ms_tensor *const *params, const ms_tensor *const *grads,
+                          ms_tensor *const *momentum_buf, const double *scales, const ms_sgd_options *o);
 
 #endif /* MS_CPU_H */

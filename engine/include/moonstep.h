@@ -468,6 +468,66 @@ MS_API ms_status ms_tensor_set_get(const ms_tensor_set *set, int i, ms_tensor **
 MS_API const char *ms_tensor_set_metadata(const ms_tensor_set *set);
 MS_API void ms_tensor_set_free(ms_tensor_set *set);
 
+/* ---------------------------------------------------------------------------------------------------
+** Multi-tensor ("foreach") helpers and fused optimizer steps
+**
+** These work on groups: n members given as arrays of n entries, members of any shapes, updated in few
+** launches (CUDA: many tensors per launch).  Scalars that change every step come as a double and an
+** optional 1-element f32 device tensor (the _t field wins when given), so a captured step replays with new
+** values.  `skip_t` (optional, 1 element) is read at execution time: nonzero means the call changes
+** nothing, which lets a trainer skip a step on non-finite gradients without a host synchronisation.
+** `scales` (optional, n entries) multiplies the learning rate per member (e.g. width transfer).
+** ------------------------------------------------------------------------------------------------- */
+
+/* dst [n] (f32 or f64) <- sum of squares of each src, accumulated in f32 (f64 for f64 sources) in a fixed
+** order; a NaN or Inf anywhere in src i makes dst[i] non-finite.  Sources: any float dtype and layout. */
+MS_API ms_status ms_foreach_sumsq(ms_ctx *ctx, ms_tensor *dst, int n, const ms_tensor *const *srcs);
+
+/* tensors[i] <- tensors[i] * s (or * *s_t), in place; float dtypes, any layout without stride-0 dims. */
+MS_API ms_status ms_foreach_scale(ms_ctx *ctx, int n, ms_tensor *const *tensors, double s,
+                                  const ms_tensor *s_t);
+
+typedef struct ms_adamw_options {
+    double lr;                  const ms_tensor *lr_t;
+    double beta1, beta2, eps, weight_decay;
+    double step;                const ms_tensor *step_t;   /* 1-based number of this step */
+    int    bias_correction;     /* nonzero: divide the moments by 1 - beta^step */
+    int    stochastic_round;    /* bf16/f16 params: stochastic rounding when storing them */
+    uint64_t seed;              /* Philox key of the stochastic rounding */
+    const ms_tensor *skip_t;
+} ms_adamw_options;
+
+/* AdamW (decoupled weight decay; Loshchilov & Hutter 2019, as torch.optim.AdamW).  For member i, with
+** lr_i = lr * scales[i] (scales NULL: 1), g = grads[i] in f32:
+**   p <- p * (1 - lr_i * weight_decay)
+**   m <- beta1 * m + (1 - beta1) * g            v <- beta2 * v + (1 - beta2) * g * g
+**   p <- p - lr_i * (m / bc1) / (sqrt(v / bc2) + eps),   bc = 1 - beta^step (1 without bias_correction)
+** Computed in f32 (f64 for f64 params).  params: f32, f64, bf16 or f16, contiguous; grads: any float dtype,
+** same shape, any layout; exp_avg / exp_avg_sq: f32 or bf16 (the same dtype for all), same shape,
+** contiguous.  With stochastic_round, a bf16/f16 param is stored rounded up with probability equal to the
+** position between its two neighbours, from Philox keyed by seed with counter (element, step, member).
+** Errors: MS_E_SHAPE, MS_E_DTYPE, MS_E_LAYOUT, MS_E_ARG (NULL arrays or members, lr/betas out of range). */
+MS_API ms_status ms_adamw_step(ms_ctx *ctx, int n, ms_tensor *const *params, const ms_tensor *const *grads,
+                               ms_tensor *const *exp_avg, ms_tensor *const *exp_avg_sq, const double *scales,
+                               const ms_adamw_options *opts);
+
+typedef struct ms_sgd_options {
+    double lr;                  const ms_tensor *lr_t;
+    double momentum, dampening, weight_decay;
+    int    nesterov;
+    double step;                const ms_tensor *step_t;   /* 1-based; step 1 initialises the momentum */
+    int    stochastic_round;
+    uint64_t seed;
+    const ms_tensor *skip_t;
+} ms_sgd_options;
+
+/* SGD with momentum, as torch.optim.SGD: d = g + weight_decay * p; with momentum, buf <- d on step 1 and
+** buf <- momentum * buf + (1 - dampening) * d afterwards, then d = d + momentum * buf (nesterov) or d = buf;
+** p <- p - lr_i * d.  momentum_buf may be NULL when momentum == 0 (else f32 or bf16, contiguous).  Dtypes and
+** layouts as ms_adamw_step. */
+MS_API ms_status ms_sgd_step(ms_ctx *ctx, int n, ms_tensor *const *params, const ms_tensor *const *grads,
+                             ms_tensor *const *momentum_buf, const double *scales, const ms_sgd_options *opts);
+
 #ifdef __cplusplus
 }
 #endif

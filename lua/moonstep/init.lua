@@ -36,6 +36,10 @@ for _, name in ipairs {
 } do ms[name] = tensor[name] end
 ms.Tensor = tensor.Tensor
 
+-- multi-tensor helpers and fused optimizer steps, the optimizer runtime and recipes
+local fused = require("moonstep.fused")
+for _, name in ipairs { "adamw_step", "sgd_step", "foreach_sumsq", "foreach_scale" } do ms[name] = fused[name] end
+
 function ms.zeros_like(t, opts)
   return ms.zeros(t:shape(), { dtype = opts and opts.dtype or t:dtype(), ctx = opts and opts.ctx or t:context() })
 end
@@ -107,5 +111,10 @@ function ms.load(path, opts)
   C.ms_tensor_set_free(ffi.gc(set, nil))
   return out, meta, order
 end
+
+ms.recipe = require("moonstep.recipe")
+ms.schedule = require("moonstep.schedule")
+package.loaded.moonstep = ms     -- moonstep.optim requires moonstep: give it this table
+ms.optim = require("moonstep.optim")
 
 return ms

@@ -406,6 +406,13 @@ function Tensor:tolist_flat()
   local n = self:numel()
   local out = {}
   if n == 0 then return out end
+  local dt = self:dtype()
+  if dt == "f32" or dt == "f64" then     -- a plain transfer: no conversion op on the tensor's device
+    local buf = ffi.new(dt == "f32" and "float[?]" or "double[?]", n)
+    check(C.ms_tensor_read(ctx_of(self), H(self), buf, n * (dt == "f32" and 4 or 8)))
+    for i = 1, n do out[i] = buf[i - 1] end
+    return out
+  end
   local host = M.empty(self:shape(), { dtype = "f64", device = "cpu" })
   check(C.ms_copy(ctx_handle[M.device("cpu")], H(host), H(self)))
   local buf = ffi.new("double[?]", n)

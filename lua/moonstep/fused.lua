@@ -1,0 +1,92 @@
+--[[
+moonstep.fused -- the Lua face of the engine's multi-tensor helpers and fused optimizer steps
+(moonstep.h, "Multi-tensor helpers and fused optimizer steps").  Members come as Lua arrays of tensors;
+scalars that change every step (lr, step) may be numbers or one-element device tensors.
+]]
+local core = require("moonstep.core")
+local tensor = require("moonstep.tensor")
+local ffi, C = core.ffi, core.C
+local check, H = core.check, tensor.handle
+
+local M = {}
+
+-- a C array of the tensors' handles: "ms_tensor *[?]" for tensors written, "const ms_tensor *[?]" for sources
+local function list(arr, what, n, optional, const)
+  if arr == nil and optional then return nil end
+  if type(arr) ~= "table" then error(what .. " must be an array of tensors", 4) end
+  n = n or #arr
+  if #arr ~= n then error(("%s has %d entries, %d expected"):format(what, #arr, n), 4) end
+  local out = ffi.new(const and "const ms_tensor *[?]" or "ms_tensor *[?]", n > 0 and n or 1)
+  for i = 1, n do out[i - 1] = H(arr[i]) end
+  return out
+end
+
+local function scales_of(s, n)
+  if s == nil then return nil end
+  if #s ~= n then error(("scales has %d entries, %d expected"):format(#s, n), 3) end
+  local out = ffi.new("double[?]", n > 0 and n or 1)
+  for i = 1, n do out[i - 1] = s[i] end
+  return out
+end
+
+-- a scalar option: number -> (value, nil); device tensor -> (0, handle)
+local function scalar(v, default)
+  if v == nil then return default, nil end
+  if type(v) == "number" then return v, nil end
+  return 0, H(v)
+end
+
+local function ctx_for(arr)
+  if #arr == 0 then return tensor.handle_ctx(tensor.device("cpu")) end
+  return tensor.handle_ctx(arr[1]:context())
+end
+
+--- ms.adamw_step{params=, grads=, exp_avg=, exp_avg_sq=, scales=, lr=, step=, beta1=, beta2=, eps=,
+---   weight_decay=, bias_correction=true, stochastic_round=false, seed=0, skip=}
+function M.adamw_step(a)
+  local n = #a.params
+  local o = ffi.new("ms_adamw_options")
+  o.lr, o.lr_t = scalar(a.lr, 1e-3)
+  o.step, o.step_t = scalar(a.step, 1)
+  o.beta1, o.beta2 = a.beta1 or 0.9, a.beta2 or 0.999
+  o.eps, o.weight_decay = a.eps or 1e-8, a.weight_decay or 0
+  o.bias_correction = a.bias_correction == false and 0 or 1
+  o.stochastic_round = a.stochastic_round and 1 or 0
+  o.seed = a.seed or 0
+  o.skip_t = a.skip and H(a.skip) or nil
+  check(C.ms_adamw_step(ctx_for(a.params), n, list(a.params, "params"), list(a.grads, "grads", n, false, true),
+                        list(a.exp_avg, "exp_avg", n), list(a.exp_avg_sq, "exp_avg_sq", n),
+                        scales_of(a.scales, n), o))
+end
+
+--- ms.sgd_step{params=, grads=, momentum_buf=, scales=, lr=, step=, momentum=0, dampening=0,
+---   weight_decay=0, nesterov=false, stochastic_round=false, seed=0, skip=}
+function M.sgd_step(a)
+  local n = #a.params
+  local o = ffi.new("ms_sgd_options")
+  o.lr, o.lr_t = scalar(a.lr, 1e-3)
+  o.step, o.step_t = scalar(a.step, 1)
+  o.momentum, o.dampening, o.weight_decay = a.momentum or 0, a.dampening or 0, a.weight_decay or 0
+  o.nesterov = a.nesterov and 1 or 0
+  o.stochastic_round = a.stochastic_round and 1 or 0
+  o.seed = a.seed or 0
+  o.skip_t = a.skip and H(a.skip) or nil
+  check(C.ms_sgd_step(ctx_for(a.params), n, list(a.params, "params"), list(a.grads, "grads", n, false, true),
+                      list(a.momentum_buf, "momentum_buf", n, true), scales_of(a.scales, n), o))
+end
+
+--- ms.foreach_sumsq(tensors [, out]) -> a [n] f32 tensor of the tensors' sums of squares (on their device)
+function M.foreach_sumsq(arr, out)
+  local n = #arr
+  out = out or tensor.empty({ n }, { dtype = "f32", ctx = n > 0 and arr[1]:context() or nil })
+  check(C.ms_foreach_sumsq(tensor.handle_ctx(out:context()), H(out), n, list(arr, "tensors", nil, false, true)))
+  return out
+end
+
+--- ms.foreach_scale(tensors, s): every tensor multiplied in place by s (a number or a device scalar)
+function M.foreach_scale(arr, s)
+  local v, vt = scalar(s, 1)
+  check(C.ms_foreach_scale(ctx_for(arr), #arr, list(arr, "tensors"), v, vt))
+end
+
+return M

@@ -1,0 +1,488 @@
+-- The optimizer runtime: recipe loading and option specs, routing and grouping, schedules, the
+-- learning rate and device scalars, clipping, the non-finite guard, loss scaling, master weights,
+-- introspection, and checkpoints that resume bit for bit.
+local ms = require("moonstep")
+
+local function randn(shape, dtype) return ms.randn(shape, { dtype = dtype or "f32", seed = H.seed() }) end
+
+-- a parameter with a gradient buffer, and a fresh random gradient written into it per step
+local function param(name, shape, dtype, tags)
+  return { name = name, param = randn(shape, dtype), grad = ms.zeros(shape, { dtype = dtype or "f32" }), tags = tags }
+end
+local function fill_grads(params, seed)
+  for i, p in ipairs(params) do
+    p.grad:copy_(ms.randn(p.param:shape(), { seed = seed, offset = i }))
+  end
+end
+
+local function copy_params(params)
+  local out = {}
+  for i, p in ipairs(params) do out[i] = p.param:totable() end
+  return out
+end
+
+describe("recipe loading", function()
+  it("finds built-in recipes and refuses names that are paths", function()
+    local r = ms.recipe.get("adamw")
+    assert.equals("adamw", r.name)
+    assert.truthy(r.routes.adamw)
+    H.expect_error(function() ms.recipe.get("nope") end, "no recipe named", "nope")
+    H.expect_error(function() ms.recipe.get("recipes/adamw.lua") end, "no '/'")
+  end)
+
+  it("searches MOONSTEP_RECIPE_PATH after the built-ins", function()
+    local dir = os.tmpname()
+    os.remove(dir)
+    os.execute("mkdir -p " .. dir)
+    local f = assert(io.open(dir .. "/mine.lua", "w"))
+    f:write([[return {name = "mine", options = {lr = {default = 1, type = "number"}},
+      route = function() return "r" end, routes = {r = {step = function() end}}}]])
+    f:close()
+    local p = io.popen("MOONSTEP_RECIPE_PATH=" .. dir .. " build/moonstep -e 'print(ms.recipe.get(\"mine\").name)' 2>&1")
+    local out = p:read("*a")
+    p:close()
+    os.execute("rm -rf " .. dir)
+    assert.equals("mine\n", out)
+  end)
+
+  it("runs untrusted recipes in a restricted environment", function()
+    local probe = [[
+      local found = {}
+      for _, k in ipairs {"io", "os", "require", "debug", "package", "loadstring", "dofile", "load",
+                          "collectgarbage", "setfenv", "getfenv", "jit", "bit", "rawset", "newproxy"} do
+        if _G[k] ~= nil then found[#found + 1] = k end
+      end
+      if ms.save ~= nil or ms.load ~= nil or ms.context ~= nil then found[#found + 1] = "ms file/context access" end
+      return {name = table.concat(found, ","), options = {}, route = function() return "r" end,
+              routes = {r = {step = function() end}}}]]
+    local ok, err = pcall(ms.recipe.load_string, probe, "=probe")
+    -- an empty name is refused, so success would mean something was reachable
+    assert.is_false(ok)
+    assert.truthy(tostring(err):find("field 'name'", 1, true), err)
+    local trusted = ms.recipe.load_string(probe, "=probe", { trusted = true })
+    assert.truthy(trusted.name:find("io", 1, true))
+  end)
+
+  it("refuses bytecode, syntax errors and malformed recipes with clear errors", function()
+    H.expect_error(function() ms.recipe.load_string(string.dump(function() end), "=bc") end, "bytecode")
+    H.expect_error(function() ms.recipe.load_string("return {", "=broken") end, "recipe =broken")
+    H.expect_error(function() ms.recipe.load_string("return 5", "=five") end, "must return a table")
+    H.expect_error(function()
+      ms.recipe.load_string([[return {name = "x", options = {}, route = function() end, routes = {r = {}}}]], "=x")
+    end, "route 'r' needs a step function")
+    H.expect_error(function()
+      ms.recipe.load_string([[return {name = "x", options = {a = {type = "float"}}, route = function() end,
+        routes = {r = {step = function() end}}}]], "=x")
+    end, "option 'a' has unknown type")
+    H.expect_error(function() ms.recipe.load("/nonexistent/recipe.lua") end, "cannot read recipe")
+  end)
+
+  it("gives built-ins a content hash", function()
+    local a, b = ms.recipe.get("adamw"), ms.recipe.get("sgd")
+    assert.equals(16, #ms.recipe.meta[a].hash)
+    assert.are_not.equal(ms.recipe.meta[a].hash, ms.recipe.meta[b].hash)
+    assert.equals(ms.recipe.meta[a].hash, ms.recipe.meta[ms.recipe.get("adamw")].hash)
+  end)
+end)
+
+describe("option specs", function()
+  local sgd = ms.recipe.get("sgd")
+  local adamw = ms.recipe.get("adamw")
+
+  it("fills defaults and converts strings from config files by the declared type", function()
+    local o = ms.recipe.options(sgd, { lr = "0.1", momentum = "0.9", nesterov = "True" })
+    assert.equals(0.1, o.lr)
+    assert.equals(0.9, o.momentum)
+    assert.is_true(o.nesterov)
+    assert.equals(0, o.weight_decay)
+    assert.is_false(ms.recipe.options(sgd, { nesterov = "False" }).nesterov)
+    assert.is_false(ms.recipe.options(sgd, { nesterov = "0" }).nesterov)
+    assert.same({ 0.9, 0.95 }, ms.recipe.options(adamw, { betas = "(0.9, 0.95)" }).betas)
+    assert.equals(1e-3, ms.recipe.options(adamw, { lr = "1e-3" }).lr)
+  end)
+
+  it("refuses unknown options, wrong types, bad strings and out-of-range values, naming the option", function()
+    H.expect_error(function() ms.recipe.options(sgd, { lrr = 1 }) end, "unknown option 'lrr'", "known:")
+    H.expect_error(function() ms.recipe.options(sgd, { lr = "fast" }) end, "option 'lr'", "a number is needed")
+    H.expect_error(function() ms.recipe.options(sgd, { lr = "0.1x" }) end, "option 'lr'")
+    H.expect_error(function() ms.recipe.options(sgd, { nesterov = "nope" }) end, "option 'nesterov'", "boolean")
+    H.expect_error(function() ms.recipe.options(sgd, { nesterov = 1 }) end, "option 'nesterov'")
+    H.expect_error(function() ms.recipe.options(sgd, { lr = -1 }) end, "option 'lr'", "below its minimum")
+    H.expect_error(function() ms.recipe.options(sgd, { state_dtype = "f16" }) end, "option 'state_dtype'", "one of f32, bf16")
+    H.expect_error(function() ms.recipe.options(adamw, { betas = { 0.9 } }) end, "option 'betas' needs 2 numbers")
+    H.expect_error(function() ms.recipe.options(adamw, { betas = { 0.9, 1.0 } }) end, "option 'betas'[2]", "must be < 1")
+    H.expect_error(function() ms.recipe.options(adamw, { eps = 0 }) end, "option 'eps'", "must be > 0")
+    H.expect_error(function() ms.recipe.options(sgd, { seed = 1.5 }) end, "option 'seed'", "integer")
+    H.expect_error(function() ms.recipe.options(sgd, { nesterov = true }) end, "option 'nesterov' needs momentum > 0")
+  end)
+end)
+
+describe("ms.optim.new", function()
+  it("checks parameters and settings", function()
+    local p = param("w", { 3, 4 })
+    H.expect_error(function() ms.optim.new("sgd", { p, p }) end, "duplicate name 'w'")
+    H.expect_error(function()
+      ms.optim.new("sgd", { { name = "w", param = ms.zeros({ 3, 4 }), grad = ms.zeros({ 4, 3 }) } })
+    end, "grad shape [4,3] != param shape [3,4]")
+    H.expect_error(function() ms.optim.new("sgd", { { name = "w", param = 5 } }) end, "param must be a tensor")
+    H.expect_error(function() ms.optim.new("sgd", { p }, {}, { clip = 1 }) end, "unknown setting 'clip'")
+    H.expect_error(function() ms.optim.new("sgd", { p }, {}, { nonfinite = "ignore" }) end, "nonfinite")
+    H.expect_error(function() ms.optim.new("sgd", { p }, { lr = "x" }) end, "option 'lr'")
+    H.expect_error(function() ms.optim.new("sgd", { p }, {}, { schedule = { kind = "exp" } }) end, "unknown kind")
+  end)
+
+  it("routes and groups parameters, registers tied parameters once, and reports state bytes", function()
+    local w = param("layer.weight", { 8, 4 })
+    local b = param("layer.bias", { 8 })
+    local n = param("norm.weight", { 4 }, "f32", { "no_decay" })
+    local tied = { name = "lm_head.weight", param = w.param, grad = w.grad }
+    local opt = ms.optim.new("adamw", { w, b, n, tied }, { no_decay_1d = true })
+    local info, text = opt:info()
+    assert.equals(2, #info.groups)
+    assert.equals("adamw.0", info.groups[1].id)
+    assert.same({ "layer.weight" }, info.groups[1].params)
+    assert.same({ "layer.bias", "norm.weight" }, info.groups[2].params)
+    assert.equals(0, info.groups[2].overrides.weight_decay)
+    assert.equals(0, opt.groups[2].options.weight_decay)
+    assert.equals(0.01, opt.groups[1].options.weight_decay)
+    assert.equals((32 + 8 + 4) * 2 * 4, info.total_state_bytes)
+    local found
+    for _, p in ipairs(info.params) do if p.name == "lm_head.weight" then found = p end end
+    assert.equals("layer.weight", found.tied_to)
+    assert.truthy(text:find("tied to layer.weight", 1, true))
+    assert.truthy(text:find("total", 1, true))
+  end)
+
+  it("refuses a route the recipe does not have", function()
+    local r = { name = "bad", options = {}, route = function() return "nowhere" end, routes = { r = { step = function() end } } }
+    H.expect_error(function() ms.optim.new(r, { param("w", { 2 }) }) end, "route() gave nowhere", "'w'")
+  end)
+end)
+
+-- a recipe that records what the runtime hands it
+local function recorder()
+  local seen = {}
+  local r = {
+    name = "recorder", version = 1,
+    options = { lr = { default = 0.5, type = "number" } },
+    route = function() return "rec" end,
+    routes = { rec = {
+      init = function(group) group.state.calls = 0 end,
+      plan = function(group, o, ctx) return ctx.step % 2 == 0 and "even" or "odd" end,
+      step = function(group, o, ctx)
+        group.state.calls = group.state.calls + 1
+        local names = {}
+        for i, m in ipairs(group) do names[i] = m.name end
+        seen[#seen + 1] = { step = ctx.step, lr = ctx.lr, lr_t = ctx.lr_t:item(), step_t = ctx.step_t:item(),
+                            plan = ctx.plan, names = names }
+        ctx.report("members", #group)
+      end,
+    } },
+  }
+  return r, seen
+end
+
+describe("schedules and the learning rate", function()
+  it("computes each schedule kind", function()
+    local function mult(s, step) return (ms.schedule.compile(s))(step) end
+    assert.equals(1, mult(nil, 5))
+    assert.equals(0.5, mult({ kind = "linear_warmup", warmup_steps = 10 }, 5))
+    assert.equals(1, mult({ kind = "linear_warmup", warmup_steps = 10 }, 11))
+    local cos = { kind = "cosine", warmup_steps = 10, total_steps = 110, min_lr_ratio = 0.1 }
+    assert.equals(0.1, mult(cos, 1))
+    assert.near(1, mult(cos, 10), 1e-12)
+    assert.near(0.1 + 0.9 * 0.5, mult(cos, 60), 1e-12)
+    assert.near(0.1, mult(cos, 110), 1e-12)
+    assert.near(0.1, mult(cos, 500), 1e-12)
+    local wsd = { kind = "wsd", warmup_steps = 2, stable_steps = 3, decay_steps = 4, min_lr_ratio = 0 }
+    assert.equals(0.5, mult(wsd, 1))
+    assert.equals(1, mult(wsd, 5))
+    assert.equals(0.5, mult(wsd, 7))
+    assert.equals(0, mult(wsd, 9))
+    assert.equals(0.25, mult(function(step) return step / 4 end, 1))
+    H.expect_error(function() mult(function() return -1 end, 1) end, "schedule function returned -1")
+    H.expect_error(function() mult({ kind = "cosine", total_steps = 5, warmup_steps = 5 }, 1) end, "total_steps")
+    H.expect_error(function() mult({ kind = "wsd", stable_steps = 1, decay_steps = 1, min_lr_ratio = 2 }, 1) end, "min_lr_ratio")
+  end)
+
+  it("hands recipes the step, the scheduled lr, device scalars and the plan; set_lr overrides", function()
+    local r, seen = recorder()
+    local p = param("w", { 3 })
+    local opt = ms.optim.new(r, { p }, { lr = 0.5 }, { schedule = { kind = "linear_warmup", warmup_steps = 4 } })
+    opt:step()
+    opt:step()
+    assert.same({ step = 1, lr = 0.125, lr_t = 0.125, step_t = 1, plan = "odd", names = { "w" } }, seen[1])
+    assert.same({ step = 2, lr = 0.25, lr_t = 0.25, step_t = 2, plan = "even", names = { "w" } }, seen[2])
+    opt:set_lr(0.03)
+    opt:step()
+    assert.equals(0.03, seen[3].lr)
+    assert.near(0.03, seen[3].lr_t, 1e-8)
+    assert.equals(1, opt:stats().last.reports.members)
+    assert.equals(3, opt.groups[1].state.calls)
+    H.expect_error(function() opt:set_lr(-1) end, "set_lr")
+  end)
+
+  it("skips parameters without a gradient", function()
+    local r, seen = recorder()
+    local a, b = param("a", { 2 }), { name = "b", param = randn({ 2 }) }
+    local opt = ms.optim.new(r, { a, b })
+    opt:step()
+    assert.same({ "a" }, seen[1].names)
+    opt:set_grad("b", ms.zeros({ 2 }))
+    opt:step()
+    assert.same({ "a", "b" }, seen[2].names)
+    H.expect_error(function() opt:set_grad("c", ms.zeros({ 2 })) end, "no parameter named 'c'")
+    H.expect_error(function() opt:set_grad("b", ms.zeros({ 3 })) end, "grad shape [3] != param shape [2]")
+  end)
+end)
+
+describe("the step guard", function()
+  it("skips a step with non-finite gradients and changes nothing", function()
+    local a, b = param("a", { 4, 4 }), param("b", { 5 })
+    local opt = ms.optim.new("sgd", { a, b }, { lr = 0.1, momentum = 0.9 })
+    fill_grads({ a, b }, H.seed())
+    assert.is_true(opt:step())
+    local before = copy_params({ a, b })
+    local buf = opt.members[1].state.momentum_buffer:totable()
+    b.grad[2] = 0 / 0
+    assert.is_false(opt:step())
+    assert.same(before, copy_params({ a, b }))
+    assert.same(buf, opt.members[1].state.momentum_buffer:totable())
+    local st = opt:stats()
+    assert.equals(1, st.skipped_steps)
+    assert.equals(1, st.step)
+    assert.same({ "b" }, st.last.nonfinite)
+    b.grad[2] = 1 / 0
+    assert.is_false(opt:step())
+    assert.equals(2, opt:stats().skipped_steps)
+  end)
+
+  it("raises naming the parameters when asked to", function()
+    local a = param("enc.weight", { 3 })
+    local opt = ms.optim.new("sgd", { a }, {}, { nonfinite = "raise" })
+    a.grad:fill_(0 / 0)
+    H.expect_error(function() opt:step() end, "non-finite gradients in enc.weight")
+  end)
+
+  it("clips the global gradient norm", function()
+    local a, b = param("a", { 6 }), param("b", { 3, 2 })
+    local opt = ms.optim.new("sgd", { a, b }, { lr = 1 }, { clip_grad_norm = 0.5 })
+    fill_grads({ a, b }, H.seed())
+    local g = { a.grad:totable(), H.flat(b.grad:totable()) }
+    local total = 0
+    for _, t in ipairs(g) do for _, v in ipairs(t) do total = total + v * v end end
+    local norm = math.sqrt(total)
+    local p0 = { a.param:totable(), H.flat(b.param:totable()) }
+    opt:step()
+    local coef = 0.5 / (norm + 1e-6)
+    local want = {}
+    for i = 1, 6 do want[i] = p0[1][i] - coef * g[1][i] end
+    H.assert_close(a.param:totable(), want, 1e-5, 1e-6, "clipped update")
+    assert.is_true(opt:stats().last.clipped)
+    H.assert_close(opt:stats().last.grad_norm, norm, 1e-5, 0)
+  end)
+
+  it("unscales gradients of a scaled loss and skips on overflow", function()
+    local a = param("a", { 5 })
+    local opt = ms.optim.new("sgd", { a }, { lr = 0.5 })
+    fill_grads({ a }, H.seed())
+    local g = a.grad:totable()
+    local p0 = a.param:totable()
+    a.grad:mul_(1024)
+    opt:step { grad_scale = 1024 }
+    local want = {}
+    for i = 1, 5 do want[i] = p0[i] - 0.5 * g[i] end
+    H.assert_close(a.param:totable(), want, 1e-6, 1e-7, "unscaled update")
+    a.grad:fill_(1 / 0)
+    assert.is_false(opt:step { grad_scale = 1024 })
+    H.expect_error(function() opt:step { grad_scale = 0 } end, "grad_scale")
+  end)
+end)
+
+describe("fused recipes through the runtime", function()
+  local function sgd_reference(p, grads, o)
+    local buf, out = nil, {}
+    for i = 1, #p do out[i] = p[i] end
+    for t, g in ipairs(grads) do
+      local bnew = {}
+      for i = 1, #out do
+        local d = g[i] + o.weight_decay * out[i]
+        if o.momentum > 0 then
+          bnew[i] = t == 1 and d or o.momentum * buf[i] + (1 - o.dampening) * d
+          d = o.nesterov and d + o.momentum * bnew[i] or bnew[i]
+        end
+        out[i] = out[i] - o.lr * d
+      end
+      buf = bnew
+    end
+    return out
+  end
+
+  it("sgd with momentum and nesterov follows torch.optim.SGD", function()
+    for _, o in ipairs {
+      { lr = 0.1, momentum = 0, dampening = 0, weight_decay = 0, nesterov = false },
+      { lr = 0.05, momentum = 0.9, dampening = 0.1, weight_decay = 0.01, nesterov = false },
+      { lr = 0.05, momentum = 0.9, dampening = 0, weight_decay = 0, nesterov = true },
+    } do
+      local a = param("a", { 7 })
+      local p0 = a.param:totable()
+      local opt = ms.optim.new("sgd", { a }, o)
+      local grads = {}
+      for s = 1, 4 do
+        fill_grads({ a }, H.seed())
+        grads[s] = a.grad:totable()
+        opt:step()
+      end
+      H.assert_close(a.param:totable(), sgd_reference(p0, grads, o), 1e-5, 1e-6, "sgd")
+    end
+  end)
+
+  it("adamw follows torch.optim.AdamW over several steps", function()
+    local a, b = param("w", { 4, 3 }), param("b", { 3 })
+    local p0 = { H.flat(a.param:totable()), b.param:totable() }
+    local opt = ms.optim.new("adamw", { a, b }, { lr = 0.01, weight_decay = 0.1, betas = { 0.8, 0.99 } })
+    local m, v = { {}, {} }, { {}, {} }
+    local p = { p0[1], p0[2] }
+    for s = 1, 5 do
+      fill_grads({ a, b }, H.seed())
+      local gs = { H.flat(a.grad:totable()), b.grad:totable() }
+      opt:step()
+      for k = 1, 2 do
+        for i = 1, #p[k] do
+          local g = gs[k][i]
+          m[k][i] = 0.8 * (m[k][i] or 0) + 0.2 * g
+          v[k][i] = 0.99 * (v[k][i] or 0) + 0.01 * g * g
+          p[k][i] = p[k][i] * (1 - 0.01 * 0.1)
+          p[k][i] = p[k][i] - 0.01 * (m[k][i] / (1 - 0.8 ^ s)) / (math.sqrt(v[k][i] / (1 - 0.99 ^ s)) + 1e-8)
+        end
+      end
+    end
+    H.assert_close(H.flat(a.param:totable()), p[1], 1e-5, 1e-6, "adamw w")
+    H.assert_close(b.param:totable(), p[2], 1e-5, 1e-6, "adamw b")
+  end)
+
+  it("updates a 300-tensor group in at most 4 launches", function()
+    local params = {}
+    for i = 1, 300 do params[i] = param("p" .. i, { (i % 7) + 1, (i % 5) + 2 }) end
+    local opt = ms.optim.new("adamw", params)
+    fill_grads(params, H.seed())
+    opt:step()
+    assert.is_true(opt:stats().last.launches <= 4, "launches: " .. opt:stats().last.launches)
+  end)
+
+  it("keeps f32 master weights for bf16 parameters", function()
+    local w = { name = "w", param = ms.ones({ 64 }, { dtype = "bf16" }), grad = ms.ones({ 64 }, { dtype = "bf16" }) }
+    local opt = ms.optim.new("sgd", { w }, { lr = 1e-4 }, { master_weights = true })
+    for _ = 1, 10 do opt:step() end
+    local master = opt.members[1].master
+    assert.equals("f32", master:dtype())
+    H.assert_close(master:totable()[1], 1 - 10 * 1e-4, 1e-6, 0, "master accumulates small steps")
+    assert.same(master:to("bf16"):totable(), w.param:totable())
+    local _, text = opt:info()
+    assert.truthy(text:find("f32 master", 1, true))
+    -- without masters, bf16 loses every one of those steps (1 - 1e-4 rounds back to 1)
+    local v = { name = "v", param = ms.ones({ 64 }, { dtype = "bf16" }), grad = ms.ones({ 64 }, { dtype = "bf16" }) }
+    local plain = ms.optim.new("sgd", { v }, { lr = 1e-4 })
+    for _ = 1, 10 do plain:step() end
+    assert.equals(1, v.param:totable()[1])
+  end)
+end)
+
+describe("checkpoints", function()
+  local function run(recipe, options, settings, steps, save_at, path)
+    ms.manual_seed(11)
+    local params = { param("a", { 5, 3 }), param("b", { 4 }, "bf16"), param("c", { 2, 2 }) }
+    for i, p in ipairs(params) do p.param:copy_(ms.randn(p.param:shape(), { seed = 99, offset = i })) end
+    local opt = ms.optim.new(recipe, params, options, settings)
+    for s = 1, steps do
+      fill_grads(params, 1000 + s)
+      opt:step()
+      if save_at == s then opt:save(path) end
+    end
+    return params, opt
+  end
+
+  local function resume(recipe, options, settings, steps, save_at, path)
+    local params = { param("a", { 5, 3 }), param("b", { 4 }, "bf16"), param("c", { 2, 2 }) }
+    local ref_params = run(recipe, options, settings, save_at, nil, nil)
+    for i, p in ipairs(params) do p.param:copy_(ref_params[i].param) end
+    local opt = ms.optim.new(recipe, params, options, settings)
+    opt:load(path)
+    for s = save_at + 1, steps do
+      fill_grads(params, 1000 + s)
+      opt:step()
+    end
+    return params, opt
+  end
+
+  for _, case in ipairs {
+    { "adamw", { lr = 0.01, weight_decay = 0.1 }, { schedule = { kind = "cosine", warmup_steps = 2, total_steps = 10 } } },
+    { "adamw", { state_dtype = "bf16" }, { master_weights = true } },
+    { "sgd", { lr = 0.05, momentum = 0.9, nesterov = true }, { clip_grad_norm = 1.0 } },
+  } do
+    it(("resumes %s %s bit for bit"):format(case[1], ms.json.encode(case[2])), function()
+      local path = os.tmpname()
+      local full = run(case[1], case[2], case[3], 8, 3, path)
+      local resumed, opt = resume(case[1], case[2], case[3], 8, 3, path)
+      os.remove(path)
+      assert.equals(8, opt.step_count)
+      for i = 1, #full do assert.same(full[i].param:totable(), resumed[i].param:totable()) end
+    end)
+  end
+
+  it("restores scalars and tensors of group and member state", function()
+    local r = {
+      name = "stateful", options = { lr = { default = 1, type = "number" } },
+      route = function() return "s" end,
+      routes = { s = {
+        init = function(g)
+          g.state.count, g.state.tag, g.state.blocks = 0, "x", { ms.zeros({ 2 }), ms.zeros({ 3 }) }
+          for _, m in ipairs(g) do m.state.seen = false end
+        end,
+        step = function(g, o, ctx)
+          g.state.count = g.state.count + 1
+          g.state.tag = "step" .. ctx.step
+          g.state.blocks[2]:add_(1)
+          for _, m in ipairs(g) do m.state.seen = true end
+        end,
+      } },
+    }
+    local p = param("w", { 2 })
+    local opt = ms.optim.new(r, { p })
+    opt:step() opt:step()
+    local path = os.tmpname()
+    opt:save(path)
+    local opt2 = ms.optim.new(r, { param("w", { 2 }) })
+    opt2:load(path)
+    os.remove(path)
+    local st = opt2.groups[1].state
+    assert.equals(2, st.count)
+    assert.equals("step2", st.tag)
+    assert.same({ 2, 2, 2 }, st.blocks[2]:totable())
+    assert.is_true(opt2.members[1].state.seen)
+    assert.equals(2, opt2.step_count)
+  end)
+
+  it("refuses another recipe's checkpoint unless forced, and names mismatched tensors", function()
+    local path = os.tmpname()
+    local a = param("a", { 3 })
+    local opt = ms.optim.new("sgd", { a }, { momentum = 0.9 })
+    opt:step()
+    opt:save(path)
+    local other = ms.optim.new("adamw", { param("a", { 3 }) })
+    H.expect_error(function() other:load(path) end, "checkpoint of recipe 'sgd'", "force")
+    local wrong = ms.optim.new("sgd", { param("a", { 4 }) }, { momentum = 0.9 })
+    H.expect_error(function() wrong:load(path) end, "param/a/momentum_buffer", "[3]", "[4]")
+    local missing = ms.optim.new("sgd", { param("a", { 3 }), param("z", { 2 }) }, { momentum = 0.9 })
+    H.expect_error(function() missing:load(path) end, "'param/z/momentum_buffer' is missing")
+    local bf = ms.optim.new("sgd", { param("a", { 3 }) }, { momentum = 0.9, state_dtype = "bf16" })
+    H.expect_error(function() bf:load(path) end, "param/a/momentum_buffer", "f32", "bf16")
+    local f = assert(io.open(path, "r+b"))
+    f:seek("set", 3)
+    f:write("\255\255")
+    f:close()
+    local fresh = ms.optim.new("sgd", { param("a", { 3 }) }, { momentum = 0.9 })
+    H.expect_error(function() fresh:load(path) end, "ms_safetensors_load")
+    os.remove(path)
+  end)
+end)
