@@ -106,8 +106,10 @@ function H.seed()
 end
 
 --- it() for specs that need a GPU: runs where one is present, else pending (counted as skipped).
+--- busted gives `it` and `pending` to each spec file's environment, so they are looked up in the caller's.
 function H.cuda_it(name, fn)
-  if H.has_cuda then it(name, fn) else pending(name .. " (no CUDA device)") end
+  local env = getfenv(2)
+  if H.has_cuda then env.it(name, fn) else env.pending(name .. " (no CUDA device)") end
 end
 
 return H

@@ -355,9 +355,11 @@ MS_API ms_status ms_eigh(ms_ctx *ctx, ms_tensor *w, ms_tensor *v, const ms_tenso
 ** Device memory comes from the context's stream-ordered caching pool: freed blocks are kept, by size class,
 ** and handed to later allocations of the same context without calling the driver; the stream's order makes
 ** that safe.  A block that another context's stream used is reused only after that stream has passed the
-** use (an event is recorded at the use).  Freeing never calls the driver, so tensors may be freed from any
-** thread and from garbage-collector finalizers.  When the driver is out of memory (or the mem_limit of the
-** context would be passed) the pool first returns its cached blocks to the driver and tries again.
+** use (an event is recorded at the use).  Freeing a tensor never calls the driver, so tensors may be freed
+** from any thread and from garbage-collector finalizers (only a context's own destruction, when its last
+** tensor, event or graph goes, waits for its stream and returns its memory to the driver).  When the driver
+** is out of memory (or the mem_limit of the context would be passed) the pool first returns its cached
+** blocks to the driver and tries again.
 ** Statistics: ms_ctx_mem_stats (bytes_cached = bytes kept for reuse; num_device_allocs = driver allocations).
 ** Memory of the cuBLAS / cuSOLVER handles (a 32 MiB workspace) is not counted.
 ** ------------------------------------------------------------------------------------------------- */

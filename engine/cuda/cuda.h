@@ -1,0 +1,137 @@
+/*
+** Private to the CUDA backend: the per-context state (stream, library handles, pool, capture), the
+** stream-ordered caching pool's interface, error helpers that turn CUDA/cuBLAS/cuSOLVER codes into
+** MS_E_BACKEND messages, and the backend members the engine/cuda files collect into ms_cuda_backend.
+*/
+#ifndef MS_CUDA_H
+#define MS_CUDA_H
+
+#include "internal.h"
+#include "msk.h"
+
+#include <cublas_v2.h>
+#include <cuda_runtime_api.h>
+#include <cusolverDn.h>
+
+typedef struct ms_cuda_pool ms_cuda_pool;
+typedef struct ms_cuda_graph ms_cuda_graph;
+
+/* Bytes of the cuBLAS workspace each context gives its handle (NVIDIA's recommendation for Hopper). */
+#define MS_CUDA_BLAS_WORKSPACE (32u << 20)
+
+typedef struct ms_cuda_ctx {
+    int                device;
+    cudaStream_t       stream;
+    bool               own_stream;
+    cublasHandle_t     blas;           /* created on first use (or at ms_graph_begin) */
+    void              *blas_workspace;
+    cusolverDnHandle_t solver;         /* likewise */
+    ms_cuda_pool      *pool;
+    ms_cuda_graph     *capture;        /* the graph being captured on `stream`, NULL otherwise */
+    ms_status          capture_status; /* the first failure while capturing */
+    char               capture_error[MS_ERRMSG_SIZE];
+} ms_cuda_ctx;
+
+/* A captured sequence: the core's header, the instantiated graph, and the pool blocks it keeps. */
+struct ms_cuda_graph {
+    struct ms_graph  base;
+    cudaGraph_t      graph;
+    cudaGraphExec_t  exec;
+    int64_t          nodes;
+};
+
+static inline ms_cuda_ctx *ms_cuda(const ms_ctx *ctx) { return (ms_cuda_ctx *)ctx->impl; }
+
+/* --- errors --------------------------------------------------------------------------------------- */
+
+/* MS_E_BACKEND (MS_E_OOM for out-of-memory codes) naming the call and the library's error; while the
+** context captures, the first failure is also kept for ms_graph_end. */
+ms_status ms_cuda_fail(ms_ctx *ctx, cudaError_t e, const char *call, const char *file, int line);
+ms_status ms_cublas_fail(ms_ctx *ctx, cublasStatus_t st, const char *call, const char *file, int line);
+ms_status ms_cusolver_fail(ms_ctx *ctx, cusolverStatus_t st, const char *call, const char *file, int line);
+/* Records st (already reported) as the capture's failure when ctx is capturing; returns st. */
+ms_status ms_cuda_note_failure(ms_ctx *ctx, ms_status st);
+
+#define MS_CUDA_TRY(ctx, call)                                                                         \
+    do {                                                                                               \
+        cudaError_t ms_e_ = (call);                                                                    \
+        if (ms_e_ != cudaSuccess) return ms_cuda_fail((ctx), ms_e_, #call, __FILE__, __LINE__);       \
+    } while (0)
+#define MS_CUBLAS_TRY(ctx, call)                                                                       \
+    do {                                                                                               \
+        cublasStatus_t ms_s_ = (call);                                                                 \
+        if (ms_s_ != CUBLAS_STATUS_SUCCESS) return ms_cublas_fail((ctx), ms_s_, #call, __FILE__, __LINE__); \
+    } while (0)
+#define MS_CUSOLVER_TRY(ctx, call)                                                                     \
+    do {                                                                                               \
+        cusolverStatus_t ms_s_ = (call);                                                               \
+        if (ms_s_ != CUSOLVER_STATUS_SUCCESS) return ms_cusolver_fail((ctx), ms_s_, #call, __FILE__, __LINE__); \
+    } while (0)
+/* A launcher's status, noted for the capture when it failed. */
+#define MS_CUDA_LAUNCH(ctx, call)                                                                      \
+    do {                                                                                               \
+        ms_status ms_l_ = (call);                                                                      \
+        if (ms_l_ != MS_OK) return ms_cuda_note_failure((ctx), ms_l_);                                 \
+    } while (0)
+
+/* --- context (engine/cuda/context.c) -------------------------------------------------------------- */
+
+/* Makes ctx's device current on the calling thread. */
+ms_status ms_cuda_enter(ms_ctx *ctx);
+/* The cuBLAS / cuSOLVER handle of ctx, created (on ctx's stream) when first needed; refused while
+** capturing if it does not exist yet. */
+ms_status ms_cuda_blas(ms_ctx *ctx, cublasHandle_t *out);
+ms_status ms_cuda_solver(ms_ctx *ctx, cusolverDnHandle_t *out);
+/* A temporary device buffer from ctx's pool (freed with ms_cuda_scratch_free; stream-ordered, so freeing
+** right after queuing the work that uses it is safe). */
+ms_status ms_cuda_scratch(ms_ctx *ctx, size_t nbytes, void **out);
+void ms_cuda_scratch_free(ms_ctx *ctx, void *p, size_t nbytes);
+
+/* --- pool (engine/cuda/pool.c) -------------------------------------------------------------------- */
+
+ms_status ms_cuda_pool_new(ms_ctx *ctx, ms_cuda_pool **out);
+void ms_cuda_pool_destroy(ms_ctx *ctx, ms_cuda_pool *pool);
+ms_status ms_cuda_pool_alloc(ms_ctx *ctx, size_t nbytes, void **out);
+void ms_cuda_pool_free(ms_ctx *ctx, void *ptr);
+/* Returns the cached free blocks (and the pending ones whose streams have passed them) to the driver. */
+ms_status ms_cuda_pool_trim(ms_ctx *ctx);
+/* Marks that work queued on ctx's stream uses memory at p: when p lies in another context's pool, the
+** block is not reused there before ctx's stream has passed this point (an event is recorded). */
+void ms_cuda_pool_track(ms_ctx *ctx, const void *p);
+/* Capture bookkeeping: blocks allocated or freed while `g` captures are kept for it until it is freed. */
+void ms_cuda_pool_capture_begin(ms_ctx *ctx, ms_cuda_graph *g);
+void ms_cuda_pool_capture_end(ms_ctx *ctx);
+void ms_cuda_pool_graph_release(ms_ctx *ctx, ms_cuda_graph *g);
+
+/* --- backend members ------------------------------------------------------------------------------ */
+
+ms_status ms_cuda_copy(ms_ctx *ctx, const ms_nary *it);
+ms_status ms_cuda_fill(ms_ctx *ctx, const ms_nary *it, ms_scalar v);
+ms_status ms_cuda_rand(ms_ctx *ctx, ms_tensor *dst, const ms_rand_options *o);
+ms_status ms_cuda_unary(ms_ctx *ctx, const ms_nary *it, ms_unary_op op);
+ms_status ms_cuda_binary(ms_ctx *ctx, const ms_nary *it, ms_binary_op op);
+ms_status ms_cuda_binary_scalar(ms_ctx *ctx, const ms_nary *it, ms_scalar s, ms_binary_op op, int scalar_first);
+ms_status ms_cuda_clamp(ms_ctx *ctx, const ms_nary *it, double lo, double hi);
+ms_status ms_cuda_lerp(ms_ctx *ctx, const ms_nary *it, ms_scalar w);
+ms_status ms_cuda_addc(ms_ctx *ctx, const ms_nary *it, ms_scalar v, int divide);
+ms_status ms_cuda_reduce(ms_ctx *ctx, ms_tensor *dst, const ms_tensor *src, ms_reduce_op op, int dim);
+ms_status ms_cuda_dot(ms_ctx *ctx, ms_tensor *dst, const ms_tensor *a, const ms_tensor *b);
+ms_status ms_cuda_matmul(ms_ctx *ctx, ms_tensor *dst, const ms_tensor *a, const ms_tensor *b,
+                         const ms_matmul_options *o);
+ms_status ms_cuda_eye(ms_ctx *ctx, ms_tensor *dst);
+ms_status ms_cuda_diag(ms_ctx *ctx, ms_tensor *dst, const ms_tensor *src);
+ms_status ms_cuda_eigh(ms_ctx *ctx, ms_tensor *w, ms_tensor *v, const ms_tensor *a, int *info);
+
+/* --- shared by the op files (engine/cuda/ops.c) --------------------------------------------------- */
+
+/* dst <- src for tensors of ctx's device of the same shape (any dtypes and layouts). */
+ms_status ms_cuda_copy_tensor(ms_ctx *ctx, ms_tensor *dst, const ms_tensor *src);
+/* Every element of t <- value. */
+ms_status ms_cuda_fill_tensor(ms_ctx *ctx, ms_tensor *t, double value);
+/* A tensor header describing memory that no tensor owns yet: `like`'s storage, shape and strides given. */
+void ms_cuda_view(ms_tensor *out, const ms_tensor *like, int ndim, const int64_t *shape, const int64_t *strides,
+                  int64_t offset);
+/* Notes every tensor's memory for cross-context reuse (see ms_cuda_pool_track). */
+void ms_cuda_track_tensor(ms_ctx *ctx, const ms_tensor *t);
+
+#endif /* MS_CUDA_H */
