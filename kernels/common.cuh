@@ -1,8 +1,8 @@
 /*
 ** Device helpers shared by the kernel families: dtype-converting loads and stores that round exactly as
 ** the CPU backend does (bf16/f16 round to nearest even through f32; i32/u8 truncate and saturate, NaN -> 0),
-** correctly rounded arithmetic where the CPU's order must be kept (no FMA contraction), launch sizing and
-** the launch-error check.
+** correctly rounded arithmetic where the CPU's order must be kept (no FMA contraction), Philox, launch sizing
+** and the launch-error check.
 */
 #ifndef MS_KERNELS_COMMON_CUH
 #define MS_KERNELS_COMMON_CUH
@@ -108,6 +108,34 @@ __device__ __forceinline__ float msk_add(float a, float b) { return __fadd_rn(a,
 __device__ __forceinline__ double msk_add(double a, double b) { return __dadd_rn(a, b); }
 __device__ __forceinline__ float msk_sub(float a, float b) { return __fsub_rn(a, b); }
 __device__ __forceinline__ double msk_sub(double a, double b) { return __dsub_rn(a, b); }
+__device__ __forceinline__ float msk_div(float a, float b) { return __fdiv_rn(a, b); }
+__device__ __forceinline__ double msk_div(double a, double b) { return __ddiv_rn(a, b); }
+__device__ __forceinline__ float msk_sqrt(float a) { return __fsqrt_rn(a); }
+__device__ __forceinline__ double msk_sqrt(double a) { return __dsqrt_rn(a); }
+
+/* --- counter-based random bits -------------------------------------------------------------------- */
+
+/* Philox4x32-10 (Salmon et al., "Parallel random numbers: as easy as 1, 2, 3", SC'11; the constants of
+** Random123): w <- the bijection of counter (c0..c3) under key (k0, k1), exactly as engine/cpu/random.c's
+** ms_cpu_philox, so the CPU and the GPU draw the same bits. */
+__device__ __forceinline__ void msk_philox(uint32_t c0, uint32_t c1, uint32_t c2, uint32_t c3, uint32_t k0,
+                                           uint32_t k1, uint32_t w[4])
+{
+#pragma unroll
+    for (int r = 0; r < 10; r++) {
+        if (r > 0) {
+            k0 += 0x9E3779B9u;
+            k1 += 0xBB67AE85u;
+        }
+        const uint32_t hi0 = __umulhi(0xD2511F53u, c0), lo0 = 0xD2511F53u * c0;
+        const uint32_t hi1 = __umulhi(0xCD9E8D57u, c2), lo1 = 0xCD9E8D57u * c2;
+        c0 = hi1 ^ c1 ^ k0;
+        c1 = lo1;
+        c2 = hi0 ^ c3 ^ k1;
+        c3 = lo0;
+    }
+    w[0] = c0; w[1] = c1; w[2] = c2; w[3] = c3;
+}
 
 /* --- launches ------------------------------------------------------------------------------------- */
 

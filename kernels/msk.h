@@ -95,6 +95,68 @@ ms_status msk_rand_run(ms_ctx *ctx, cudaStream_t s, const msk_rand *r);
 ms_status msk_eigh_prepare(ms_ctx *ctx, cudaStream_t s, void *mats, int dtype, int64_t n, int64_t nbatch,
                            int *flags);
 
+/* --- kernels/optim.cu: fused optimizer steps and multi-tensor helpers ------------------------------
+** A call's members reach the kernels as a table passed by value in the kernel parameters (CUDA 12.1+ takes
+** up to 32 KB of them): one launch updates up to MSK_OPTIM_CAP members, a captured graph keeps its own copy
+** of the table, and nothing is staged in device memory or allocated per step.  A larger group takes
+** ceil(n / MSK_OPTIM_CAP) launches.  Each block works on (member, tile) pairs.  *launches gets the number
+** of kernels queued.  Arithmetic is that of engine/cpu/optim.c, in its order, correctly rounded. */
+
+enum { MSK_OPTIM_CAP = 320 };
+
+/* One member of a call.  The strided operand (the grad of a step, the tensor of scale and sumsq) has element
+** e (row-major) at (e / cols) * rs + (e % cols) * cs elements from its base; dense means cols = numel,
+** cs = 1.  x and the states are contiguous. */
+typedef struct msk_member {
+    void       *x;            /* the param (steps), the tensor (scale), the source (sumsq) */
+    const void *g;            /* the grad (steps) */
+    void       *s0, *s1;      /* the states (NULL when the step keeps none) */
+    int64_t     numel;
+    int64_t     cols, rs, cs;
+    double      scale;        /* learning-rate multiplier (steps) */
+    int32_t     index;        /* position in the call: Philox counter word (steps), dst element (sumsq) */
+    int8_t      xdt, gdt;     /* dtypes of x and g */
+    uint8_t     dense;        /* the strided operand is dense */
+    uint8_t     vec;          /* MSK_VEC_X: x and the states 16-byte aligned; MSK_VEC_G: g (dense) 16-byte aligned */
+} msk_member;
+
+enum { MSK_VEC_X = 1, MSK_VEC_G = 2 };
+
+/* Scalars of an AdamW call.  lr, step and skip may be device scalars (skip.ptr NULL: never skip).  omb1/omb2
+** are 1 - beta in f64.  With bias correction and a host step, bc1 = 1 - beta1^step and bc2_sqrt =
+** sqrt(1 - beta2^step) come from the host (the CPU's libm, so the CPU's values); with a device step they are
+** computed on the device. */
+typedef struct msk_adamw {
+    msk_scalar lr, step, skip;
+    double     beta1, beta2, omb1, omb2, eps, weight_decay, bc1, bc2_sqrt;
+    int        bias_correction, stochastic, state_dtype;
+    uint64_t   seed;
+} msk_adamw;
+
+/* Scalars of an SGD call; omd = 1 - dampening in f64; has_buf: the members carry a momentum buffer (s0). */
+typedef struct msk_sgd {
+    msk_scalar lr, step, skip;
+    double     momentum, omd, weight_decay;
+    int        nesterov, has_buf, stochastic, state_dtype;
+    uint64_t   seed;
+} msk_sgd;
+
+/* Every member's numel >= 1. */
+ms_status msk_adamw_run(ms_ctx *ctx, cudaStream_t s, const msk_adamw *o, int n, const msk_member *m, int *launches);
+ms_status msk_sgd_run(ms_ctx *ctx, cudaStream_t s, const msk_sgd *o, int n, const msk_member *m, int *launches);
+/* Each member's x <- x * v, in place (f32 arithmetic, f64 for f64 members). */
+ms_status msk_scale_run(ms_ctx *ctx, cudaStream_t s, msk_scalar v, int n, const msk_member *m, int *launches);
+
+/* Sums of squares: dst[m.index] (dst_dtype f32 or f64) <- the sum over member m, in engine/cpu/optim.c's order
+** (4096-element chunks summed in 8 interleaved lanes, chunk partials added in order), so the result equals
+** the CPU's bit for bit.  One launch per MSK_OPTIM_CAP members: the last block to finish a member's chunks
+** (told by an integer counter, never a float atomic) adds its partials in order.  `partials` holds
+** msk_sumsq_scratch bytes of device scratch; `tickets` MSK_OPTIM_CAP counters that are zero before the call
+** and are zero again after it (each member's last block resets its own), kept by the caller across calls. */
+size_t msk_sumsq_scratch(int n, const msk_member *m);
+ms_status msk_sumsq_run(ms_ctx *ctx, cudaStream_t s, void *dst, int dst_dtype, int n, const msk_member *m,
+                        double *partials, unsigned *tickets, int *launches);
+
 /* --- shared --------------------------------------------------------------------------------------- */
 
 /* The engine's error recorder (engine/core/error.c), for the launchers' messages. */

@@ -6,30 +6,7 @@
 */
 #include "common.cuh"
 
-#define PHILOX_M0 0xD2511F53u
-#define PHILOX_M1 0xCD9E8D57u
-#define PHILOX_W0 0x9E3779B9u
-#define PHILOX_W1 0xBB67AE85u
 #define TWO_PI 6.283185307179586476925286766559
-
-__device__ __forceinline__ void philox(uint32_t c0, uint32_t c1, uint32_t c2, uint32_t c3, uint32_t k0,
-                                       uint32_t k1, uint32_t w[4])
-{
-#pragma unroll
-    for (int r = 0; r < 10; r++) {
-        if (r > 0) {
-            k0 += PHILOX_W0;
-            k1 += PHILOX_W1;
-        }
-        const uint32_t hi0 = __umulhi(PHILOX_M0, c0), lo0 = PHILOX_M0 * c0;
-        const uint32_t hi1 = __umulhi(PHILOX_M1, c2), lo1 = PHILOX_M1 * c2;
-        c0 = hi1 ^ c1 ^ k0;
-        c1 = lo1;
-        c2 = hi0 ^ c3 ^ k1;
-        c3 = lo0;
-    }
-    w[0] = c0; w[1] = c1; w[2] = c2; w[3] = c3;
-}
 
 /* 24-bit and 53-bit uniforms on [0, 1) (exact: integers times powers of two) */
 __device__ __forceinline__ double u24(uint32_t w) { return (double)(w >> 8) * 0x1p-24; }
@@ -57,7 +34,7 @@ __global__ void __launch_bounds__(MSK_THREADS) rand_kernel(msk_rand r)
     const int64_t tid = (int64_t)blockIdx.x * blockDim.x + threadIdx.x, nth = (int64_t)gridDim.x * blockDim.x;
     for (int64_t i = tid; i < r.numel; i += nth) {
         uint32_t w[4];
-        philox((uint32_t)i, (uint32_t)((uint64_t)i >> 32), o0, o1, k0, k1, w);
+        msk_philox((uint32_t)i, (uint32_t)((uint64_t)i >> 32), o0, o1, k0, k1, w);
         double x;
         if (r.normal) {
             const double u1 = wide ? __dadd_rn(u53(w[0], w[1]), 0x1p-53) : __dadd_rn(u24(w[0]), 0x1p-24);

@@ -38,7 +38,8 @@ describe("recipe loading", function()
     f:write([[return {name = "mine", options = {lr = {default = 1, type = "number"}},
       route = function() return "r" end, routes = {r = {step = function() end}}}]])
     f:close()
-    local p = io.popen("MOONSTEP_RECIPE_PATH=" .. dir .. " build/moonstep -e 'print(ms.recipe.get(\"mine\").name)' 2>&1")
+    local build = os.getenv("MOONSTEP_BUILD") or "build"
+    local p = io.popen("MOONSTEP_RECIPE_PATH=" .. dir .. " " .. build .. "/moonstep -e 'print(ms.recipe.get(\"mine\").name)' 2>&1")
     local out = p:read("*a")
     p:close()
     os.execute("rm -rf " .. dir)

@@ -99,6 +99,8 @@ static void release_handles(ms_cuda_ctx *c)
     if (c->blas) cublasDestroy(c->blas);
     if (c->blas_workspace) cudaFree(c->blas_workspace);
     if (c->solver) cusolverDnDestroy(c->solver);
+    if (c->tickets) cudaFree(c->tickets);
+    c->tickets = NULL;
     c->blas = NULL;
     c->blas_workspace = NULL;
     c->solver = NULL;
@@ -433,4 +435,8 @@ const ms_backend ms_cuda_backend = {
     .graph_launch     = cuda_graph_launch,
     .graph_num_nodes  = cuda_graph_num_nodes,
     .graph_free       = cuda_graph_free,
+    .foreach_sumsq    = ms_cuda_foreach_sumsq,
+    .foreach_scale    = ms_cuda_foreach_scale,
+    .adamw_step       = ms_cuda_adamw_step,
+    .sgd_step         = ms_cuda_sgd_step,
 };

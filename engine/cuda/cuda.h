@@ -27,6 +27,7 @@ typedef struct ms_cuda_ctx {
     void              *blas_workspace;
     cusolverDnHandle_t solver;         /* likewise */
     ms_cuda_pool      *pool;
+    unsigned          *tickets;        /* ms_foreach_sumsq's counters (engine/cuda/optim.c), made on first use */
     ms_cuda_graph     *capture;        /* the graph being captured on `stream`, NULL otherwise */
     ms_status          capture_status; /* the first failure while capturing */
     char               capture_error[MS_ERRMSG_SIZE];
@@ -121,6 +122,14 @@ ms_status ms_cuda_matmul(ms_ctx *ctx, ms_tensor *dst, const ms_tensor *a, const 
 ms_status ms_cuda_eye(ms_ctx *ctx, ms_tensor *dst);
 ms_status ms_cuda_diag(ms_ctx *ctx, ms_tensor *dst, const ms_tensor *src);
 ms_status ms_cuda_eigh(ms_ctx *ctx, ms_tensor *w, ms_tensor *v, const ms_tensor *a, int *info);
+/* engine/cuda/optim.c */
+ms_status ms_cuda_foreach_sumsq(ms_ctx *ctx, ms_tensor *dst, int n, const ms_tensor *const *srcs);
+ms_status ms_cuda_foreach_scale(ms_ctx *ctx, int n, ms_tensor *const *tensors, ms_scalar s);
+ms_status ms_cuda_adamw_step(ms_ctx *ctx, int n, ms_tensor *const *params, const ms_tensor *const *grads,
+                             ms_tensor *const *exp_avg, ms_tensor *const *exp_avg_sq, const double *scales,
+                             const ms_adamw_options *o);
+ms_status ms_cuda_sgd_step(ms_ctx *ctx, int n, ms_tensor *const *params, const ms_tensor *const *grads,
+                           ms_tensor *const *momentum_buf, const double *scales, const ms_sgd_options *o);
 
 /* --- shared by the op files (engine/cuda/ops.c) --------------------------------------------------- */
 
