@@ -141,6 +141,15 @@ struct ms_backend {
                             const ms_adamw_options *o);
     ms_status (*sgd_step)(ms_ctx *ctx, int n, ms_tensor *const *params, const ms_tensor *const *grads,
                           ms_tensor *const *momentum_buf, const double *scales, const ms_sgd_options *o);
+    /* SinkGD and 8-bit AdamW (engine/core/sinkgd_ops.c, engine/core/adamw8_ops.c); NULL: MS_E_UNSUPPORTED.
+    ** sinkgd_step gets specnorm_u NULL in base mode and md_target_norm NULL outside sphere mode. */
+    ms_status (*sinkgd_step)(ms_ctx *ctx, int n, ms_tensor *const *params, const ms_tensor *const *grads,
+                             ms_tensor *const *specnorm_u, ms_tensor *const *md_target_norm,
+                             const double *scales, const ms_sinkgd_options *o);
+    ms_status (*adamw8_step)(ms_ctx *ctx, int n, ms_tensor *const *params, const ms_tensor *const *grads,
+                             ms_tensor *const *exp_avg, ms_tensor *const *exp_avg_scale,
+                             ms_tensor *const *exp_avg_sq, ms_tensor *const *exp_avg_sq_scale,
+                             const double *scales, const ms_adamw8_options *o);
 };
 
 /* Backends compiled into this build (the CUDA one only with MS_WITH_CUDA). */
@@ -210,5 +219,23 @@ static inline uint16_t ms_f32_to_bf16(float f)
 }
 float ms_f16_to_f32(uint16_t h);
 uint16_t ms_f32_to_f16(float f);
+
+/* --- argument checks of the fused group steps (engine/core/optim_ops.c) -------------------------------
+** `fn` is the public function's name and `who` names the tensor in messages ("member 3 (exp_avg)"). */
+
+ms_status ms_check_on_device(ms_ctx *ctx, const char *fn, const char *who, const ms_tensor *t);
+ms_status ms_check_contiguous(ms_ctx *ctx, const char *fn, const char *who, const ms_tensor *t);
+/* NULL passes; else one element of a float dtype on ctx's device. */
+ms_status ms_check_device_scalar(ms_ctx *ctx, const char *fn, const char *who, const ms_tensor *t);
+/* One tensor of a call for the overlap check (t NULL or empty: ignored; member -1: not a member's). */
+typedef struct ms_arg_use {
+    const ms_tensor *t;
+    int              member;
+    const char      *role;
+    bool             written;
+} ms_arg_use;
+/* MS_E_LAYOUT naming the first pair (in the order given) where a written tensor shares memory with another
+** tensor of the call; MS_E_OOM when the check itself cannot get host memory. */
+ms_status ms_check_overlaps(ms_ctx *ctx, const char *fn, const ms_arg_use *uses, int64_t count);
 
 #endif /* MS_INTERNAL_H */

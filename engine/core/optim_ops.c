@@ -405,3 +405,31 @@ MS_API ms_status ms_sgd_step(ms_ctx *ctx, int n, ms_tensor *const *params, const
     if (ctx->backend->sgd_step == NULL) return unsupported(ctx, fn);
     DISPATCH(ctx, ctx->backend->sgd_step(ctx, n, params, grads, with_buf ? momentum_buf : NULL, scales, o));
 }
+
+/* --- the checks other fused-step entry points share (declared in internal.h) ------------------------ */
+
+ms_status ms_check_on_device(ms_ctx *ctx, const char *fn, const char *who, const ms_tensor *t)
+{
+    return check_on_device(ctx, fn, who, t);
+}
+
+ms_status ms_check_contiguous(ms_ctx *ctx, const char *fn, const char *who, const ms_tensor *t)
+{
+    return check_contiguous(ctx, fn, who, t);
+}
+
+ms_status ms_check_device_scalar(ms_ctx *ctx, const char *fn, const char *who, const ms_tensor *t)
+{
+    return check_device_scalar(ctx, fn, who, t);
+}
+
+ms_status ms_check_overlaps(ms_ctx *ctx, const char *fn, const ms_arg_use *uses, int64_t count)
+{
+    span stack[STACK_SPANS], *s = NULL, *heap = NULL;
+    MS_TRY(spans_get(ctx, fn, count, stack, &s, &heap));
+    int64_t k = 0;
+    for (int64_t j = 0; j < count; j++) span_add(s, &k, uses[j].t, uses[j].member, uses[j].role, uses[j].written);
+    ms_status st = check_spans(ctx, fn, s, k);
+    free(heap);
+    return st;
+}

@@ -93,4 +93,6 @@ const ms_backend ms_cpu_backend = {
     /* .foreach_scale    = */ ms_cpu_foreach_scale,
     /* .adamw_step       = */ ms_cpu_adamw_step,
     /* .sgd_step         = */ ms_cpu_sgd_step,
+    /* .sinkgd_step      = */ ms_cpu_sinkgd_step,
+    /* .adamw8_step      = */ ms_cpu_adamw8_step,
 };

@@ -79,4 +79,24 @@ ms_status ms_cpu_adamw_step(ms_ctx *ctx, int n, ms_tensor *const *params, const 
 ms_status ms_cpu_sgd_step(ms_ctx *ctx, int n, ms_tensor *const *params, const ms_tensor *const *grads,
                           ms_tensor *const *momentum_buf, const double *scales, const ms_sgd_options *o);
 
+/* engine/cpu/optim.c: how every fused step stores bf16/f16 params -- round to nearest even, or the stochastic
+** rounding defined there (Philox counter: element, step, member) -- shared so that all steps round alike. */
+typedef struct ms_cpu_rounding {
+    bool     stochastic;
+    uint32_t key[2];
+    uint32_t step;       /* lo32 of the step number */
+} ms_cpu_rounding;
+ms_cpu_rounding ms_cpu_rounding_of(bool stochastic, uint64_t seed, double step);
+/* Elements [e0, e0 + n) of member `member`'s contiguous param <- x (f32 params: stored as they are). */
+void ms_cpu_store_param_f32(const ms_cpu_view *pv, const ms_cpu_rounding *r, int member, int64_t e0, int64_t n,
+                            const float *x);
+/* engine/cpu/sinkgd.c and engine/cpu/adamw8.c */
+ms_status ms_cpu_sinkgd_step(ms_ctx *ctx, int n, ms_tensor *const *params, const ms_tensor *const *grads,
+                             ms_tensor *const *specnorm_u, ms_tensor *const *md_target_norm,
+                             const double *scales, const ms_sinkgd_options *o);
+ms_status ms_cpu_adamw8_step(ms_ctx *ctx, int n, ms_tensor *const *params, const ms_tensor *const *grads,
+                             ms_tensor *const *exp_avg, ms_tensor *const *exp_avg_scale,
+                             ms_tensor *const *exp_avg_sq, ms_tensor *const *exp_avg_sq_scale,
+                             const double *scales, const ms_adamw8_options *o);
+
 #endif /* MS_CPU_H */

@@ -107,11 +107,7 @@ static double *inplace_f64(const ms_cpu_view *v, int64_t e0, int64_t n, double *
 ** spacing 2^-24, lo = floor(|x| 2^24) 2^-24 and f * 2^24 = (|x| 2^24 - floor(|x| 2^24)) 2^24, exact in f64.
 ** NaN and infinity are stored as round-to-nearest-even stores them. */
 
-typedef struct rounding {
-    bool     stochastic;
-    uint32_t key[2];
-    uint32_t step;       /* lo32 of the step number */
-} rounding;
+typedef ms_cpu_rounding rounding;   /* cpu.h: shared with the other fused steps */
 
 static uint32_t f32_bits(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
 static float bits_f32(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
@@ -444,4 +440,17 @@ ms_status ms_cpu_foreach_scale(ms_ctx *ctx, int n, ms_tensor *const *tensors, ms
     }
     plan_free(ctx, &pl);
     return MS_OK;
+}
+
+/* --- the rounding of params, for the fused steps of other files (cpu.h) ------------------------------ */
+
+ms_cpu_rounding ms_cpu_rounding_of(bool stochastic, uint64_t seed, double step)
+{
+    return rounding_of(stochastic, seed, step);
+}
+
+void ms_cpu_store_param_f32(const ms_cpu_view *pv, const ms_cpu_rounding *r, int member, int64_t e0, int64_t n,
+                            const float *x)
+{
+    store_param_f32(pv, r, member, e0, n, x);
 }

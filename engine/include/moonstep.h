@@ -530,6 +530,114 @@ typedef struct ms_sgd_options {
 MS_API ms_status ms_sgd_step(ms_ctx *ctx, int n, ms_tensor *const *params, const ms_tensor *const *grads,
                              ms_tensor *const *momentum_buf, const double *scales, const ms_sgd_options *opts);
 
+/* ---------------------------------------------------------------------------------------------------
+** SinkGD and AdamW with 8-bit state
+**
+** SinkGD: Scetbon, Ma, Gong, Meeds, "Gradient Multi-Normalization for Efficient LLM Training" (arXiv
+** 2502.06742), with the modes and knobs of axolotl's implementation (spectral target, weight sphere).
+** 8-bit AdamW state: block-wise absmax scaling with a dynamic-tree quantization map (Dettmers et al.,
+** arXiv 2110.02861 and 1511.04561), as torchao's AdamW8bit keeps it.  Both are group calls like the steps
+** above: n members, lr and step as a double or a device scalar, skip_t, per-member scales.
+** ------------------------------------------------------------------------------------------------- */
+
+typedef enum ms_sinkgd_mode {
+    MS_SINKGD_BASE     = 0,   /* p <- p (1 - eta wd) - eta X */
+    MS_SINKGD_SPECTRAL = 1,   /* p <- p (1 - eta wd) - eta (tau / sigma) X: ||update||_2 ~ eta tau */
+    MS_SINKGD_SPHERE   = 2    /* the MD variant: a step that keeps ||p||_F at its first value, no decay */
+} ms_sinkgd_mode;
+
+typedef enum ms_sinkgd_target {
+    MS_SINKGD_TARGET_UNIT = 0,   /* tau = 1 */
+    MS_SINKGD_TARGET_MUON = 1    /* tau = sqrt(m / n) */
+} ms_sinkgd_target;
+
+typedef struct ms_sinkgd_options {
+    double lr;                  const ms_tensor *lr_t;
+    double step;                const ms_tensor *step_t;   /* 1-based; keys the stochastic rounding */
+    ms_sinkgd_mode   mode;
+    int    iters;               /* SR-Sinkhorn iterations L >= 0 (0: X = G) */
+    int    sn_iters;            /* power-iteration steps per update, >= 1 (spectral and sphere modes) */
+    ms_sinkgd_target target;    /* the spectral mode's operator-norm target */
+    double eps;                 /* > 0: every norm is clamped from below at eps */
+    double weight_decay;        /* >= 0; must be 0 in sphere mode */
+    int    stochastic_round;    /* bf16/f16 params: stochastic rounding when storing them (as ms_adamw_step) */
+    uint64_t seed;              /* Philox key of the stochastic rounding and of u's first value */
+    const ms_tensor *skip_t;
+} ms_sinkgd_options;
+
+/* One SinkGD step on each member.  A member is a param p and its grad of shape [..., m, n]: the leading
+** dims index independent matrices (e.g. the experts of a fused MoE weight); for an nn.Linear weight
+** m = d_out and n = d_in.  For each matrix G, with eta = lr * scales[i] (scales NULL: 1; the recipe's
+** width-transfer factor alpha_eff), in exact arithmetic (the CPU computes in f64), rounded once when p is
+** stored:
+**
+**   SR-Sinkhorn, carried as the scale vectors of X = diag(r) G diag(c), r = 1 [m], c = 1 [n]; `iters` times:
+**     S_i = ||row i of G diag(c)||,  r_i <- sqrt(n) r_i / max(r_i S_i, eps)     (rows of X to norm sqrt(n))
+**     T_j = ||col j of diag(r) G||,  c_j <- sqrt(m) c_j / max(c_j T_j, eps)     (then columns to sqrt(m))
+**   which is the iterate of X <- sqrt(n) X / max(||X_i,:||, eps); X <- sqrt(m) X / max(||X_:,j||, eps)
+**   without rounding X in between.  A zero S_i (T_j) leaves r_i (c_j) as it is: that row (column) of X is
+**   zero whatever its scale, and the scale would otherwise grow by sqrt(n) / eps every iteration.
+**
+**   base:      p <- p (1 - eta wd) - eta X
+**   spectral:  sn_iters power-iteration steps from the persisted u = specnorm_u ([..., n], f32):
+**                v = X u,  v <- v / max(||v||, eps),  w = X^T v,  sigma = max(||w||, eps),  u <- w / sigma
+**              then p <- p (1 - eta wd) - eta (tau / sigma) X,  tau = 1 (unit) or sqrt(m / n) (muon).
+**   sphere:    t = md_target_norm ([...], f32).  A negative stored t means "not captured yet": t becomes
+**              ||p||_F of this step's p, stored rounded to f32, and that f32 value is used.  sigma as in
+**              spectral; a = eta t / sigma; s0 = ||W||_F^2, s1 = <W, X>, s2 = ||X||_F^2 (W = p);
+**              F = sqrt(max(s0 - 2 a s1 + a^2 s2, eps));  p <- (W - a X) t / F   (so ||p||_F stays t).
+**
+** u is stored as the unit vector of the last power step; on entry it need not be a unit vector (the power
+** step normalises v first).  A u that is all zeros (a fresh state) starts as u_j = 2 U_j - 1, U_j the f32
+** uniform that ms_rand draws for element j with key `seed` and offset 2^63 + b, b the matrix's index among
+** the member's leading dims (ms_rand with a = -1, b = 1 gives the same vector).  A power step whose u is
+** (numerically) orthogonal to every row of X, ||X u|| <= 1e-4 ||X||_F ||u|| (a 1-row matrix meets this
+** whenever half its signs flip), restarts from that vector, once per step: sigma would otherwise collapse to
+** eps and the update grow 1/eps times.  When X^T v is zero (a zero gradient, an expert that received no
+** tokens) u keeps its value, so a later step never starts from zero.
+**
+** params: f32, bf16 or f16, ndim >= 2, contiguous (updated in place: a non-contiguous param is refused, never
+** copied).  grads: f32, bf16 or f16, the param's shape, any layout.  specnorm_u (spectral and sphere; may be
+** NULL in base mode): f32 [..., n], contiguous.  md_target_norm (sphere; may be NULL otherwise): f32 [...]
+** (for a 2-D param [] or [1]), contiguous.  With skip_t nonzero nothing changes, state included.  Results
+** do not depend on the thread count or on the grads' layout.
+** Errors: MS_E_ARG (NULL arrays or members, options out of range), MS_E_SHAPE, MS_E_DTYPE, MS_E_LAYOUT,
+** MS_E_DEVICE, MS_E_OOM (scratch: O(m + n) per matrix), MS_E_UNSUPPORTED (a backend without the op). */
+MS_API ms_status ms_sinkgd_step(ms_ctx *ctx, int n, ms_tensor *const *params, const ms_tensor *const *grads,
+                                ms_tensor *const *specnorm_u, ms_tensor *const *md_target_norm,
+                                const double *scales, const ms_sinkgd_options *opts);
+
+enum { MS_ADAMW8_BLOCK_MAX = 4096 };   /* the largest block_size of ms_adamw8_step */
+
+typedef struct ms_adamw8_options {
+    ms_adamw_options adamw;     /* as for ms_adamw_step */
+    int block_size;             /* elements per quantization block, 1..MS_ADAMW8_BLOCK_MAX (torchao: 256) */
+} ms_adamw8_options;
+
+/* out[0..255] <- the dynamic-tree quantization map, ascending (torchao's create_dynamic_map(signed, 7, 8)):
+** for k = 0..6 the midpoints of K + 1 evenly spaced points from 0.1 to 1, K = 2^k (signed) or 2^(k+1)
+** (unsigned), times 10^(k-6), and when signed their negatives; then 0 and 1.  Each value is computed in f64
+** and rounded once to f32 (torch computes them in f32: its values can differ in the last one or two bits).
+** Signed: 127 negatives down to -0.99297, 0 at index 127, 1 at 255; unsigned: 0 at index 0, 1 at 255. */
+MS_API void ms_adamw8_qmap(int is_signed, float *out);
+
+/* AdamW whose moments are kept in 8 bits: the math of ms_adamw_step in f32, with exp_avg and exp_avg_sq held
+** as u8 codes (the param's shape) and one f32 scale per block of block_size consecutive elements (row-major;
+** scale tensors [numel / block_size]).  Per element: m = qmap_signed[code] * scale, v = qmap_unsigned[code]
+** * scale; then the update of ms_adamw_step (p uses the new m' and v' before they are quantized); then per
+** block scale' = max(max |m'| over the block, 1e-12f), y = m' / scale', and the code is the index c of the
+** largest map value <= y (0 when y is below every value), moved to c + 1 when c < 255 and
+** y - map[c] >= (map[c + 1] - map[c]) * 0.5.  All in f32, as torchao's OptimState8bit.  A fresh state is
+** codes 0 and scales 0 (both moments then decode to 0).
+** params: f32, bf16 or f16, contiguous, numel a multiple of block_size; grads: any float dtype, the param's
+** shape, any layout; codes: u8, the param's shape, contiguous; scales: f32 [numel / block_size], contiguous.
+** Stochastic rounding, skip_t and scales as ms_adamw_step (the same Philox counters).
+** Errors: MS_E_ARG, MS_E_SHAPE, MS_E_DTYPE, MS_E_LAYOUT, MS_E_DEVICE, MS_E_UNSUPPORTED. */
+MS_API ms_status ms_adamw8_step(ms_ctx *ctx, int n, ms_tensor *const *params, const ms_tensor *const *grads,
+                                ms_tensor *const *exp_avg, ms_tensor *const *exp_avg_scale,
+                                ms_tensor *const *exp_avg_sq, ms_tensor *const *exp_avg_sq_scale,
+                                const double *scales, const ms_adamw8_options *opts);
+
 #ifdef __cplusplus
 }
 #endif

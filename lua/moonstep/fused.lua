@@ -89,4 +89,62 @@ function M.foreach_scale(arr, s)
   check(C.ms_foreach_scale(ctx_for(arr), #arr, list(arr, "tensors"), v, vt))
 end
 
+
+local sinkgd_modes = { base = "MS_SINKGD_BASE", spectral = "MS_SINKGD_SPECTRAL", sphere = "MS_SINKGD_SPHERE" }
+local sinkgd_targets = { unit = "MS_SINKGD_TARGET_UNIT", muon = "MS_SINKGD_TARGET_MUON" }
+
+--- ms.sinkgd_step{params=, grads=, specnorm_u=, md_target_norm=, scales=, lr=, step=, mode="base"|"spectral"|
+---   "sphere", iters=5, sn_iters=1, target="unit"|"muon", eps=1e-8, weight_decay=0, stochastic_round=false,
+---   seed=0, skip=}   (moonstep.h, ms_sinkgd_step: params [..., m, n]; specnorm_u [..., n] f32 for the
+---   spectral and sphere modes; md_target_norm [...] f32, negative until captured, for the sphere mode)
+function M.sinkgd_step(a)
+  local n = #a.params
+  local o = ffi.new("ms_sinkgd_options")
+  o.lr, o.lr_t = scalar(a.lr, 1e-3)
+  o.step, o.step_t = scalar(a.step, 1)
+  local mode, target = sinkgd_modes[a.mode or "base"], sinkgd_targets[a.target or "unit"]
+  if not mode then error("sinkgd_step: mode must be 'base', 'spectral' or 'sphere' (got " .. tostring(a.mode) .. ")", 2) end
+  if not target then error("sinkgd_step: target must be 'unit' or 'muon' (got " .. tostring(a.target) .. ")", 2) end
+  o.mode, o.target = mode, target
+  o.iters, o.sn_iters = a.iters or 5, a.sn_iters or 1
+  o.eps, o.weight_decay = a.eps or 1e-8, a.weight_decay or 0
+  o.stochastic_round = a.stochastic_round and 1 or 0
+  o.seed = a.seed or 0
+  o.skip_t = a.skip and H(a.skip) or nil
+  check(C.ms_sinkgd_step(ctx_for(a.params), n, list(a.params, "params"), list(a.grads, "grads", n, false, true),
+                         list(a.specnorm_u, "specnorm_u", n, true), list(a.md_target_norm, "md_target_norm", n, true),
+                         scales_of(a.scales, n), o))
+end
+
+--- ms.adamw8_step{params=, grads=, exp_avg=, exp_avg_scale=, exp_avg_sq=, exp_avg_sq_scale=, block_size=256, ...}
+---   AdamW with 8-bit moments (u8 codes shaped like the params, f32 scales [numel / block_size]); the other
+---   arguments as ms.adamw_step.
+function M.adamw8_step(a)
+  local n = #a.params
+  local o = ffi.new("ms_adamw8_options")
+  local w = o.adamw
+  w.lr, w.lr_t = scalar(a.lr, 1e-3)
+  w.step, w.step_t = scalar(a.step, 1)
+  w.beta1, w.beta2 = a.beta1 or 0.9, a.beta2 or 0.999
+  w.eps, w.weight_decay = a.eps or 1e-8, a.weight_decay or 0
+  w.bias_correction = a.bias_correction == false and 0 or 1
+  w.stochastic_round = a.stochastic_round and 1 or 0
+  w.seed = a.seed or 0
+  w.skip_t = a.skip and H(a.skip) or nil
+  o.block_size = a.block_size or 256
+  check(C.ms_adamw8_step(ctx_for(a.params), n, list(a.params, "params"), list(a.grads, "grads", n, false, true),
+                         list(a.exp_avg, "exp_avg", n), list(a.exp_avg_scale, "exp_avg_scale", n),
+                         list(a.exp_avg_sq, "exp_avg_sq", n), list(a.exp_avg_sq_scale, "exp_avg_sq_scale", n),
+                         scales_of(a.scales, n), o))
+end
+
+--- ms.adamw8_qmap(signed) -> the 256 values of the dynamic quantization map, ascending (Lua numbers)
+function M.adamw8_qmap(signed)
+  local q = ffi.new("float[256]")
+  C.ms_adamw8_qmap(signed and 1 or 0, q)
+  local out = {}
+  for i = 0, 255 do out[i + 1] = q[i] end
+  return out
+end
+
 return M

@@ -38,7 +38,8 @@ ms.Tensor = tensor.Tensor
 
 -- multi-tensor helpers and fused optimizer steps, the optimizer runtime and recipes
 local fused = require("moonstep.fused")
-for _, name in ipairs { "adamw_step", "sgd_step", "foreach_sumsq", "foreach_scale" } do ms[name] = fused[name] end
+for _, name in ipairs { "adamw_step", "sgd_step", "foreach_sumsq", "foreach_scale", "sinkgd_step", "adamw8_step",
+                         "adamw8_qmap" } do ms[name] = fused[name] end
 
 function ms.zeros_like(t, opts)
   return ms.zeros(t:shape(), { dtype = opts and opts.dtype or t:dtype(), ctx = opts and opts.ctx or t:context() })

@@ -83,6 +83,7 @@ local safe_ms = {
   "neg", "abs", "sqrt", "rsqrt", "exp", "log", "sign", "square", "reciprocal", "tanh", "sigmoid", "relu",
   "sin", "cos", "sum", "mean", "max", "min", "norm", "sumsq", "amax",
   "adamw_step", "sgd_step", "foreach_sumsq", "foreach_scale", "version",
+  "sinkgd_step", "adamw8_step", "adamw8_qmap",
 }
 
 local function readonly(t, what)

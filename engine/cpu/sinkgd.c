@@ -1,0 +1,367 @@
+/*
+** CPU SinkGD step (ms_sinkgd_step): SR-Sinkhorn (Scetbon et al., arXiv 2502.06742, Algorithm 3) carried as the
+** two scale vectors of X = diag(r) G diag(c) -- the matrix X is never written -- then the base, spectral and
+** sphere updates of axolotl's SinkGD / SinkGDMD (research/sinkgd.md §2.5, §8), all in f64 and rounded once
+** when p is stored.  This is the reference the CUDA kernel is tested against.
+**
+** Every sum has a fixed order that depends on the shape alone (a row's elements in 4 interleaved lanes, a
+** column's rows in order, per-row partials added in order), so results do not depend on the thread count.
+** Matrices of at least BIG elements are done one at a time with every thread (rows, or blocks of columns,
+** split between threads); smaller ones are spread over threads one matrix each.  Scratch: 6m + 4n doubles
+** per matrix being worked on, nothing grad-sized.
+*/
+#include "cpu.h"
+
+#include <math.h>
+#include <omp.h>
+
+#define ROW_CHUNK 1024     /* elements of a row loaded and converted at once (stack buffers) */
+#define COL_BLOCK 256      /* columns one task of a column pass owns */
+#define BIG 32768          /* a matrix of at least this many elements gets every thread */
+
+/* One matrix of a member: G is a 2-D strided view of the grad; p and its state are contiguous. */
+typedef struct mat {
+    int         member;
+    int64_t     b;          /* index among the member's leading dims */
+    int64_t     m, n;
+    ms_cpu_view g;          /* [m, n] */
+    ms_cpu_view p;          /* the member's whole param; this matrix is elements [e0, e0 + m n) */
+    int64_t     e0;
+    float      *u;          /* [n] (spectral, sphere) or NULL */
+    float      *t;          /* one radius (sphere) or NULL */
+    double      eta;        /* lr * scales[member] */
+} mat;
+
+typedef struct call {
+    ms_sinkgd_mode  mode;
+    int             iters, sn_iters;
+    ms_sinkgd_target target;
+    double          eps, wd;
+    uint32_t        key[2];
+    ms_cpu_rounding round;
+} call;
+
+/* Scratch of one matrix: 6m + 4n doubles. */
+typedef struct work {
+    double *r, *c;          /* the scale vectors [m], [n] */
+    double *v, *w, *u;      /* power iteration: v [m], w [n], u [n] */
+    double *cn, *rm;        /* c * u [n]; rows' sums of squares of X, then r * v [m] */
+    double *part;           /* per-row partial sums of the sphere projection [3m] */
+} work;
+
+static int64_t work_doubles(int64_t m, int64_t n) { return 6 * m + 4 * n; }
+
+static work work_at(double *s, int64_t m, int64_t n)
+{
+    work k;
+    k.r = s;
+    k.c = k.r + m;
+    k.v = k.c + n;
+    k.w = k.v + m;
+    k.u = k.w + n;
+    k.cn = k.u + n;
+    k.rm = k.cn + n;
+    k.part = k.rm + m;
+    return k;
+}
+
+/* max(x, eps) that keeps a NaN (torch's clamp_min does) */
+static double clamp_min(double x, double eps) { return x < eps ? eps : x; }
+
+/* sum_j (G_ij y_j)^2 (square) or sum_j G_ij y_j, over row i, in 4 lanes by j mod 4 */
+static double row_sum(const mat *x, int64_t i, const double *y, bool square)
+{
+    double acc[4] = { 0, 0, 0, 0 }, buf[ROW_CHUNK];
+    for (int64_t j0 = 0; j0 < x->n; j0 += ROW_CHUNK) {
+        int64_t len = x->n - j0 < ROW_CHUNK ? x->n - j0 : ROW_CHUNK;
+        const double *g = ms_cpu_load_f64(&x->g, i * x->n + j0, len, buf);
+        const double *yy = y + j0;
+        if (square)
+            for (int64_t j = 0; j < len; j++) { double t = g[j] * yy[j]; acc[j & 3] += t * t; }
+        else
+            for (int64_t j = 0; j < len; j++) acc[j & 3] += g[j] * yy[j];
+    }
+    return (acc[0] + acc[1]) + (acc[2] + acc[3]);
+}
+
+/* out[j] = sum_i (y_i G_ij)^2 (square) or sum_i y_i G_ij for columns [j0, j0 + len), rows in order */
+static void col_sums(const mat *x, int64_t j0, int64_t len, const double *y, bool square, double *out)
+{
+    double buf[COL_BLOCK];
+    for (int64_t j = 0; j < len; j++) out[j] = 0;
+    for (int64_t i = 0; i < x->m; i++) {
+        const double *g = ms_cpu_load_f64(&x->g, i * x->n + j0, len, buf);
+        double yi = y[i];
+        if (square)
+            for (int64_t j = 0; j < len; j++) { double t = yi * g[j]; out[j] += t * t; }
+        else
+            for (int64_t j = 0; j < len; j++) out[j] += yi * g[j];
+    }
+}
+
+/* Row half-step: S_i = ||row i of G diag(c)||, r_i <- sqrt(n) r_i / max(r_i S_i, eps); S_i = 0 keeps r_i. */
+static void row_step(const mat *x, work *k, double eps, int nt)
+{
+    const double sn = sqrt((double)x->n);
+    #pragma omp parallel for schedule(static) num_threads(nt) if (nt > 1)
+    for (int64_t i = 0; i < x->m; i++) {
+        double s2 = row_sum(x, i, k->c, true);
+        if (s2 == 0) continue;
+        k->r[i] = sn * k->r[i] / clamp_min(k->r[i] * sqrt(s2), eps);
+    }
+}
+
+/* Column half-step: T_j = ||col j of diag(r) G||, c_j <- sqrt(m) c_j / max(c_j T_j, eps); T_j = 0 keeps c_j. */
+static void col_step(const mat *x, work *k, double eps, int nt)
+{
+    const double sm = sqrt((double)x->m);
+    int64_t nb = (x->n + COL_BLOCK - 1) / COL_BLOCK;
+    #pragma omp parallel for schedule(static) num_threads(nt) if (nt > 1)
+    for (int64_t jb = 0; jb < nb; jb++) {
+        int64_t j0 = jb * COL_BLOCK, len = x->n - j0 < COL_BLOCK ? x->n - j0 : COL_BLOCK;
+        double t2[COL_BLOCK];
+        col_sums(x, j0, len, k->r, true, t2);
+        for (int64_t j = 0; j < len; j++) {
+            if (t2[j] == 0) continue;
+            double *c = &k->c[j0 + j];
+            *c = sm * *c / clamp_min(*c * sqrt(t2[j]), eps);
+        }
+    }
+}
+
+/* v = X u = diag(r) G (c * u); returns ||X||_F^2 (rows' sums of squares, added in row order) */
+static double matvec(const mat *x, work *k, int nt)
+{
+    for (int64_t j = 0; j < x->n; j++) k->cn[j] = k->c[j] * k->u[j];
+    #pragma omp parallel for schedule(static) num_threads(nt) if (nt > 1)
+    for (int64_t i = 0; i < x->m; i++) {
+        double ri = k->r[i];
+        k->v[i] = ri * row_sum(x, i, k->cn, false);
+        k->rm[i] = ri * ri * row_sum(x, i, k->c, true);
+    }
+    double f2 = 0;
+    for (int64_t i = 0; i < x->m; i++) f2 += k->rm[i];
+    return f2;
+}
+
+/* w = X^T v = diag(c) G^T (r * v) */
+static void matvec_t(const mat *x, work *k, int nt)
+{
+    for (int64_t i = 0; i < x->m; i++) k->rm[i] = k->r[i] * k->v[i];
+    int64_t nb = (x->n + COL_BLOCK - 1) / COL_BLOCK;
+    #pragma omp parallel for schedule(static) num_threads(nt) if (nt > 1)
+    for (int64_t jb = 0; jb < nb; jb++) {
+        int64_t j0 = jb * COL_BLOCK, len = x->n - j0 < COL_BLOCK ? x->n - j0 : COL_BLOCK;
+        col_sums(x, j0, len, k->rm, false, k->w + j0);
+        for (int64_t j = 0; j < len; j++) k->w[j0 + j] *= k->c[j0 + j];
+    }
+}
+
+static double sumsq(const double *a, int64_t n)
+{
+    double s = 0;
+    for (int64_t i = 0; i < n; i++) s += a[i] * a[i];
+    return s;
+}
+
+/* u's first value when the stored one is all zeros: 2 U - 1 with U the f32 uniform of ms_rand (element j, key
+** seed, offset 2^63 + b), exact in f32 and f64 */
+static void u_start(const call *cl, const mat *x, double *u)
+{
+    for (int64_t j = 0; j < x->n; j++) {
+        uint32_t ctr[4] = { (uint32_t)j, (uint32_t)((uint64_t)j >> 32), (uint32_t)x->b,
+                            0x80000000u + (uint32_t)((uint64_t)x->b >> 32) }, w[4];
+        ms_cpu_philox(ctr, cl->key, w);
+        u[j] = (double)(w[0] >> 8) * 0x1p-23 - 1.0;
+    }
+}
+
+/* sn_iters power steps from the stored u; returns sigma and stores u.  A u (numerically) orthogonal to every
+** row of X -- ||X u|| <= U_DEGENERATE ||X||_F ||u||, which a 1-row matrix meets whenever half its signs flip --
+** would make sigma eps and the update 1/eps times too large: the step restarts from the start vector (once). */
+#define U_DEGENERATE 1e-4
+static double power_iteration(const call *cl, const mat *x, work *k, int nt)
+{
+    bool zero = true;
+    for (int64_t j = 0; j < x->n; j++) {
+        k->u[j] = x->u[j];
+        zero = zero && x->u[j] == 0;
+    }
+    if (zero) u_start(cl, x, k->u);
+    bool restarted = zero;
+    double sigma = cl->eps;
+    for (int s = 0; s < cl->sn_iters; s++) {
+        double f2 = matvec(x, k, nt), nv = sqrt(sumsq(k->v, x->m));
+        if (!restarted && f2 > 0 && nv <= U_DEGENERATE * sqrt(f2) * sqrt(sumsq(k->u, x->n))) {
+            u_start(cl, x, k->u);
+            restarted = true;
+            matvec(x, k, nt);
+            nv = sqrt(sumsq(k->v, x->m));
+        }
+        nv = clamp_min(nv, cl->eps);
+        for (int64_t i = 0; i < x->m; i++) k->v[i] /= nv;
+        matvec_t(x, k, nt);
+        double nw = sqrt(sumsq(k->w, x->n));
+        sigma = clamp_min(nw, cl->eps);
+        if (nw == 0) continue;   /* X^T v = 0: keep u, so no later step starts from a zero vector */
+        for (int64_t j = 0; j < x->n; j++) k->u[j] = k->w[j] / sigma;
+    }
+    for (int64_t j = 0; j < x->n; j++) x->u[j] = (float)k->u[j];
+    return sigma;
+}
+
+/* The sphere projection's sums over the matrix: s0 = sum W^2, s1 = sum W X, s2 = sum X^2 (per row, then in
+** row order). */
+static void sphere_sums(const mat *x, work *k, int nt, double s[3])
+{
+    #pragma omp parallel for schedule(static) num_threads(nt) if (nt > 1)
+    for (int64_t i = 0; i < x->m; i++) {
+        double gb[ROW_CHUNK], pb[ROW_CHUNK], a0 = 0, a1 = 0, a2 = 0, ri = k->r[i];
+        for (int64_t j0 = 0; j0 < x->n; j0 += ROW_CHUNK) {
+            int64_t len = x->n - j0 < ROW_CHUNK ? x->n - j0 : ROW_CHUNK;
+            const double *g = ms_cpu_load_f64(&x->g, i * x->n + j0, len, gb);
+            const double *w = ms_cpu_load_f64(&x->p, x->e0 + i * x->n + j0, len, pb);
+            for (int64_t j = 0; j < len; j++) {
+                double u = ri * g[j] * k->c[j0 + j];
+                a0 += w[j] * w[j];
+                a1 += w[j] * u;
+                a2 += u * u;
+            }
+        }
+        k->part[3 * i] = a0;
+        k->part[3 * i + 1] = a1;
+        k->part[3 * i + 2] = a2;
+    }
+    s[0] = s[1] = s[2] = 0;
+    for (int64_t i = 0; i < x->m; i++) {
+        s[0] += k->part[3 * i];
+        s[1] += k->part[3 * i + 1];
+        s[2] += k->part[3 * i + 2];
+    }
+}
+
+/* p <- (p * dec - coef * X) * fac, rounded once (through f32, as every f64 -> bf16/f16 store) */
+static void apply(const call *cl, const mat *x, const work *k, double dec, double coef, double fac, int nt)
+{
+    #pragma omp parallel for schedule(static) num_threads(nt) if (nt > 1)
+    for (int64_t i = 0; i < x->m; i++) {
+        double gb[ROW_CHUNK], pb[ROW_CHUNK], ri = k->r[i];
+        float out[ROW_CHUNK];
+        for (int64_t j0 = 0; j0 < x->n; j0 += ROW_CHUNK) {
+            int64_t len = x->n - j0 < ROW_CHUNK ? x->n - j0 : ROW_CHUNK, e = x->e0 + i * x->n + j0;
+            const double *g = ms_cpu_load_f64(&x->g, i * x->n + j0, len, gb);
+            const double *w = ms_cpu_load_f64(&x->p, e, len, pb);
+            for (int64_t j = 0; j < len; j++) out[j] = (float)((w[j] * dec - coef * (ri * g[j] * k->c[j0 + j])) * fac);
+            ms_cpu_store_param_f32(&x->p, &cl->round, x->member, e, len, out);
+        }
+    }
+}
+
+static void run_matrix(const call *cl, const mat *x, double *scratch, int nt)
+{
+    work k = work_at(scratch, x->m, x->n);
+    for (int64_t i = 0; i < x->m; i++) k.r[i] = 1;
+    for (int64_t j = 0; j < x->n; j++) k.c[j] = 1;
+    for (int l = 0; l < cl->iters; l++) {
+        row_step(x, &k, cl->eps, nt);
+        col_step(x, &k, cl->eps, nt);
+    }
+    if (cl->mode == MS_SINKGD_BASE) {
+        apply(cl, x, &k, 1.0 - x->eta * cl->wd, x->eta, 1.0, nt);
+        return;
+    }
+    double sigma = power_iteration(cl, x, &k, nt);
+    if (cl->mode == MS_SINKGD_SPECTRAL) {
+        double tau = cl->target == MS_SINKGD_TARGET_MUON ? sqrt((double)x->m / (double)x->n) : 1.0;
+        apply(cl, x, &k, 1.0 - x->eta * cl->wd, x->eta * tau / sigma, 1.0, nt);
+        return;
+    }
+    double s[3];
+    sphere_sums(x, &k, nt, s);
+    double t = *x->t;
+    if (t < 0) {   /* not captured yet */
+        *x->t = (float)sqrt(s[0]);
+        t = *x->t;
+    }
+    double a = x->eta * t / sigma;
+    double f = sqrt(clamp_min(s[0] - 2 * a * s[1] + a * a * s[2], cl->eps));
+    apply(cl, x, &k, 1.0, a, t / f, nt);
+}
+
+ms_status ms_cpu_sinkgd_step(ms_ctx *ctx, int n, ms_tensor *const *params, const ms_tensor *const *grads,
+                             ms_tensor *const *specnorm_u, ms_tensor *const *md_target_norm,
+                             const double *scales, const ms_sinkgd_options *o)
+{
+    if (o->skip_t != NULL && ms_cpu_read_scalar(&(ms_scalar){ 0, o->skip_t }) != 0) return MS_OK;   /* NaN skips */
+    double lr = ms_cpu_read_scalar(&(ms_scalar){ o->lr, o->lr_t });
+    double step = rint(ms_cpu_read_scalar(&(ms_scalar){ o->step, o->step_t }));
+    call cl = {
+        .mode = o->mode, .iters = o->iters, .sn_iters = o->sn_iters, .target = o->target, .eps = o->eps,
+        .wd = o->weight_decay, .key = { (uint32_t)o->seed, (uint32_t)(o->seed >> 32) },
+        .round = ms_cpu_rounding_of(o->stochastic_round != 0, o->seed, step),
+    };
+
+    /* the matrices, the big ones first (in call order), and the scratch they need */
+    int64_t count = 0;
+    for (int i = 0; i < n; i++) {
+        const ms_tensor *p = params[i];
+        if (ms_tensor_numel(p) > 0) count += ms_tensor_numel(p) / (p->shape[p->ndim - 2] * p->shape[p->ndim - 1]);
+    }
+    if (count == 0) return MS_OK;
+    int nt = ms_cpu_threads(ctx);
+    size_t mats_bytes = (size_t)count * sizeof(mat);
+    mat *mats;
+    MS_TRY(ms_ctx_alloc(ctx, mats_bytes, (void **)&mats));
+    int64_t nbig = 0, nsmall = 0, big_need = 0, small_need = 0;
+    for (int pass = 0; pass < 2; pass++) {   /* pass 0 places the big matrices, pass 1 the small ones after them */
+        for (int i = 0; i < n; i++) {
+            const ms_tensor *p = params[i], *g = grads[i];
+            int nd = p->ndim;
+            int64_t m = p->shape[nd - 2], nn = p->shape[nd - 1];
+            if (m * nn == 0) continue;
+            bool big = m * nn >= BIG && nt > 1;
+            if (big != (pass == 0)) continue;
+            int64_t B = ms_tensor_numel(p) / (m * nn), need = work_doubles(m, nn);
+            for (int64_t b = 0; b < B; b++) {
+                mat *x = &mats[big ? nbig++ : nbig + nsmall++];   /* every big one is placed before */
+                x->member = i;
+                x->b = b;
+                x->m = m;
+                x->n = nn;
+                x->eta = lr * (scales ? scales[i] : 1.0);
+                int64_t goff = 0, rest = b;   /* the grad's element offset of matrix b (row-major lead index) */
+                for (int d = nd - 3; d >= 0; d--) {
+                    goff += (rest % g->shape[d]) * g->strides[d];
+                    rest /= g->shape[d];
+                }
+                x->g = (ms_cpu_view){ .ndim = 2, .shape = { m, nn }, .strides = { g->strides[nd - 2], g->strides[nd - 1] },
+                                      .dtype = g->dtype,
+                                      .base = (char *)ms_tensor_ptr(g) + goff * (int64_t)ms_dtype_size(g->dtype) };
+                ms_cpu_view_of(&x->p, p);
+                x->e0 = b * m * nn;
+                x->u = specnorm_u ? (float *)ms_tensor_ptr(specnorm_u[i]) + b * nn : NULL;
+                x->t = md_target_norm ? (float *)ms_tensor_ptr(md_target_norm[i]) + b : NULL;
+            }
+            if (big) big_need = need > big_need ? need : big_need;
+            else small_need = need > small_need ? need : small_need;
+        }
+    }
+    int small_threads = nsmall < nt ? (int)(nsmall > 0 ? nsmall : 1) : nt;
+    size_t scratch_bytes = (size_t)(big_need + small_threads * small_need) * sizeof(double);
+    double *scratch;
+    ms_status st = ms_ctx_alloc(ctx, scratch_bytes, (void **)&scratch);
+    if (st != MS_OK) {
+        ms_ctx_dealloc(ctx, mats, mats_bytes);
+        return st;
+    }
+
+    for (int64_t q = 0; q < nbig; q++) run_matrix(&cl, &mats[q], scratch, nt);
+    double *small_scratch = scratch + big_need;
+    #pragma omp parallel for schedule(dynamic, 1) num_threads(small_threads) if (small_threads > 1)
+    for (int64_t q = nbig; q < count; q++) {
+        run_matrix(&cl, &mats[q], small_scratch + (int64_t)omp_get_thread_num() * small_need, 1);
+    }
+    ms_ctx_dealloc(ctx, scratch, scratch_bytes);
+    ms_ctx_dealloc(ctx, mats, mats_bytes);
+    return MS_OK;
+}
