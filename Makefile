@@ -2,7 +2,7 @@
 #
 #   make              build/libmoonstep.so and build/moonstep (and the CUDA backend when nvcc is found)
 #   make test         the whole suite (C tests + busted specs); ends with "N passed, N failed[, N skipped]"
-#   make run          the main job: a short timed demonstration on the best device found
+#   make run          the main job: compare the SinkGD, AdamW and DASH recipes (those present) on the lm problem
 #   make memcheck     the suite with AddressSanitizer + LeakSanitizer (build-asan/)
 #   make install PREFIX=/usr/local
 #
@@ -138,8 +138,9 @@ test: all $(CTESTS)
 check:
 	$(Q)MOONSTEP_BUILD=$(BUILD) sh tests/run.sh
 
+# the lm problem trained with each recipe on the best device found; the table, and the plot in $(BUILD)/run/
 run: all
-	$(Q)$(HOST) bench/demo.lua
+	$(Q)$(HOST) compare --problem lm --recipes sinkgd,adamw,dash --skip-missing --out $(BUILD)/run
 
 memcheck:
 	$(Q)$(MAKE) --no-print-directory BUILD=build-asan SANITIZE=address CUDA=0 all \
@@ -160,6 +161,8 @@ install: all
 	$(Q)install -m 644 engine/include/moonstep.h $(DESTDIR)$(PREFIX)/include/
 	$(Q)install -m 755 $(HOST) $(DESTDIR)$(PREFIX)/bin/
 	$(Q)install -m 644 lua/moonstep/*.lua $(DESTDIR)$(LUADIR)/moonstep/
+	$(Q)install -d $(DESTDIR)$(LUADIR)/moonstep/problems
+	$(Q)install -m 644 lua/moonstep/problems/*.lua $(DESTDIR)$(LUADIR)/moonstep/problems/
 	$(Q)for f in recipes/*.lua; do [ -e "$$f" ] && install -m 644 "$$f" $(DESTDIR)$(PREFIX)/share/moonstep/recipes/; done; true
 	$(Q)sed -e 's|@PREFIX@|$(PREFIX)|' -e 's|@VERSION@|$(VERSION)|' scripts/moonstep.pc.in \
 	    > $(DESTDIR)$(PREFIX)/lib/pkgconfig/moonstep.pc

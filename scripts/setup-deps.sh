@@ -4,7 +4,9 @@
 # host with no package access can still run the tests of a build carried there.
 # Usage: setup-deps.sh [--check]
 set -u
-pkgs="luajit libluajit-5.1-dev lua-busted libopenblas-dev liblapacke-dev libdlpack-dev libreadline-dev pkg-config"
+# gnuplot-nox draws the PNG/SVG plots of `moonstep compare` (without it: SVG from moonstep's own renderer);
+# tmux drives the REPL through a terminal in tests/repl_spec.lua
+pkgs="luajit libluajit-5.1-dev lua-busted libopenblas-dev liblapacke-dev libdlpack-dev libreadline-dev pkg-config gnuplot-nox tmux"
 missing=""
 for p in $pkgs; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "ok installed" || missing="$missing $p"

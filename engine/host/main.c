@@ -3,12 +3,11 @@
 ** how a C program embeds moonstep: open a Lua state, point package.path at the moonstep modules, tell the
 ** binding where the library is (package.loaded["moonstep.config"]), and run Lua code.
 **
-**   moonstep                      interactive prompt (readline when built with it)
-**   moonstep FILE.lua [args]      run a script; `arg` holds its arguments as in luajit
-**   moonstep run FILE.lua [args]  the same
-**   moonstep -e 'code'            run a chunk of code
+** The command line itself is Lua's business: the host passes its arguments to
+** require("moonstep.cli").main(argv), which dispatches the subcommands (repl, run, train, compare, bench,
+** info), scripts (moonstep FILE.lua [args]) and -e, and returns the exit status.  What only C can do is
+** given to Lua through moonstep.config: readline (line editing and history) for the prompt.
 */
-#include <errno.h>
 #include <limits.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -51,6 +50,10 @@ static int find_path(char *out, size_t n, const char *dir, const char *const *su
     return 0;
 }
 
+#if MS_HAVE_READLINE
+static char history_path[PATH_MAX];   /* where each line is appended, "" for no history file */
+#endif
+
 /* readline(prompt) -> line or nil at end of input: the REPL's line editor, given to Lua by the host */
 static int l_readline(lua_State *L)
 {
@@ -58,7 +61,10 @@ static int l_readline(lua_State *L)
 #if MS_HAVE_READLINE
     char *line = readline(prompt);
     if (line == NULL) return 0;
-    if (*line) add_history(line);
+    if (*line) {
+        add_history(line);
+        if (history_path[0]) append_history(1, history_path);
+    }
     lua_pushstring(L, line);
     free(line);
     return 1;
@@ -71,6 +77,29 @@ static int l_readline(lua_State *L)
     lua_pushstring(L, buf);
     return 1;
 #endif
+}
+
+/* history_file(path) -> true: loads the history kept in path (the last 1000 lines) and appends every
+** new line to it; history_file("") stops writing.  false without readline. */
+static int l_history_file(lua_State *L)
+{
+    const char *path = luaL_checkstring(L, 1);
+#if MS_HAVE_READLINE
+    history_path[0] = '\0';
+    if (*path) {
+        FILE *f = fopen(path, "a");          /* append_history needs the file to exist */
+        if (f == NULL) { lua_pushboolean(L, 0); return 1; }
+        fclose(f);
+        history_truncate_file(path, 1000);
+        read_history(path);
+        snprintf(history_path, sizeof history_path, "%s", path);
+    }
+    lua_pushboolean(L, 1);
+#else
+    (void)path;
+    lua_pushboolean(L, 0);
+#endif
+    return 1;
 }
 
 static int traceback(lua_State *L)
@@ -129,6 +158,12 @@ static int setup(lua_State *L, const char *dir)
     lua_setfield(L, -2, "recipe_dir");
     lua_pushcfunction(L, l_readline);
     lua_setfield(L, -2, "readline");
+    lua_pushcfunction(L, l_history_file);
+    lua_setfield(L, -2, "history_file");
+#if MS_HAVE_READLINE
+    lua_pushstring(L, rl_library_version);
+    lua_setfield(L, -2, "readline_version");
+#endif
     lua_pushboolean(L, isatty(STDIN_FILENO));
     lua_setfield(L, -2, "interactive");
     lua_setfield(L, -2, "moonstep.config");
@@ -144,61 +179,35 @@ static int setup(lua_State *L, const char *dir)
     return 0;
 }
 
-static void usage(FILE *f)
+/* require("moonstep.cli").main({argv[1], ...}) -> the exit status */
+static int run_cli(lua_State *L, int argc, char **argv)
 {
-    fprintf(f,
-            "usage: moonstep [FILE.lua [args...]]\n"
-            "       moonstep run FILE.lua [args...]\n"
-            "       moonstep -e 'lua code'\n"
-            "       moonstep --version | --help\n"
-            "Without arguments: an interactive prompt with `ms` (the moonstep module) loaded.\n");
-}
-
-static int run_script(lua_State *L, const char *file, int argc, char **argv, int first)
-{
-    /* arg = {[0] = file, ...}, as luajit does */
-    lua_createtable(L, argc - first, 1);
-    lua_pushstring(L, file);
-    lua_rawseti(L, -2, 0);
-    for (int i = first; i < argc; i++) {
+    lua_pushcfunction(L, traceback);
+    int base = lua_gettop(L);
+    lua_getglobal(L, "require");
+    lua_pushstring(L, "moonstep.cli");
+    if (lua_pcall(L, 1, 1, base) != 0) return report(L, 1);
+    lua_getfield(L, -1, "main");
+    lua_createtable(L, argc > 1 ? argc - 1 : 0, 0);
+    for (int i = 1; i < argc; i++) {
         lua_pushstring(L, argv[i]);
-        lua_rawseti(L, -2, i - first + 1);
+        lua_rawseti(L, -2, i);
     }
-    lua_setglobal(L, "arg");
-    if (luaL_loadfile(L, file) != 0) return report(L, 1);
-    for (int i = first; i < argc; i++) lua_pushstring(L, argv[i]);
-    return run_protected(L, argc - first);
+    if (lua_pcall(L, 1, 1, base) != 0) return report(L, 1);
+    int status = lua_isnumber(L, -1) ? (int)lua_tointeger(L, -1) : 0;
+    lua_settop(L, base - 1);
+    return status;
 }
 
 int main(int argc, char **argv)
 {
-    if (argc > 1 && (!strcmp(argv[1], "--help") || !strcmp(argv[1], "-h"))) { usage(stdout); return 0; }
-    if (argc > 1 && !strcmp(argv[1], "--version")) { printf("moonstep %s (abi %d)\n", ms_version(), ms_abi_version()); return 0; }
     char dir[PATH_MAX];
     exe_dir(dir, sizeof dir);
     lua_State *L = luaL_newstate();
     if (L == NULL) { fprintf(stderr, "moonstep: cannot create a Lua state\n"); return 1; }
     luaL_openlibs(L);
     int status = setup(L, dir);
-    if (status == 0) {
-        if (argc > 1 && !strcmp(argv[1], "-e")) {
-            if (argc < 3) { usage(stderr); status = 2; }
-            else if (luaL_loadbuffer(L, argv[2], strlen(argv[2]), "=(command line)") != 0) status = report(L, 1);
-            else status = run_protected(L, 0);
-        } else if (argc > 1 && !strcmp(argv[1], "run")) {
-            if (argc < 3) { usage(stderr); status = 2; }
-            else status = run_script(L, argv[2], argc, argv, 3);
-        } else if (argc > 1 && argv[1][0] == '-') {
-            fprintf(stderr, "moonstep: unknown option '%s'\n", argv[1]);
-            usage(stderr);
-            status = 2;
-        } else if (argc > 1) {
-            status = run_script(L, argv[1], argc, argv, 2);
-        } else {
-            luaL_loadstring(L, "return require('moonstep.repl').run()");
-            status = run_protected(L, 0);
-        }
-    }
+    if (status == 0) status = run_cli(L, argc, argv);
     lua_close(L);     /* runs the finalizers: every tensor and context is freed before exit */
     return status;
 }

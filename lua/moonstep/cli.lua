@@ -1,0 +1,749 @@
+--[[
+moonstep.cli -- the `moonstep` command.  The C host (engine/host/main.c) sets up the Lua state and hands
+its arguments to M.main, which returns the exit status: 0 success, 1 a failure while running, 2 a usage
+error (unknown command or flag, a bad value).
+
+Each subcommand is an entry of M.commands: name, one-line summary, help text, run(argv).  Flags are
+declared per command (see `parse`); a problem's options become flags of train/compare once --problem names
+it (`moonstep train --problem lm --width 512`).
+]]
+local ms = require("moonstep")
+local ffi = require("ffi")
+
+local M = {}
+
+-- ---------------------------------------------------------------------------------------------------
+-- errors and output
+-- ---------------------------------------------------------------------------------------------------
+local Usage = {}
+Usage.__tostring = function(e) return e.msg end
+
+--- Raises a usage error: printed as "moonstep: msg", exit status 2.
+local function usage_error(msg, cmd)
+  error(setmetatable({ msg = msg, cmd = cmd }, Usage), 0)
+end
+M.usage_error = usage_error
+
+pcall(ffi.cdef, "int isatty(int fd);")
+local function stdout_is_tty() return ffi.C.isatty(1) == 1 end
+
+local function out(...) io.stdout:write(...) end
+local function outln(s) io.stdout:write(s or "", "\n") io.stdout:flush() end
+
+-- ---------------------------------------------------------------------------------------------------
+-- flags
+-- ---------------------------------------------------------------------------------------------------
+-- A flag spec: {name = "steps", arg = "N", type = "integer"|"number"|"string"|"boolean", many = true,
+-- doc = "...", min = n}.  Values come as "--name value" or "--name=value"; "-h"/"--help" is always known.
+local function convert(cmd, f, v)
+  if f.type == "integer" or f.type == "number" then
+    local n = tonumber(v)
+    if n == nil or (f.type == "integer" and n ~= math.floor(n)) then
+      usage_error(("--%s: %s is not %s"):format(f.name, ("%q"):format(v), f.type == "integer" and "an integer" or "a number"), cmd)
+    end
+    if f.min and n < f.min then usage_error(("--%s: %s is below the minimum %s"):format(f.name, v, tostring(f.min)), cmd) end
+    return n
+  end
+  return v
+end
+
+--- Parses argv (a Lua array) against flag specs.  Returns values {name = value or {values...}} and the
+--- positional arguments; stops at the first positional when stop_at_positional (a script's own flags).
+function M.parse(cmd, argv, flags, stop_at_positional)
+  local by_name = {}
+  for _, f in ipairs(flags) do by_name[f.name] = f end
+  local vals, pos = {}, {}
+  local i = 1
+  while i <= #argv do
+    local a = argv[i]
+    if a == "-h" or a == "--help" then
+      vals.help = true
+    elseif a == "--" then
+      for j = i + 1, #argv do pos[#pos + 1] = argv[j] end
+      break
+    elseif a:sub(1, 2) == "--" then
+      local name, value = a:match("^%-%-([^=]+)=(.*)$")
+      name = name or a:sub(3)
+      local f = by_name[name] or by_name[name:gsub("_", "-")]
+      if not f then usage_error(("unknown flag '--%s' for 'moonstep %s'"):format(name, cmd), cmd) end
+      if f.type == "boolean" then
+        if value ~= nil then usage_error(("--%s takes no value"):format(f.name), cmd) end
+        value = true
+      elseif value == nil then
+        i = i + 1
+        value = argv[i]
+        if value == nil then usage_error(("--%s needs a value (%s)"):format(f.name, f.arg or "VALUE"), cmd) end
+      end
+      value = convert(cmd, f, value)
+      local key = f.key or f.name
+      if f.many then
+        vals[key] = vals[key] or {}
+        table.insert(vals[key], value)
+      else
+        vals[key] = value
+      end
+    elseif a:sub(1, 1) == "-" and #a > 1 then
+      usage_error(("unknown flag '%s' for 'moonstep %s'"):format(a, cmd), cmd)
+    else
+      if stop_at_positional then
+        for j = i, #argv do pos[#pos + 1] = argv[j] end
+        break
+      end
+      pos[#pos + 1] = a
+    end
+    i = i + 1
+  end
+  return vals, pos
+end
+
+local function flag_help(flags)
+  local lines = {}
+  for _, f in ipairs(flags) do
+    local left = "--" .. f.name .. (f.arg and (" " .. f.arg) or "")
+    lines[#lines + 1] = ("  %-24s %s"):format(left, f.doc or "")
+  end
+  return table.concat(lines, "\n")
+end
+
+-- ---------------------------------------------------------------------------------------------------
+-- running Lua code: scripts and -e
+-- ---------------------------------------------------------------------------------------------------
+-- errors of user code (scripts, -e) carry their traceback; the command's own errors are messages for
+-- people (MOONSTEP_TRACEBACK=1 adds the traceback to those too, for debugging moonstep itself)
+local function traceback(e)
+  if getmetatable(e) == Usage then return e end
+  return debug.traceback(tostring(e), 2)
+end
+local function message(e)
+  if getmetatable(e) == Usage or not os.getenv("MOONSTEP_TRACEBACK") then return e end
+  return debug.traceback(tostring(e), 2)
+end
+
+--- Runs a script file with its arguments (in `arg`, as luajit does, and as the chunk's varargs).
+function M.run_script(path, args)
+  local chunk, err = loadfile(path)
+  if not chunk then error(err, 0) end
+  local a = { [0] = path }
+  for i, v in ipairs(args) do a[i] = v end
+  _G.arg = a
+  local ok, e = xpcall(function() return chunk(unpack(args)) end, traceback)
+  if not ok then error(e, 0) end
+end
+
+-- ---------------------------------------------------------------------------------------------------
+-- commands
+-- ---------------------------------------------------------------------------------------------------
+M.commands = {}
+local by_name = {}
+local function command(c)
+  M.commands[#M.commands + 1] = c
+  by_name[c.name] = c
+end
+
+local function show_help(c, extra)
+  outln(c.help)
+  if c.flags then outln("\nflags:\n" .. flag_help(c.flags)) end
+  if extra then outln(extra) end
+end
+
+-- repl ------------------------------------------------------------------------------------------------
+command {
+  name = "repl",
+  summary = "interactive prompt with `ms` loaded (the default without arguments)",
+  help = [=[usage: moonstep repl
+
+An interactive Lua prompt with `ms` (the moonstep module) loaded: line editing and history (readline;
+the history is kept in ~/.moonstep_history, or MOONSTEP_HISTORY, "" for none), results printed (tensors
+pretty-printed, tables shown), errors shown without leaving.  Unfinished statements continue on the next
+line.  Also defined: `problems` (moonstep.problems) and `experiment` (moonstep.experiment: experiment.run{...}).
+
+prompt commands:
+  :reload [NAME]   re-read recipe files loaded in this session (all, or the one called NAME) and update
+                   them in place: optimizers made with them run the new code from their next step
+  :recipes         recipes loaded in this session, with their files and hashes
+  :help            this list
+  :quit            leave (Ctrl-D too)]=],
+  flags = {},
+  run = function(argv)
+    local vals, pos = M.parse("repl", argv, {})
+    if vals.help then show_help(by_name.repl) return 0 end
+    if #pos > 0 then usage_error("repl takes no arguments (got '" .. pos[1] .. "')", "repl") end
+    require("moonstep.repl").run()
+    return 0
+  end,
+}
+
+-- run ---------------------------------------------------------------------------------------------------
+command {
+  name = "run",
+  summary = "run a Lua script: moonstep run FILE.lua [args...]",
+  help = [=[usage: moonstep run FILE.lua [args...]
+       moonstep FILE.lua [args...]
+
+Runs a Lua script with `ms` loaded.  The script's arguments are in `arg` (arg[0] is the script) and in
+`...`, as with luajit.  An error prints its traceback and exits with status 1.]=],
+  run = function(argv)
+    local vals, pos = M.parse("run", argv, {}, true)
+    if vals.help and #pos == 0 then show_help(by_name.run) return 0 end
+    if #pos == 0 then usage_error("run needs a script: moonstep run FILE.lua [args...]", "run") end
+    local args = {}
+    for i = 2, #pos do args[#args + 1] = pos[i] end
+    M.run_script(pos[1], args)
+    return 0
+  end,
+}
+
+-- train and compare: shared flags -------------------------------------------------------------------------
+local problems = require("moonstep.problems")
+
+local problem_flag = { name = "problem", arg = "P", doc = "the problem: " .. table.concat(problems.names, ", ") }
+local common_flags = {
+  { name = "steps", arg = "N", type = "integer", min = 1, doc = "optimizer steps (default: the problem's)" },
+  { name = "device", arg = "D", doc = "cpu, cuda, cuda:N (default: the best found, " .. "ms.best_device())" },
+  { name = "eval-every", key = "eval_every", arg = "N", type = "integer", min = 1, doc = "validation interval in steps (default: the problem's)" },
+  { name = "schedule", arg = "KIND", doc = "learning-rate schedule: constant, cosine, linear_warmup, wsd (default: the problem's)" },
+  { name = "warmup", arg = "N", type = "integer", min = 0, doc = "warmup steps of the schedule (default: the problem's)" },
+  { name = "clip", arg = "X", type = "number", min = 0, doc = "global gradient-norm clipping, 0 = off (default: the problem's)" },
+  { name = "threads", arg = "N", type = "integer", min = 0, doc = "CPU threads (default 1: faster for these small matrices; 0 = OpenMP's default)" },
+  { name = "trusted", type = "boolean", doc = "run recipe files unsandboxed (full Lua: io, os, ffi)" },
+}
+
+-- the concatenation of flag lists
+local function with(...)
+  local t = {}
+  for _, list in ipairs { ... } do
+    for _, f in ipairs(list) do t[#t + 1] = f end
+  end
+  return t
+end
+
+-- the value of --problem in argv, if any (problem options become flags once the problem is known)
+local function find_problem(argv)
+  for i, a in ipairs(argv) do
+    if a == "--problem" then return argv[i + 1] end
+    local v = a:match("^%-%-problem=(.*)$")
+    if v then return v end
+  end
+end
+
+local function problem_flags(cmd, argv)
+  local name = find_problem(argv)
+  if not name then return nil, {} end
+  local ok, p = pcall(problems.get, name)
+  if not ok then usage_error(tostring(p), cmd) end
+  local flags = {}
+  local names = {}
+  for n in pairs(p.options) do names[#names + 1] = n end
+  table.sort(names)
+  for _, n in ipairs(names) do
+    local spec = p.options[n]
+    flags[#flags + 1] = { name = n:gsub("_", "-"), key = "popt:" .. n, arg = spec.type == "string" and "S" or "X", doc = spec.doc }
+  end
+  return p, flags
+end
+
+-- "key=value" or "recipe.key=value" -> {recipe =, key =, value =}
+local function parse_assignment(cmd, s)
+  local lhs, value = s:match("^([^=]+)=(.*)$")
+  if not lhs then usage_error(("--opt %s: expected key=value (or recipe.key=value)"):format(s), cmd) end
+  local recipe, key = lhs:match("^(.+)%.([%w_]+)$")
+  return { recipe = recipe, key = key or lhs, value = value }
+end
+
+-- the run configuration shared by train and compare, from parsed flags
+local function run_config(cmd, vals, problem)
+  local popts = {}
+  for k, v in pairs(vals) do
+    local n = type(k) == "string" and k:match("^popt:(.*)$")
+    if n then popts[n] = v end
+  end
+  local ok, err = pcall(problems.options, problem, popts)
+  if not ok then usage_error(err, cmd) end
+  if vals.schedule then
+    local known = false
+    for _, s in ipairs(require("moonstep.experiment").schedules) do known = known or s == vals.schedule end
+    if not known then usage_error(("--schedule: unknown schedule '%s' (constant, cosine, linear_warmup, wsd)"):format(vals.schedule), cmd) end
+  end
+  local device = vals.device or ms.best_device()
+  local okd, ctx = pcall(function()
+    if device == "cpu" then return ms.context { device = "cpu", num_threads = vals.threads or 1 } end
+    return ms.device(device)
+  end)
+  if not okd then usage_error(("--device %s: %s"):format(device, tostring(ctx)), cmd) end
+  return {
+    problem = problem, problem_options = popts, steps = vals.steps, ctx = ctx, eval_every = vals.eval_every,
+    schedule = vals.schedule, warmup = vals.warmup, clip = vals.clip, trusted = vals.trusted,
+  }
+end
+
+local function fmt_time(s)
+  if s ~= s or s == math.huge then return "?" end
+  s = math.floor(s + 0.5)
+  if s >= 3600 then return ("%d:%02d:%02d"):format(math.floor(s / 3600), math.floor((s % 3600) / 60), s % 60) end
+  return ("%d:%02d"):format(math.floor(s / 60), s % 60)
+end
+
+--- A progress reporter: a live line on a terminal (rewritten at most ten times a second), plain lines at
+--- each validation otherwise.  Returns the on_step / on_eval callbacks and finish().
+function M.progress(total, opts)
+  opts = opts or {}
+  local E = require("moonstep.experiment")
+  local tty = opts.tty
+  if tty == nil then tty = stdout_is_tty() end
+  local t_start, last_draw = E.clock(), -1
+  local ema, val, acc, first_step
+  local alpha = 2 / (math.max(1, math.floor(total / 20)) + 1)
+  local p = {}
+  local function line(step)
+    -- the rate counts from the end of the first step (building the problem is not training)
+    local el = E.clock() - t_start
+    local done = step - (first_step or step)
+    local rate = done > 0 and done / math.max(el, 1e-9) or 0
+    return ("  step %d/%d  loss %.4f%s%s  %.1f steps/s  ETA %s"):format(step, total, ema or 0,
+      val and ("  val %.4f"):format(val) or "", acc and ("  acc %.4f"):format(acc) or "", rate,
+      rate > 0 and fmt_time((total - step) / rate) or "?")
+  end
+  function p.on_step(step, loss)
+    if not first_step then first_step, t_start = step, E.clock() end
+    ema = ema and (ema + alpha * (loss - ema)) or loss
+    if tty then
+      local now = E.clock()
+      if now - last_draw >= 0.1 or step == total then
+        out("\r\27[K", line(step))
+        io.stdout:flush()
+        last_draw = now
+      end
+    end
+  end
+  function p.on_eval(step, ev)
+    val, acc = ev.loss, ev.accuracy
+    if not tty then outln(line(step)) end
+  end
+  function p.finish()
+    if tty then out("\r\27[K") io.stdout:flush() end
+  end
+  return p
+end
+
+-- train ---------------------------------------------------------------------------------------------------
+local train_flags = with({ problem_flag }, {
+  { name = "recipe", arg = "R", doc = "a built-in recipe name (adamw, ...) or a recipe file (sandboxed unless --trusted)" },
+  { name = "opt", arg = "KEY=VALUE", many = true, doc = "a recipe option (repeatable), e.g. --opt lr=3e-4 --opt betas=0.9,0.95" },
+  { name = "seed", arg = "S", type = "integer", min = 0, doc = "seed of the data, the initial weights and the batches (default 0)" },
+  { name = "save", arg = "DIR", doc = "write a checkpoint folder at the end (model.safetensors + optim.safetensors)" },
+  { name = "resume", arg = "DIR", doc = "continue from a checkpoint folder (unset options come from it)" },
+  { name = "force", type = "boolean", doc = "resume even when the checkpoint was made by another recipe (or version)" },
+  { name = "until", key = "stop_after", arg = "N", type = "integer", min = 1, doc = "stop after step N; the schedule still spans --steps (to split a run)" },
+}, common_flags)
+
+local function problem_list()
+  local lines = { "problems:" }
+  for _, n in ipairs(problems.names) do
+    local p = problems.get(n)
+    lines[#lines + 1] = ("  %-5s %s"):format(n, p.summary)
+  end
+  lines[#lines + 1] = "(moonstep train --problem NAME --help shows the problem's own flags)"
+  return table.concat(lines, "\n")
+end
+
+local function problem_help(p)
+  if not p then return "\n" .. problem_list() end
+  local d = p.defaults or {}
+  return ("\nflags of problem %s (%s):\n%s\nits defaults: %d steps, validation every %d, schedule %s, warmup %d, clip %s")
+    :format(p.name, p.summary, problems.doc(p), d.steps or 100, d.eval_every or 10, d.schedule or "constant",
+            d.warmup or 0, d.clip and tostring(d.clip) or "off")
+end
+
+command {
+  name = "train",
+  summary = "train a built-in problem with a recipe",
+  help = [=[usage: moonstep train --problem P --recipe R [--opt key=value ...] [--steps N] [--device D]
+                      [--seed S] [--save DIR] [--resume DIR] [--trusted] [--force] [problem flags]
+
+Trains problem P with recipe R and prints a summary: the training loss (its moving average over 5% of
+the run, final and best), the validation loss, time, and the optimizer's state bytes.  A live progress
+line on a terminal (step, loss, steps/s, ETA); plain lines at each validation otherwise.
+
+A recipe given as a file (path/to/model/optim.lua) runs sandboxed unless --trusted.  The checkpoint
+records the recipe's content hash; resuming under another recipe is refused unless --force.  Starting
+points for the known recipes' options come from the problem; --opt overrides them.]=],
+  flags = train_flags,
+  run = function(argv)
+    local problem, pflags = problem_flags("train", argv)
+    local flags = with(train_flags, pflags)
+    local vals = M.parse("train", argv, flags)
+    if vals.help then show_help({ help = by_name.train.help, flags = flags }, problem_help(problem)) return 0 end
+    if not vals.problem then usage_error("train needs --problem (" .. table.concat(problems.names, ", ") .. ")", "train") end
+    if not vals.recipe then usage_error("train needs --recipe (a name such as adamw, or a recipe file)", "train") end
+    local cfg = run_config("train", vals, problem)
+    local E = require("moonstep.experiment")
+    local recipe = E.recipe(vals.recipe, vals.trusted)
+    local assignments = {}
+    for _, s in ipairs(vals.opt or {}) do assignments[#assignments + 1] = parse_assignment("train", s) end
+    cfg.recipe = recipe
+    cfg.recipe_options = E.distribute_options({ recipe }, assignments)[recipe]
+    cfg.seed, cfg.save, cfg.resume, cfg.force, cfg.stop_after = vals.seed, vals.save, vals.resume, vals.force, vals.stop_after
+    local total = cfg.steps
+    if not total and cfg.resume then total = E.checkpoint_info(cfg.resume).steps end
+    total = total or (problem.defaults or {}).steps or 100
+    local prog = M.progress(total)
+    cfg.on_step, cfg.on_eval = prog.on_step, prog.on_eval
+    outln(("train %s with %s on %s%s"):format(problem.name, recipe.name, cfg.ctx:name(),
+      cfg.resume and (" (resuming " .. cfg.resume .. ")") or ""))
+    local ok, r = pcall(E.run, cfg)
+    prog.finish()
+    if not ok then error(r, 0) end
+    outln("  " .. r.describe)
+    local opts = {}
+    for k, v in pairs(r.recipe_options) do
+      opts[#opts + 1] = k .. "=" .. (type(v) == "table" and table.concat(v, ",") or tostring(v))
+    end
+    table.sort(opts)
+    outln(("  recipe %s (hash %s): %s"):format(r.recipe, r.recipe_hash, table.concat(opts, " ")))
+    local done = r.steps_done - r.start_step + 1
+    if done <= 0 then
+      outln(("  nothing to do: the checkpoint is at step %d of %d"):format(r.steps_done, r.steps))
+    elseif r.diverged then
+      outln(("  diverged at step %d (loss is not finite)"):format(r.diverged))
+    else
+      outln(("  steps %d-%d of %d in %s (%.1f steps/s)"):format(r.start_step, r.steps_done, r.steps, E.format_seconds(r.seconds), r.steps_per_s))
+      outln(("  train loss  final %.4f  best %.4f  (moving average over %d steps)"):format(r.final_loss, r.best_loss, r.smooth))
+      if r.val_loss then
+        outln(("  val loss    %.4f%s"):format(r.val_loss, r.val_accuracy and ("  (accuracy %.4f)"):format(r.val_accuracy) or ""))
+      end
+    end
+    outln(("  optimizer state %d bytes (%d parameters in %d groups)"):format(r.state_bytes, #r.info.params, #r.info.groups))
+    if r.saved then outln("  checkpoint " .. r.saved .. "/") end
+    if r.diverged then return 1 end
+    return 0
+  end,
+}
+
+-- compare -------------------------------------------------------------------------------------------------
+local compare_flags = with({ problem_flag }, {
+  { name = "recipes", arg = "a,b,c", doc = "recipes to compare: names or files, comma-separated" },
+  { name = "opt", arg = "[R.]KEY=VALUE", many = true, doc = "a recipe option for every recipe that has it, or for recipe R only (repeatable)" },
+  { name = "seed", arg = "S", type = "integer", min = 0, doc = "first seed (default 0)" },
+  { name = "seeds", arg = "K", type = "integer", min = 1, doc = "seeds per recipe: S .. S+K-1 (default 1)" },
+  { name = "out", arg = "DIR", doc = "output folder (default runs/<problem>)" },
+  { name = "plotter", arg = "P", doc = "auto (gnuplot when installed), gnuplot, builtin (SVG only)" },
+  { name = "skip-missing", key = "skip_missing", type = "boolean", doc = "leave out recipes that cannot be found or loaded (make run: whichever of sinkgd, adamw, dash exist)" },
+}, common_flags)
+
+command {
+  name = "compare",
+  summary = "train a problem with several recipes and plot their loss curves",
+  help = [=[usage: moonstep compare --problem P --recipes a,b,c [--steps N] [--out DIR] [--seeds K]
+                        [--opt [recipe.]key=value ...] [--device D] [problem flags]
+
+Trains problem P once per recipe and seed, from the same initial weights and the same batches, then
+prints a table (sorted by validation loss: validation loss, its range over seeds, the final and best
+training loss, validation accuracy, time per run, steps/s, optimizer state bytes) and how far apart the
+best and the worst are.  Writes to DIR: loss.csv (every step of every run), summary.csv, summary.txt, and
+the loss curves as loss.png and loss.svg (gnuplot; without it the SVG alone, drawn by moonstep).]=],
+  flags = compare_flags,
+  run = function(argv)
+    local problem, pflags = problem_flags("compare", argv)
+    local flags = with(compare_flags, pflags)
+    local vals = M.parse("compare", argv, flags)
+    if vals.help then show_help({ help = by_name.compare.help, flags = flags }, problem_help(problem)) return 0 end
+    if not vals.problem then usage_error("compare needs --problem (" .. table.concat(problems.names, ", ") .. ")", "compare") end
+    if not vals.recipes then usage_error("compare needs --recipes a,b,c", "compare") end
+    if vals.plotter and vals.plotter ~= "auto" and vals.plotter ~= "gnuplot" and vals.plotter ~= "builtin" then
+      usage_error(("--plotter: unknown plotter '%s' (auto, gnuplot, builtin)"):format(vals.plotter), "compare")
+    end
+    local cfg = run_config("compare", vals, problem)
+    local specs = {}
+    for s in vals.recipes:gmatch("[^,]+") do specs[#specs + 1] = s end
+    if #specs == 0 then usage_error("--recipes: no recipe named", "compare") end
+    cfg.recipes, cfg.seeds, cfg.seed = specs, vals.seeds or 1, vals.seed or 0
+    cfg.options = {}
+    for _, s in ipairs(vals.opt or {}) do cfg.options[#cfg.options + 1] = parse_assignment("compare", s) end
+    local E = require("moonstep.experiment")
+    local total = cfg.steps or (problem.defaults or {}).steps or 100
+    local prog
+    cfg.on_run = function(name, seed, i, n)
+      if prog then prog.finish() end
+      outln(("[%d/%d] %s, seed %d"):format(i, n, name, seed))
+      prog = M.progress(total)
+    end
+    cfg.on_step = function(...) return prog.on_step(...) end
+    cfg.on_eval = function(...) return prog.on_eval(...) end
+    cfg.on_fail = function(name, seed, msg)
+      if prog then prog.finish() prog = nil end
+      outln(("  %s failed (seed %d): %s"):format(name, seed, msg))
+    end
+    cfg.skip_missing = vals.skip_missing
+    cfg.on_loaded = function(recipes, skipped)
+      -- the reason without the list of folders searched (moonstep info shows where recipes are found)
+      for _, sk in ipairs(skipped) do outln(("skipping %s: %s"):format(sk.recipe, (sk.error:gsub(" %(searched .*$", "")))) end
+      local names = {}
+      for _, r in ipairs(recipes) do names[#names + 1] = r.name end
+      outln(("compare %s on %s: %s, %d step%s, %d seed%s"):format(problem.name, cfg.ctx:name(), table.concat(names, ", "),
+        total, total == 1 and "" or "s", cfg.seeds, cfg.seeds == 1 and "" or "s"))
+    end
+    local result = E.compare(cfg)
+    if prog then prog.finish() end
+    local any = result.rows[1]
+    if any and any.describe then outln("  " .. any.describe) end
+    local dir = vals.out or ("runs/" .. problem.name)
+    local files, note = require("moonstep.report").write(dir, result, { plotter = vals.plotter, problem = problem, ctx = cfg.ctx, steps = total })
+    local text, verdict = E.format_table(result)
+    outln("")
+    outln(text)
+    if verdict then outln(verdict) end
+    outln("")
+    outln("plot: " .. (files.png or files.svg))
+    if files.png and files.svg then outln("      " .. files.svg) end
+    outln("data: " .. files.csv .. ", " .. files.summary)
+    outln("(" .. note .. ")")
+    for _, row in ipairs(result.rows) do if row.failed then return 1 end end
+    return 0
+  end,
+}
+
+-- bench ---------------------------------------------------------------------------------------------------
+local function bench_dir()
+  local ok, config = pcall(require, "moonstep.config")
+  local cands = {}
+  if os.getenv("MOONSTEP_BENCH_DIR") then cands[#cands + 1] = os.getenv("MOONSTEP_BENCH_DIR") end
+  if ok and type(config) == "table" and config.lua_dir then cands[#cands + 1] = config.lua_dir .. "/../bench" end
+  local src = debug.getinfo(1, "S").source:sub(2):match("^(.*)/[^/]*$") or "."
+  cands[#cands + 1] = src .. "/../../bench"
+  for _, d in ipairs(cands) do
+    local f = io.open(d .. "/benches.lua", "r")
+    if f then f:close() return d end
+  end
+  return nil, cands
+end
+
+--- The benchmark registry (bench/benches.lua) and its folder.
+function M.benches()
+  local dir, tried = bench_dir()
+  if not dir then error("no benchmarks found (looked for benches.lua in " .. table.concat(tried, ", ") .. ")", 0) end
+  local list = dofile(dir .. "/benches.lua")
+  return list, dir
+end
+
+command {
+  name = "bench",
+  summary = "run a benchmark (moonstep bench lists them)",
+  help = [=[usage: moonstep bench [NAME [args...]]
+
+Runs the benchmark NAME (a script in bench/, listed in bench/benches.lua) with its default arguments
+followed by yours; without NAME, lists the benchmarks.  Benchmarks print their own tables.]=],
+  run = function(argv)
+    local vals, pos = M.parse("bench", argv, {}, true)
+    local list, dir = M.benches()
+    if vals.help and #pos == 0 then
+      show_help(by_name.bench)
+      pos = {}
+    end
+    if #pos == 0 then
+      outln("benchmarks (moonstep bench NAME [args...]):")
+      for _, b in ipairs(list) do outln(("  %-10s %s"):format(b.name, b.summary or "")) end
+      return 0
+    end
+    local name = pos[1]
+    for _, b in ipairs(list) do
+      if b.name == name then
+        local args = {}
+        for _, a in ipairs(b.args or {}) do args[#args + 1] = a end
+        for i = 2, #pos do args[#args + 1] = pos[i] end
+        M.run_script(dir .. "/" .. b.script, args)
+        return 0
+      end
+    end
+    local names = {}
+    for _, b in ipairs(list) do names[#names + 1] = b.name end
+    usage_error(("unknown benchmark '%s' (known: %s)"):format(name, table.concat(names, ", ")), "bench")
+  end,
+}
+
+-- info ----------------------------------------------------------------------------------------------------
+local function read_first_line(cmd)
+  local p = io.popen(cmd .. " 2>/dev/null")
+  if not p then return nil end
+  local s = p:read("*l")
+  p:close()
+  return s
+end
+
+local function meminfo()
+  local f = io.open("/proc/meminfo", "r")
+  if not f then return nil end
+  local s = f:read("*a")
+  f:close()
+  local kb = s:match("MemTotal:%s*(%d+)")
+  return kb and tonumber(kb) * 1024
+end
+
+local function cpu_count()
+  local f = io.open("/proc/cpuinfo", "r")
+  if not f then return nil end
+  local n = 0
+  for line in f:lines() do if line:match("^processor%s*:") then n = n + 1 end end
+  f:close()
+  return n
+end
+
+local function gib(b) return ("%.1f GiB"):format(b / 2 ^ 30) end
+
+command {
+  name = "info",
+  summary = "version, build, backends, devices and library versions",
+  help = [=[usage: moonstep info
+
+Prints the version and build of moonstep, its backends, the devices found with their memory, where the
+library, Lua modules and recipes were found, and the versions of the libraries around it.]=],
+  run = function(argv)
+    local vals, pos = M.parse("info", argv, {})
+    if vals.help then show_help(by_name.info) return 0 end
+    if #pos > 0 then usage_error("info takes no arguments", "info") end
+    local core = require("moonstep.core")
+    local okc, config = pcall(require, "moonstep.config")
+    config = okc and type(config) == "table" and config or {}
+    outln(("moonstep %s (abi %d)"):format(ms.version, ms.abi_version))
+    outln("build     " .. ms.build_info)
+    outln("library   " .. tostring(core.library_path or config.library or "?"))
+    outln("lua       " .. (jit and (jit.version .. " (JIT " .. (jit.status() and "on" or "off") .. ", " .. jit.arch .. ")") or _VERSION)
+      .. (config.lua_dir and ("; modules in " .. config.lua_dir) or ""))
+    local okb, blas = pcall(function()
+      pcall(ffi.cdef, "char *openblas_get_config(void);")
+      -- the engine's OpenBLAS is already loaded; ffi.load returns its handle (its symbols are not global)
+      return ffi.string(ffi.load("openblas").openblas_get_config())
+    end)
+    outln("openblas  " .. (okb and blas or "(version not available in this process)"))
+    outln("readline  " .. (config.readline_version and config.readline_version or "not linked (plain line input)"))
+    local gp = require("moonstep.plot").find_gnuplot()
+    outln("gnuplot   " .. (gp and (read_first_line(("'%s' --version"):format(gp)) or gp) or "not found (compare draws SVG only)"))
+    local names = {}
+    local R = require("moonstep.recipe")
+    local seen = {}
+    for _, d in ipairs(R.search_path()) do
+      local p = io.popen("ls '" .. d .. "' 2>/dev/null")
+      for f in p:lines() do
+        local n = f:match("^(.+)%.lua$")
+        if n and not seen[n] then seen[n] = true names[#names + 1] = n end
+      end
+      p:close()
+    end
+    table.sort(names)
+    outln("recipes   " .. table.concat(names, ", ") .. ((config.recipe_dir and config.recipe_dir ~= "") and ("  (" .. config.recipe_dir .. ")") or ""))
+    outln("problems  " .. table.concat(problems.names, ", "))
+    outln("devices")
+    local cpu = ms.device("cpu")
+    local st = cpu:mem_stats()
+    local mem = meminfo()
+    outln(("  cpu      %s cores%s, %s of system memory; moonstep holds %d bytes"):format(tostring(cpu_count() or "?"),
+      os.getenv("OMP_NUM_THREADS") and (" (OMP_NUM_THREADS=" .. os.getenv("OMP_NUM_THREADS") .. ")") or "",
+      mem and gib(mem) or "?", st.bytes_in_use))
+    local n = ms.device_count("cuda")
+    if not ms.build_info:find("cuda", 1, true) then
+      outln("  cuda     not in this build (built without nvcc)")
+    elseif n == 0 then
+      outln("  cuda     no usable GPU (no device or no driver)")
+    else
+      -- moonstep's ABI reports what its pools hold; the totals come from nvidia-smi where it exists
+      local smi = {}
+      local p = io.popen("nvidia-smi --query-gpu=index,name,memory.total,memory.used --format=csv,noheader 2>/dev/null")
+      if p then
+        for l in p:lines() do
+          local i, name, total, used = l:match("^(%d+),%s*([^,]+),%s*([^,]+),%s*(.+)$")
+          if i then smi[tonumber(i)] = ("%s, %s total, %s used"):format(name, total, used) end
+        end
+        p:close()
+      end
+      for i = 0, n - 1 do
+        local okd, ctx = pcall(ms.device, "cuda:" .. i)
+        if okd then
+          local s = ctx:mem_stats()
+          outln(("  cuda:%d   %s; moonstep holds %d bytes (%d cached)"):format(i, smi[i] or "memory totals unknown (no nvidia-smi)",
+            s.bytes_in_use, s.bytes_cached))
+        else
+          outln(("  cuda:%d   cannot open: %s"):format(i, tostring(ctx)))
+        end
+      end
+    end
+    outln("best      " .. ms.best_device())
+    return 0
+  end,
+}
+
+-- help ----------------------------------------------------------------------------------------------------
+local function usage_text()
+  local lines = { "usage: moonstep [COMMAND] [ARGS...]", "", "commands:" }
+  for _, c in ipairs(M.commands) do lines[#lines + 1] = ("  %-9s %s"):format(c.name, c.summary) end
+  lines[#lines + 1] = ""
+  lines[#lines + 1] = "other forms:"
+  lines[#lines + 1] = "  moonstep FILE.lua [args...]   run a script (`arg` holds its arguments, as in luajit)"
+  lines[#lines + 1] = "  moonstep -e 'lua code'        run a chunk of code with `ms` loaded"
+  lines[#lines + 1] = "  moonstep --version | --help"
+  lines[#lines + 1] = ""
+  lines[#lines + 1] = "moonstep COMMAND --help (or moonstep help COMMAND) describes a command."
+  return table.concat(lines, "\n")
+end
+M.usage = usage_text
+
+command {
+  name = "help",
+  summary = "help on a command: moonstep help train",
+  help = "usage: moonstep help [COMMAND]",
+  run = function(argv)
+    local _, pos = M.parse("help", argv, {})
+    if #pos == 0 then outln(usage_text()) return 0 end
+    local c = by_name[pos[1]]
+    if not c then usage_error(("unknown command '%s'"):format(pos[1]), nil) end
+    local rest = { "--help" }
+    for i = 2, #pos do rest[#rest + 1] = pos[i] end
+    return c.run(rest)
+  end,
+}
+
+-- ---------------------------------------------------------------------------------------------------
+-- main
+-- ---------------------------------------------------------------------------------------------------
+local function dispatch(argv)
+  local a1 = argv[1]
+  if a1 == nil then return by_name.repl.run({}) end
+  if a1 == "--help" or a1 == "-h" then outln(usage_text()) return 0 end
+  if a1 == "--version" then outln(("moonstep %s (abi %d)"):format(ms.version, ms.abi_version)) return 0 end
+  local rest = {}
+  for i = 2, #argv do rest[#rest + 1] = argv[i] end
+  if a1 == "-e" then
+    if #rest == 0 then usage_error("-e needs a chunk of Lua code", nil) end
+    local chunk, err = loadstring(rest[1], "=(command line)")
+    if not chunk then error(err, 0) end
+    local ok, e = xpcall(chunk, traceback)
+    if not ok then error(e, 0) end
+    return 0
+  end
+  if a1:sub(1, 1) == "-" then usage_error(("unknown option '%s'"):format(a1), nil) end
+  local c = by_name[a1]
+  if c then return c.run(rest) or 0 end
+  -- a script; a bare word that is no file is more likely a mistyped command
+  local f = io.open(a1, "r")
+  if f then f:close()
+  elseif not a1:find("[/.]") then
+    usage_error(("unknown command '%s'"):format(a1), nil)
+  end
+  M.run_script(a1, rest)
+  return 0
+end
+
+--- Runs the command line argv (an array of strings, without the program name); returns the exit status.
+function M.main(argv)
+  local ok, res = xpcall(dispatch, message, argv or {})
+  io.stdout:flush()
+  if ok then return tonumber(res) or 0 end
+  if getmetatable(res) == Usage then
+    io.stderr:write("moonstep: ", res.msg, "\n")
+    io.stderr:write(res.cmd and ("(moonstep %s --help lists its flags)\n"):format(res.cmd)
+                    or "(moonstep --help lists the commands)\n")
+    return 2
+  end
+  io.stderr:write("moonstep: ", tostring(res), "\n")
+  return 1
+end
+
+return M

@@ -1,0 +1,454 @@
+--[[
+moonstep.experiment -- trains a built-in problem with a recipe: the loop behind `moonstep train` and
+`moonstep compare`, usable from Lua (and the REPL) as well.
+
+  local E = require("moonstep.experiment")
+  local r = E.run{problem = "lsq", recipe = "adamw", steps = 200, seed = 1,
+                  recipe_options = {lr = 0.05}, device = "cpu"}
+  print(r.final_loss, r.val_loss, r.state_bytes)
+
+What a run reports: the training loss of every step; `final_loss` and `best_loss` are the last and the
+lowest value of its moving average over `smooth` steps (5% of the run unless the problem says otherwise:
+minibatch losses are noisy); validation every `eval_every` steps and after the last one; wall time of the
+steps (evaluations excluded); optimizer state bytes from opt:info().
+
+Checkpoints are folders: optim.safetensors (the ms.optim checkpoint: recipe name and content hash, options,
+step, state) and model.safetensors (the parameters, with the problem, its options, the seed and the run's
+settings in the metadata).  Batches are a function of (seed, step), so a resumed run continues exactly as an
+uninterrupted one would.
+]]
+local ms = require("moonstep")
+local problems = require("moonstep.problems")
+local R = require("moonstep.recipe")
+local json = require("moonstep.json")
+local ffi = require("ffi")
+
+local E = {}
+
+-- a monotonic wall clock (os.clock would count the CPU time of every OpenMP thread)
+pcall(ffi.cdef, "typedef struct { long tv_sec; long tv_nsec; } ms_experiment_timespec;" ..
+  "int clock_gettime(int, ms_experiment_timespec *);")
+local ts = ffi.new("ms_experiment_timespec")
+function E.clock()
+  ffi.C.clock_gettime(1, ts)   -- CLOCK_MONOTONIC
+  return tonumber(ts.tv_sec) + tonumber(ts.tv_nsec) * 1e-9
+end
+
+--- A recipe table from a name or path; files outside the built-in folders are sandboxed unless trusted.
+function E.recipe(spec, trusted)
+  if type(spec) == "table" then return R.resolve(spec) end
+  return R.resolve(spec, { trusted = trusted and true or false })
+end
+
+--- The options a recipe runs with on a problem: the problem's starting point for that recipe (only the
+--- options the recipe has), then the caller's values on top.
+function E.recipe_options(problem, recipe, given)
+  local out = {}
+  for k, v in pairs((problem.recipe_options or {})[recipe.name] or {}) do
+    if recipe.options[k] ~= nil then out[k] = v end
+  end
+  for k, v in pairs(given or {}) do out[k] = v end
+  return out
+end
+
+local SCHEDULES = { constant = true, cosine = true, linear_warmup = true, wsd = true }
+E.schedules = { "constant", "cosine", "linear_warmup", "wsd" }
+
+--- Runtime settings for ms.optim from a run's config (schedule over the whole run, clipping).
+function E.settings(cfg, steps)
+  local kind = cfg.schedule or "constant"
+  if not SCHEDULES[kind] then
+    error(("unknown schedule '%s' (known: %s)"):format(tostring(kind), table.concat(E.schedules, ", ")), 0)
+  end
+  local s = { trusted = cfg.trusted and true or false, ctx = cfg.ctx }
+  local w = math.min(cfg.warmup or 0, steps - 1)
+  -- each kind spans the whole run: cosine decays to 0 at the last step, wsd decays over its last 20%
+  if kind == "cosine" then
+    s.schedule = { kind = "cosine", warmup_steps = w, total_steps = steps }
+  elseif kind == "wsd" then
+    local d = math.max(1, math.floor(steps * 0.2))
+    s.schedule = { kind = "wsd", warmup_steps = w, stable_steps = math.max(0, steps - w - d), decay_steps = d }
+  elseif kind == "linear_warmup" or w > 0 then
+    s.schedule = { kind = "linear_warmup", warmup_steps = w }
+  end
+  if cfg.clip and cfg.clip > 0 then s.clip_grad_norm = cfg.clip end
+  return s
+end
+
+-- moving average over `w` steps of losses[1..n]
+local function moving_average(losses, w)
+  local out, acc = {}, 0
+  for i, v in ipairs(losses) do
+    acc = acc + v
+    if i > w then acc = acc - losses[i - w] end
+    out[i] = acc / math.min(i, w)
+  end
+  return out
+end
+E.moving_average = moving_average
+
+local function model_path(dir) return dir .. "/model.safetensors" end
+local function optim_path(dir) return dir .. "/optim.safetensors" end
+
+local function mkdir_p(dir)
+  local ok = os.execute("mkdir -p '" .. dir:gsub("'", "'\\''") .. "' 2>/dev/null")
+  if ok ~= 0 and ok ~= true then error(("cannot create checkpoint folder '%s'"):format(dir), 0) end
+end
+
+-- Frees the engine memory of unreachable tensors: a tensor's handle sits in a weak table keyed by the
+-- tensor object, so its finalizer runs in the cycle after the one that collects the object: two cycles.
+local function full_collect()
+  collectgarbage()
+  collectgarbage()
+end
+
+--- Reads a checkpoint folder's run description (what model.safetensors records).
+function E.checkpoint_info(dir)
+  local f = io.open(model_path(dir), "rb")
+  if not f then error(("%s: not a checkpoint folder (no model.safetensors)"):format(dir), 0) end
+  f:close()
+  local ok, tensors, meta = pcall(ms.load, model_path(dir))
+  if not ok then error(("%s: cannot read model.safetensors: %s"):format(dir, tostring(tensors)), 0) end
+  if not meta.moonstep_train then error(("%s: model.safetensors was not written by moonstep train"):format(dir), 0) end
+  return json.decode(meta.moonstep_train), tensors
+end
+
+--- Trains one problem with one recipe.  cfg:
+---   problem (name or module), problem_options, recipe (name, path or table), recipe_options, trusted,
+---   steps, seed, device | ctx, dtype, eval_every, smooth, schedule, warmup, clip,
+---   save (folder), resume (folder), force (resume under another recipe), stop_after (step),
+---   on_step(step, loss, run) and on_eval(step, eval, run) callbacks
+--- Returns a table: losses, smoothed, evals {step, loss, accuracy}, final_loss, best_loss, val_loss,
+--- val_accuracy, seconds, steps_per_s, state_bytes, info (opt:info()), recipe, recipe_hash, steps_done,
+--- start_step, diverged (step) ...
+function E.run(cfg)
+  local problem = type(cfg.problem) == "table" and cfg.problem or problems.get(cfg.problem)
+  local defaults = problem.defaults or {}
+
+  -- a resumed run takes what it was not told from the checkpoint, and refuses what contradicts it
+  local resume_info, resume_tensors
+  if cfg.resume then
+    resume_info, resume_tensors = E.checkpoint_info(cfg.resume)
+    if resume_info.problem ~= problem.name then
+      error(("%s: checkpoint of problem '%s', not '%s'"):format(cfg.resume, tostring(resume_info.problem), problem.name), 0)
+    end
+    local given = problems.options(problem, cfg.problem_options)
+    local saved = problems.options(problem, resume_info.problem_options)
+    for k in pairs(cfg.problem_options or {}) do
+      if given[k] ~= saved[k] then
+        error(("%s: problem option '%s' is %s in the checkpoint, %s here"):format(cfg.resume, k, tostring(saved[k]), tostring(given[k])), 0)
+      end
+    end
+    if cfg.seed and cfg.seed ~= resume_info.seed then
+      error(("%s: the checkpoint's run has seed %s, not %s (its data order depends on it)"):format(cfg.resume, tostring(resume_info.seed), tostring(cfg.seed)), 0)
+    end
+    local merged = {}
+    for k, v in pairs(cfg) do merged[k] = v end
+    merged.problem_options = resume_info.problem_options
+    merged.seed = resume_info.seed
+    if merged.steps == nil then merged.steps = resume_info.steps end
+    if merged.schedule == nil then merged.schedule = resume_info.schedule end
+    if merged.warmup == nil then merged.warmup = resume_info.warmup end
+    if merged.clip == nil then merged.clip = resume_info.clip or 0 end
+    cfg = merged
+  end
+
+  local steps = cfg.steps or defaults.steps or 100
+  if type(steps) ~= "number" or steps < 1 or steps ~= math.floor(steps) then
+    error("steps must be a positive integer (got " .. tostring(steps) .. ")", 0)
+  end
+  local ctx = cfg.ctx or ms.device(cfg.device or ms.best_device())
+  local seed = cfg.seed or 0
+
+  local popts = problems.options(problem, cfg.problem_options)
+  local inst = problem.new(popts, { ctx = ctx, dtype = cfg.dtype or "f32", seed = seed })
+  local recipe = E.recipe(cfg.recipe, cfg.trusted)
+  local ropts = E.recipe_options(problem, recipe, cfg.recipe_options)
+  local run_cfg = {
+    schedule = cfg.schedule or defaults.schedule, warmup = cfg.warmup or defaults.warmup or 0,
+    clip = cfg.clip == nil and defaults.clip or cfg.clip, trusted = cfg.trusted, ctx = ctx,
+  }
+  local opt = ms.optim.new(recipe, inst.params, ropts, E.settings(run_cfg, steps))
+
+  local start = 1
+  if cfg.resume then
+    for _, p in ipairs(inst.params) do
+      local t = resume_tensors[p.name]
+      if not t then error(("%s: parameter '%s' is missing from the checkpoint"):format(cfg.resume, p.name), 0) end
+      local ok, err = pcall(function() p.param:copy_(t:to(ctx)) end)
+      if not ok then error(("%s: parameter '%s': %s"):format(cfg.resume, p.name, tostring(err)), 0) end
+    end
+    local ok, err = pcall(opt.load, opt, optim_path(cfg.resume), { force = cfg.force })
+    if not ok then
+      error(tostring(err):gsub("pass {force = true} to load it anyway", "pass --force to resume it anyway"), 0)
+    end
+    start = opt.step_count + 1
+  end
+
+  local eval_every = cfg.eval_every or defaults.eval_every or math.max(1, math.floor(steps / 10))
+  local last_step = math.min(steps, cfg.stop_after or steps)
+  local result = {
+    problem = problem.name, problem_options = popts, recipe = recipe.name, recipe_hash = R.meta[recipe].hash,
+    recipe_options = opt.options, seed = seed, device = ctx:name(), steps = steps, start_step = start,
+    losses = {}, evals = {}, describe = inst.describe(), opt = opt, instance = inst,
+  }
+  local losses = result.losses
+
+  local function evaluate(step)
+    local ev = inst.evaluate()
+    full_collect()
+    ev.step = step
+    result.evals[#result.evals + 1] = ev
+    if cfg.on_eval then cfg.on_eval(step, ev, result) end
+    return ev
+  end
+
+  -- Lua's collector sees only the small tables wrapping tensors, not the engine memory behind them, so
+  -- a step's temporaries would pile up (on a GPU too): collect whenever the context holds much more than
+  -- it did after the last collection
+  full_collect()
+  local mem_base = ctx:mem_stats().bytes_in_use
+  local function tidy()
+    if ctx:mem_stats().bytes_in_use > 2 * mem_base + 64 * 2 ^ 20 then
+      full_collect()
+      mem_base = ctx:mem_stats().bytes_in_use
+    end
+  end
+
+  local seconds = 0
+  local t0 = E.clock()
+  for step = start, last_step do
+    local loss = inst.loss_grad(inst.train_batch(step))
+    local ok, err = pcall(opt.step, opt)
+    if not ok then
+      error(("recipe '%s' failed at step %d: %s"):format(recipe.name, step, tostring(err)), 0)
+    end
+    tidy()
+    losses[#losses + 1] = loss
+    result.steps_done = step
+    if loss ~= loss or loss == math.huge then
+      result.diverged = step
+      break
+    end
+    if cfg.on_step then cfg.on_step(step, loss, result) end
+    if step % eval_every == 0 and step ~= last_step then
+      seconds = seconds + (E.clock() - t0)
+      evaluate(step)
+      t0 = E.clock()
+    end
+  end
+  ctx:sync()
+  seconds = seconds + (E.clock() - t0)
+  result.steps_done = result.steps_done or start - 1
+  if not result.diverged and result.steps_done >= start then evaluate(result.steps_done) end
+
+  local n = #losses
+  local w = cfg.smooth or defaults.smooth or math.max(1, math.floor(steps / 20))
+  result.smooth = w
+  result.smoothed = moving_average(losses, w)
+  result.final_loss = result.smoothed[n]
+  local best = math.huge
+  for _, v in ipairs(result.smoothed) do if v < best then best = v end end
+  result.best_loss = n > 0 and best or nil
+  local last_eval = result.evals[#result.evals]
+  result.val_loss = not result.diverged and last_eval and last_eval.loss or nil
+  result.val_accuracy = last_eval and last_eval.accuracy
+  result.seconds = seconds
+  result.steps_per_s = n > 0 and n / seconds or 0
+  result.info = opt:info()
+  result.state_bytes = result.info.total_state_bytes
+
+  if cfg.save then
+    mkdir_p(cfg.save)
+    local tensors = {}
+    for _, p in ipairs(inst.params) do tensors[p.name] = p.param end
+    local meta = {
+      problem = problem.name, problem_options = popts, seed = seed, step = result.steps_done, steps = steps,
+      schedule = run_cfg.schedule, warmup = run_cfg.warmup, clip = run_cfg.clip or false,
+      recipe = recipe.name, recipe_hash = result.recipe_hash, moonstep = ms.version,
+    }
+    opt:save(optim_path(cfg.save))
+    ms.save(model_path(cfg.save), tensors, { moonstep_train = json.encode(meta) })
+    result.saved = cfg.save
+  end
+  return result
+end
+
+-- ---------------------------------------------------------------------------------------------------
+-- comparisons
+-- ---------------------------------------------------------------------------------------------------
+local function mean(t)
+  local s = 0
+  for _, v in ipairs(t) do s = s + v end
+  return #t > 0 and s / #t or nil
+end
+
+local function spread(t)
+  if #t < 2 then return 0 end
+  local lo, hi = math.huge, -math.huge
+  for _, v in ipairs(t) do lo, hi = math.min(lo, v), math.max(hi, v) end
+  return hi - lo
+end
+
+--- Options for each recipe from a list of {recipe = name or nil, key = k, value = v} assignments: an
+--- unqualified one goes to every recipe that has the option (and must fit at least one), a qualified one
+--- to that recipe only.  Returns {[recipe table] = {k = v}}.
+function E.distribute_options(recipes, assignments)
+  local out = {}
+  for _, r in ipairs(recipes) do out[r] = {} end
+  for _, a in ipairs(assignments or {}) do
+    local hit = false
+    for _, r in ipairs(recipes) do
+      if a.recipe == nil or a.recipe == r.name then
+        if r.options[a.key] ~= nil then
+          out[r][a.key] = a.value
+          hit = true
+        elseif a.recipe ~= nil then
+          local known = {}
+          for n in pairs(r.options) do known[#known + 1] = n end
+          table.sort(known)
+          error(("%s: unknown option '%s' (known: %s)"):format(r.name, a.key, table.concat(known, ", ")), 0)
+        end
+      end
+    end
+    if not hit then
+      if #recipes == 1 and a.recipe == nil then
+        local r = recipes[1]
+        local known = {}
+        for n in pairs(r.options) do known[#known + 1] = n end
+        table.sort(known)
+        error(("%s: unknown option '%s' (known: %s)"):format(r.name, a.key, table.concat(known, ", ")), 0)
+      end
+      if a.recipe then
+        error(("--opt %s.%s: no recipe named '%s' in this run"):format(a.recipe, a.key, a.recipe), 0)
+      end
+      local names = {}
+      for _, r in ipairs(recipes) do names[#names + 1] = r.name end
+      error(("--opt %s: no recipe of this run (%s) has an option '%s'"):format(a.key, table.concat(names, ", "), a.key), 0)
+    end
+  end
+  return out
+end
+
+--- Trains the same problem (same seeds, so the same initial weights and batches) with several recipes.
+--- cfg: as E.run, with recipes = {spec, ...} instead of recipe, options = {assignment, ...} (see
+--- distribute_options), seeds = K (seeds seed .. seed + K - 1), skip_missing (recipes that cannot be
+--- loaded are left out and listed in `skipped` instead of stopping the comparison), and
+--- on_run(recipe_name, seed, index, total) called before each run.  A recipe that fails while running is
+--- reported in its row, the others still run.
+--- Returns {rows = {...} (sorted by validation loss), runs = {[name] = {result per seed}}, recipes = {...}}.
+function E.compare(cfg)
+  local problem = type(cfg.problem) == "table" and cfg.problem or problems.get(cfg.problem)
+  if type(cfg.recipes) ~= "table" or #cfg.recipes == 0 then error("compare: no recipes given", 0) end
+  local recipes, seen, skipped = {}, {}, {}
+  for _, spec in ipairs(cfg.recipes) do
+    local ok, r = pcall(E.recipe, spec, cfg.trusted)
+    if not ok then
+      if not cfg.skip_missing then error(r, 0) end
+      skipped[#skipped + 1] = { recipe = spec, error = tostring(r) }
+    else
+      if seen[r.name] then error(("compare: recipe '%s' is given twice"):format(r.name), 0) end
+      seen[r.name] = true
+      recipes[#recipes + 1] = r
+    end
+  end
+  if #recipes == 0 then error("compare: none of the recipes could be loaded (" .. skipped[1].error .. ")", 0) end
+  if cfg.on_loaded then cfg.on_loaded(recipes, skipped) end
+  local given = E.distribute_options(recipes, cfg.options)
+  -- check every recipe's options before the first run, so a typo does not cost the runs before it
+  for _, r in ipairs(recipes) do R.options(r, E.recipe_options(problem, r, given[r])) end
+  local seeds = cfg.seeds or 1
+  local seed0 = cfg.seed or 0
+  local out = { problem = problem.name, recipes = recipes, runs = {}, rows = {}, seeds = seeds, skipped = skipped }
+  local index, total = 0, #recipes * seeds
+  for _, r in ipairs(recipes) do
+    local runs = {}
+    out.runs[r.name] = runs
+    local row = { recipe = r.name, seeds = seeds, vals = {}, finals = {}, bests = {}, accs = {}, secs = {}, rates = {} }
+    for k = 0, seeds - 1 do
+      index = index + 1
+      if cfg.on_run then cfg.on_run(r.name, seed0 + k, index, total) end
+      local rc = {}
+      for key, v in pairs(cfg) do rc[key] = v end
+      rc.recipe, rc.recipe_options, rc.seed = r, given[r], seed0 + k
+      local ok, res = pcall(E.run, rc)
+      if not ok then
+        row.failed = tostring(res)
+        if cfg.on_fail then cfg.on_fail(r.name, seed0 + k, row.failed) end
+        break
+      end
+      -- keep the numbers, not the model and its optimizer: the next run needs the (device) memory
+      res.opt, res.instance = nil, nil
+      full_collect()
+      runs[#runs + 1] = res
+      if res.diverged then row.diverged = res.diverged end
+      if res.val_loss then row.vals[#row.vals + 1] = res.val_loss end
+      if res.final_loss then row.finals[#row.finals + 1] = res.final_loss end
+      if res.best_loss then row.bests[#row.bests + 1] = res.best_loss end
+      if res.val_accuracy then row.accs[#row.accs + 1] = res.val_accuracy end
+      row.secs[#row.secs + 1] = res.seconds
+      row.rates[#row.rates + 1] = res.steps_per_s
+      row.state_bytes = res.state_bytes
+      row.describe = res.describe
+      row.device = res.device
+    end
+    row.val_loss, row.val_spread = mean(row.vals), spread(row.vals)
+    row.final_loss, row.best_loss, row.val_accuracy = mean(row.finals), mean(row.bests), mean(row.accs)
+    row.seconds, row.steps_per_s = mean(row.secs), mean(row.rates)
+    out.rows[#out.rows + 1] = row
+  end
+  table.sort(out.rows, function(a, b)
+    local va, vb = (a.failed or a.diverged) and math.huge or (a.val_loss or math.huge), (b.failed or b.diverged) and math.huge or (b.val_loss or math.huge)
+    return va < vb
+  end)
+  return out
+end
+
+--- Seconds for people: "0.42 s", "12.3 s", "2:05".
+function E.format_seconds(s)
+  if s < 10 then return ("%.2f s"):format(s) end
+  if s < 120 then return ("%.1f s"):format(s) end
+  return ("%d:%02d"):format(math.floor(s / 60), math.floor(s % 60))
+end
+
+--- The comparison table as text, and a sentence on best versus worst.
+function E.format_table(cmp)
+  local lines = {}
+  local multi = cmp.seeds > 1
+  lines[1] = ("%-12s %-18s %-10s %-10s %-8s %-10s %-9s %s"):format("recipe",
+    multi and ("val loss (±range)") or "val loss", "final", "best", "val acc", "time/run", "steps/s", "state bytes")
+  for _, r in ipairs(cmp.rows) do
+    if r.failed then
+      lines[#lines + 1] = ("%-12s failed: %s"):format(r.recipe, r.failed)
+    else
+      local val = r.diverged and ("diverged @" .. r.diverged)
+        or (r.val_loss and (multi and ("%.4f ±%.4f"):format(r.val_loss, r.val_spread) or ("%.4f"):format(r.val_loss)) or "-")
+      lines[#lines + 1] = ("%-12s %-18s %-10s %-10s %-8s %-10s %-9s %d"):format(r.recipe, val,
+        r.final_loss and ("%.4f"):format(r.final_loss) or "-", r.best_loss and ("%.4f"):format(r.best_loss) or "-",
+        r.val_accuracy and ("%.4f"):format(r.val_accuracy) or "-", E.format_seconds(r.seconds or 0),
+        ("%.1f"):format(r.steps_per_s or 0), r.state_bytes or 0)
+    end
+  end
+  -- best against worst, measured against the seed-to-seed spread
+  local ok = {}
+  for _, r in ipairs(cmp.rows) do if not r.failed and not r.diverged and r.val_loss then ok[#ok + 1] = r end end
+  local verdict
+  if #ok >= 2 then
+    local best, worst = ok[1], ok[#ok]
+    local diff = worst.val_loss - best.val_loss
+    verdict = ("best: %s, validation loss %.4f; worst: %s, %.4f (+%.4f, %.1f%%)"):format(best.recipe, best.val_loss,
+      worst.recipe, worst.val_loss, diff, 100 * diff / best.val_loss)
+    if multi then
+      local s = math.max(best.val_spread, worst.val_spread)
+      verdict = verdict .. (s > 0 and ("; the difference is %.1fx the larger seed-to-seed range (%.4f over %d seeds)")
+        :format(diff / s, s, cmp.seeds) or "; no seed-to-seed variation")
+    else
+      verdict = verdict .. " (one seed: --seeds 3 measures the seed-to-seed range)"
+    end
+  elseif #ok == 1 then
+    verdict = ("only %s finished"):format(ok[1].recipe)
+  end
+  return table.concat(lines, "\n"), verdict
+end
+
+return E

@@ -1,0 +1,361 @@
+-- The `moonstep` command's subcommands, run as a user runs them (the built host, output and exit
+-- status): help, train (progress, summary, options, checkpoints and resuming, recipe files sandboxed or
+-- trusted, failures mid-run), compare (table, CSV, plots with gnuplot and without), bench, info, and
+-- bad input everywhere.  The REPL, driven through a terminal, is in repl_spec.lua.
+local build = os.getenv("MOONSTEP_BUILD") or "build"
+local root = os.getenv("PWD")
+local host = (build:sub(1, 1) == "/" and build or (root .. "/" .. build)) .. "/moonstep"
+
+local function q(s) return "'" .. tostring(s):gsub("'", "'\\''") .. "'" end
+
+-- runs `moonstep ARGS` (a shell fragment) and returns stdout+stderr and the exit status
+local function ms_run(args, env)
+  local p = io.popen(("cd %s && %s %s %s 2>&1; echo \"exit=$?\""):format(q(root), env or "", q(host), args))
+  local out = p:read("*a")
+  p:close()
+  local body, code = out:match("^(.-)exit=(%d+)\n$")
+  return body, tonumber(code)
+end
+
+local function tmpdir()
+  local p = io.popen("mktemp -d")
+  local d = p:read("*l")
+  p:close()
+  return d
+end
+
+local function write(path, text)
+  local f = assert(io.open(path, "w"))
+  f:write(text)
+  f:close()
+end
+
+local function read(path)
+  local f = io.open(path, "rb")
+  if not f then return nil end
+  local s = f:read("*a")
+  f:close()
+  return s
+end
+
+local function has(out, ...)
+  for _, s in ipairs { ... } do
+    assert(out:find(s, 1, true), ("output does not contain %q:\n%s"):format(s, out))
+  end
+end
+
+local dirs = {}
+local function scratch()
+  local d = tmpdir()
+  dirs[#dirs + 1] = d
+  return d
+end
+
+-- a tiny, quick lsq problem for the commands below
+local LSQ = "--problem lsq --dim 8 --outputs 2 --samples 32 --cond 100 --device cpu"
+
+describe("moonstep command line", function()
+  teardown(function()
+    for _, d in ipairs(dirs) do os.execute("rm -rf " .. q(d)) end
+  end)
+
+  it("lists its commands and gives each one help", function()
+    local out, code = ms_run("--help")
+    assert.equals(0, code)
+    has(out, "usage: moonstep", "repl", "run", "train", "compare", "bench", "info")
+    for _, c in ipairs { "repl", "run", "train", "compare", "bench", "info" } do
+      local h, hc = ms_run(c .. " --help")
+      assert.equals(0, hc, c)
+      has(h, "usage: moonstep " .. c)
+      local h2 = ms_run("help " .. c)
+      assert.equals(h, h2)
+    end
+    -- a problem's options become flags, with their docs
+    local h = ms_run("train --problem lm --help")
+    has(h, "--width", "hidden width", "--data", "flags of problem lm")
+  end)
+
+  it("names unknown commands and flags, and exits 2", function()
+    local out, code = ms_run("trian --problem lsq")
+    assert.equals(2, code)
+    has(out, "unknown command 'trian'")
+    for _, c in ipairs { "train " .. LSQ .. " --recipe adamw --stpes 3", "compare " .. LSQ .. " --recipes adamw --stpes 3",
+                         "info --stpes 3", "repl --stpes 3" } do
+      local o, rc = ms_run(c)
+      assert.equals(2, rc, c)
+      has(o, "unknown flag '--stpes'")
+    end
+    local o, rc = ms_run("train " .. LSQ .. " --recipe adamw --steps many")
+    assert.equals(2, rc)
+    has(o, "--steps", "not an integer")
+    o, rc = ms_run("train --problem lsq --recipe adamw --steps")
+    assert.equals(2, rc)
+    has(o, "--steps needs a value")
+    o, rc = ms_run("train --recipe adamw")
+    assert.equals(2, rc)
+    has(o, "train needs --problem")
+    o, rc = ms_run("compare --problem lsq")
+    assert.equals(2, rc)
+    has(o, "compare needs --recipes")
+  end)
+
+  describe("train", function()
+    it("trains, prints progress lines (not a terminal) and a summary", function()
+      local out, code = ms_run("train " .. LSQ .. " --recipe adamw --steps 30 --eval-every 10 --opt lr=0.1")
+      assert.equals(0, code, out)
+      has(out, "train lsq with adamw on cpu", "step 10/30", "step 20/30", "val ", "steps/s", "ETA",
+          "recipe adamw (hash ", "lr=0.1", "train loss  final", "val loss", "optimizer state 144 bytes")
+      assert.is_nil(out:find("\r", 1, true), "no carriage returns when stdout is not a terminal")
+      -- the final loss is below the initial one: it trained
+      local first = tonumber(out:match("step 10/30  loss ([%d%.]+)"))
+      local final = tonumber(out:match("train loss  final ([%d%.]+)"))
+      assert.is_true(final < first, out)
+    end)
+
+    it("refuses unknown problems and recipes, bad options and a missing recipe file", function()
+      local out, code = ms_run("train --problem nope --recipe adamw")
+      assert.equals(2, code)
+      has(out, "unknown problem 'nope'", "lsq, mlp, lm")
+      out, code = ms_run("train " .. LSQ .. " --recipe nosuch")
+      assert.equals(1, code)
+      has(out, 'no recipe named "nosuch"')
+      out, code = ms_run("train " .. LSQ .. " --recipe adamw --opt lrate=1")
+      assert.equals(1, code)
+      has(out, "adamw: unknown option 'lrate'")
+      out, code = ms_run("train " .. LSQ .. " --recipe adamw --opt lr=fast")
+      assert.equals(1, code)
+      has(out, "option 'lr'", "a number is needed")
+      out, code = ms_run("train " .. LSQ .. " --recipe adamw --opt lr")
+      assert.equals(2, code)
+      has(out, "expected key=value")
+      out, code = ms_run("train " .. LSQ .. " --recipe /nonexistent/optim.lua")
+      assert.equals(1, code)
+      has(out, "cannot read recipe /nonexistent/optim.lua")
+      out, code = ms_run("train --problem lsq --cond 0.5 --recipe adamw")
+      assert.equals(2, code)
+      has(out, "option 'cond'", "minimum")
+      out, code = ms_run("train " .. LSQ .. " --recipe adamw --schedule sometimes")
+      assert.equals(2, code)
+      has(out, "unknown schedule 'sometimes'")
+      out, code = ms_run("train " .. LSQ .. " --recipe adamw --device tpu")
+      assert.equals(2, code)
+      has(out, "--device tpu")
+    end)
+
+    it("reports a recipe that fails mid-run with the step", function()
+      local d = scratch()
+      write(d .. "/optim.lua", [[
+return {
+  name = "flaky", options = {lr = {default = 0.1, type = "number"}},
+  route = function() return "all" end,
+  routes = {all = {step = function(group, o, ctx)
+    if ctx.step == 3 then error("flaky: out of luck") end
+    for _, m in ipairs(group) do m.param:sub_(m.grad * ctx.lr) end
+  end}},
+}]])
+      local out, code = ms_run("train " .. LSQ .. " --steps 10 --recipe " .. q(d .. "/optim.lua"))
+      assert.equals(1, code)
+      has(out, "recipe 'flaky' failed at step 3", "flaky: out of luck")
+    end)
+
+    it("sandboxes a recipe file unless --trusted", function()
+      local d = scratch()
+      -- a recipe that reads a file while loading: allowed only when trusted
+      write(d .. "/optim.lua", [[
+local f = io.open("/dev/null")
+f:close()
+return {
+  name = "curious", options = {lr = {default = 0.1, type = "number"}},
+  route = function() return "all" end,
+  routes = {all = {step = function(group, o, ctx)
+    for _, m in ipairs(group) do m.param:sub_(m.grad * ctx.lr) end
+  end}},
+}]])
+      local out, code = ms_run("train " .. LSQ .. " --steps 5 --recipe " .. q(d .. "/optim.lua"))
+      assert.equals(1, code)
+      has(out, "io")
+      out, code = ms_run("train " .. LSQ .. " --steps 5 --trusted --recipe " .. q(d .. "/optim.lua"))
+      assert.equals(0, code, out)
+      has(out, "train lsq with curious")
+    end)
+
+    it("saves a checkpoint and resumes exactly; refuses another recipe unless --force", function()
+      local d = scratch()
+      local common = "train --problem mlp --points 20 --hidden 8 --classes 3 --batch 16 --recipe adamw --steps 12 --eval-every 100 "
+      local full, c1 = ms_run(common .. "--save " .. q(d .. "/full"))
+      assert.equals(0, c1, full)
+      local half, c2 = ms_run(common .. "--until 6 --save " .. q(d .. "/half"))
+      assert.equals(0, c2, half)
+      has(half, "steps 1-6 of 12")
+      assert.truthy(read(d .. "/half/model.safetensors") and read(d .. "/half/optim.safetensors"))
+      -- the resumed run takes the rest of its settings from the checkpoint
+      local rest, c3 = ms_run("train --problem mlp --recipe adamw --resume " .. q(d .. "/half") .. " --save " .. q(d .. "/rest"))
+      assert.equals(0, c3, rest)
+      has(rest, "resuming", "steps 7-12 of 12")
+      -- bit for bit: the parameters after 6 + 6 steps equal those after 12
+      local ms = H.ms
+      local a = ms.load(d .. "/full/model.safetensors")
+      local b = ms.load(d .. "/rest/model.safetensors")
+      local n = 0
+      for name, t in pairs(a) do
+        assert.equals(0, (t - b[name]):abs():max(), name)
+        n = n + 1
+      end
+      assert.is_true(n >= 5)
+      -- another recipe: refused, then accepted with --force (plain sgd keeps no state: nothing to restore)
+      local other, c4 = ms_run("train --problem mlp --recipe sgd --opt momentum=0 --resume " .. q(d .. "/half"))
+      assert.equals(1, c4)
+      has(other, "checkpoint of recipe 'adamw'", "pass --force")
+      local forced, c5 = ms_run("train --problem mlp --recipe sgd --opt momentum=0 --force --resume " .. q(d .. "/half"))
+      assert.equals(0, c5, forced)
+      has(forced, "steps 7-12 of 12")
+      -- a resume that contradicts the checkpoint, or a folder that is not one
+      local bad, c6 = ms_run("train --problem mlp --hidden 16 --recipe adamw --resume " .. q(d .. "/half"))
+      assert.equals(1, c6)
+      has(bad, "problem option 'hidden'")
+      local wrong, c7 = ms_run("train --problem lsq --recipe adamw --resume " .. q(d .. "/half"))
+      assert.equals(1, c7)
+      has(wrong, "checkpoint of problem 'mlp'")
+      local none, c8 = ms_run("train --problem mlp --recipe adamw --resume " .. q(d .. "/nothing"))
+      assert.equals(1, c8)
+      has(none, "not a checkpoint folder")
+    end)
+
+    it("refuses to resume under an edited recipe file (its content hash changed)", function()
+      local d = scratch()
+      local src = [[
+return {
+  name = "mine", options = {lr = {default = %s, type = "number"}},
+  route = function() return "all" end,
+  routes = {all = {step = function(group, o, ctx)
+    for _, m in ipairs(group) do m.param:sub_(m.grad * ctx.lr) end
+  end}},
+}]]
+      write(d .. "/optim.lua", src:format("0.1"))
+      local _, c1 = ms_run("train " .. LSQ .. " --steps 6 --until 3 --recipe " .. q(d .. "/optim.lua") .. " --save " .. q(d .. "/ck"))
+      assert.equals(0, c1)
+      write(d .. "/optim.lua", src:format("0.2"))    -- same name, different code
+      local out, c2 = ms_run("train --problem lsq --recipe " .. q(d .. "/optim.lua") .. " --resume " .. q(d .. "/ck"))
+      assert.equals(1, c2)
+      has(out, "checkpoint of recipe 'mine'", "pass --force")
+    end)
+  end)
+
+  describe("compare", function()
+    it("runs every recipe on the same data and writes the table, CSV and plots", function()
+      local d = scratch()
+      local out, code = ms_run("compare " .. LSQ .. " --recipes sgd,adamw,lion --steps 20 --seeds 2 --eval-every 10 --opt adamw.lr=0.05 --out " .. q(d))
+      assert.equals(0, code, out)
+      has(out, "compare lsq on cpu: sgd, adamw, lion, 20 steps, 2 seeds", "[1/6] sgd, seed 0", "[6/6] lion, seed 1",
+          "recipe", "val loss (±range)", "state bytes", "best: ", "worst: ", "seed-to-seed range", "plot: ")
+      -- every recipe has a row, with state bytes from opt:info() (lion and sgd with momentum one buffer, adamw two)
+      local rows = {}
+      for line in out:gmatch("[^\n]+") do
+        local name, bytes = line:match("^(%a+)%s+[%d%.]+ ±[%d%.]+.-(%d+)$")
+        if name then rows[name] = tonumber(bytes) end
+      end
+      assert.same({ sgd = 4 * (16 + 2), adamw = 2 * 4 * (16 + 2), lion = 4 * (16 + 2) }, rows)
+      -- CSV: a header and one line per step, recipe and seed
+      local csv = read(d .. "/loss.csv")
+      local n = 0
+      for _ in csv:gmatch("\n") do n = n + 1 end
+      assert.equals(1 + 3 * 2 * 20, n)
+      has(csv, "recipe,seed,step,train_loss,train_loss_avg,val_loss,val_accuracy", "adamw,1,20,")
+      -- the same seed means the same data: the first step's loss is the same for every recipe
+      local first = {}
+      for r, l in csv:gmatch("\n(%a+),0,1,([^,]+),") do first[#first + 1] = l end
+      assert.equals(3, #first)
+      assert.equals(first[1], first[2])
+      assert.equals(first[1], first[3])
+      has(read(d .. "/summary.csv"), "recipe,seeds,val_loss", "adamw,2,")
+      has(read(d .. "/summary.txt"), "best: ")
+      if require("moonstep.plot").find_gnuplot() then
+        assert.equals("\137PNG", read(d .. "/loss.png"):sub(1, 4))
+        has(read(d .. "/loss.svg"), "<svg")
+        has(out, d .. "/loss.png", "plotted with gnuplot")
+      else
+        has(out, "built-in renderer")
+      end
+    end)
+
+    it("draws the SVG itself when gnuplot is missing, and says so", function()
+      local d = scratch()
+      local out, code = ms_run("compare " .. LSQ .. " --recipes sgd,adamw --steps 8 --out " .. q(d), "MOONSTEP_GNUPLOT=none")
+      assert.equals(0, code, out)
+      has(out, "gnuplot not found", "drew the SVG with the built-in renderer (no PNG)", "plot: " .. d .. "/loss.svg")
+      assert.is_nil(read(d .. "/loss.png"))
+      local svg = read(d .. "/loss.svg")
+      has(svg, "<svg", "<polyline", "sgd (train", "adamw (validation)")
+      local out2, code2 = ms_run("compare " .. LSQ .. " --recipes sgd --steps 4 --plotter builtin --out " .. q(d .. "/b"))
+      assert.equals(0, code2, out2)
+      has(out2, "built-in renderer")
+      local _, code3 = ms_run("compare " .. LSQ .. " --recipes sgd --steps 4 --plotter gnuplot --out " .. q(d .. "/c"), "MOONSTEP_GNUPLOT=none")
+      assert.equals(1, code3)
+    end)
+
+    it("keeps going when one recipe fails, marks it, and exits 1", function()
+      local d = scratch()
+      write(d .. "/broken.lua", [[
+return {
+  name = "broken", options = {lr = {default = 0.1, type = "number"}},
+  route = function() return "all" end,
+  routes = {all = {step = function(group, o, ctx) if ctx.step == 2 then error("broken on purpose") end end}},
+}]])
+      local out, code = ms_run("compare " .. LSQ .. " --recipes " .. q(d .. "/broken.lua") .. ",sgd --steps 5 --out " .. q(d .. "/o"))
+      assert.equals(1, code)
+      has(out, "broken failed (seed 0): recipe 'broken' failed at step 2", "broken       failed:", "only sgd finished")
+      assert.truthy(read(d .. "/o/loss.csv"))
+    end)
+
+    it("checks option assignments against the recipes of the run", function()
+      local unused = scratch()
+      local out, code = ms_run("compare " .. LSQ .. " --recipes sgd,adamw --steps 3 --opt betas=0.9,0.9 --out " .. q(unused))
+      assert.equals(0, code, out)    -- betas exists in adamw only: applied there
+      out, code = ms_run("compare " .. LSQ .. " --recipes sgd,adamw --steps 3 --opt nesterovv=true")
+      assert.equals(1, code)
+      has(out, "no recipe of this run (sgd, adamw) has an option 'nesterovv'")
+      out, code = ms_run("compare " .. LSQ .. " --recipes sgd,adamw --steps 3 --opt lion.lr=1")
+      assert.equals(1, code)
+      has(out, "no recipe named 'lion' in this run")
+      out, code = ms_run("compare " .. LSQ .. " --recipes sgd,sgd --steps 3")
+      assert.equals(1, code)
+      has(out, "recipe 'sgd' is given twice")
+      -- a recipe that does not exist stops the comparison, unless --skip-missing leaves it out (make run)
+      out, code = ms_run("compare " .. LSQ .. " --recipes nosuch,sgd --steps 3 --out " .. q(unused))
+      assert.equals(1, code)
+      has(out, 'no recipe named "nosuch"')
+      out, code = ms_run("compare " .. LSQ .. " --recipes nosuch,sgd --steps 3 --skip-missing --out " .. q(unused))
+      assert.equals(0, code, out)
+      has(out, 'skipping nosuch: no recipe named "nosuch"', "compare lsq on cpu: sgd, 3 steps")
+      out, code = ms_run("compare " .. LSQ .. " --recipes nosuch --steps 3 --skip-missing")
+      assert.equals(1, code)
+      has(out, "none of the recipes could be loaded")
+    end)
+  end)
+
+  describe("bench", function()
+    it("lists the benchmarks and runs one by name, with arguments", function()
+      local out, code = ms_run("bench")
+      assert.equals(0, code)
+      has(out, "core", "core ops")
+      -- the dispatcher is a table: a registry with a script of our own
+      local d = scratch()
+      write(d .. "/benches.lua", [[return {{name = "echo", script = "echo.lua", summary = "says its arguments", args = {"first"}}}]])
+      write(d .. "/echo.lua", [[print("bench echo:", table.concat(arg, " "), ms ~= nil)]])
+      out, code = ms_run("bench echo second", "MOONSTEP_BENCH_DIR=" .. q(d))
+      assert.equals(0, code, out)
+      has(out, "bench echo:\tfirst second\ttrue")
+      out, code = ms_run("bench nope", "MOONSTEP_BENCH_DIR=" .. q(d))
+      assert.equals(2, code)
+      has(out, "unknown benchmark 'nope' (known: echo)")
+    end)
+  end)
+
+  it("info prints the version, build, devices and libraries", function()
+    local out, code = ms_run("info")
+    assert.equals(0, code)
+    has(out, "moonstep " .. H.ms.version, "build ", "backends: cpu", "library ", "LuaJIT", "openblas  OpenBLAS",
+        "devices", "  cpu ", "GiB of system memory", "cuda", "recipes ", "lion", "muon", "problems  lsq, mlp, lm", "best ")
+    if H.has_cuda then has(out, "cuda:0") end
+  end)
+end)
