@@ -154,8 +154,13 @@ describe("ms.optim.new", function()
     assert.truthy(text:find("total", 1, true))
   end)
 
+  it("needs a recipe with a number option 'lr'", function()
+    local r = { name = "nolr", options = {}, route = function() return "r" end, routes = { r = { step = function() end } } }
+    H.expect_error(function() ms.optim.new(r, { param("w", { 2 }) }) end, "recipe nolr has no number option 'lr'")
+  end)
+
   it("refuses a route the recipe does not have", function()
-    local r = { name = "bad", options = {}, route = function() return "nowhere" end, routes = { r = { step = function() end } } }
+    local r = { name = "bad", options = { lr = { default = 1, type = "number" } }, route = function() return "nowhere" end, routes = { r = { step = function() end } } }
     H.expect_error(function() ms.optim.new(r, { param("w", { 2 }) }) end, "route() gave nowhere", "'w'")
   end)
 end)

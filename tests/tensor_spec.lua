@@ -230,6 +230,13 @@ describe("contexts and memory", function()
     assert.equals(768, t:numel())
   end)
 
+  it("collects dropped temporaries before their memory piles up", function()
+    local c = ms.context { device = "cpu" }
+    for _ = 1, 40 do ms.empty({ 8 * 2 ^ 20 }, { ctx = c }) end     -- 40 x 32 MB, each dropped at once
+    local st = c:mem_stats()
+    assert.is_true(st.peak_bytes < 700 * 2 ^ 20, "peak " .. st.peak_bytes)
+  end)
+
   it("survives its Lua object: tensors keep their context alive", function()
     local t
     do t = ms.zeros({ 4 }, { ctx = ms.context { device = "cpu" } }) end

@@ -101,6 +101,10 @@ function M.new(recipe, params, options, settings)
   settings = check_settings(settings)
   recipe = R.resolve(recipe, { trusted = settings.trusted })
   local meta = R.meta[recipe]
+  local lr_spec = recipe.options.lr
+  if type(lr_spec) ~= "table" or lr_spec.type ~= "number" then
+    error(("recipe %s has no number option 'lr': the runtime owns the learning rate and schedules options.lr"):format(recipe.name), 2)
+  end
   local opts = R.options(recipe, options)
   if type(params) ~= "table" then error("params must be an array of {name=, param=, grad=, tags=}", 2) end
 

@@ -159,10 +159,25 @@ local function as_shape(shape, level)
 end
 
 --- An uninitialised tensor.
+-- The garbage collector sees a few bytes per tensor, not the memory the engine holds for it, so a loop
+-- that drops large temporaries could grow without bound between collections.  Count the bytes allocated
+-- and collect once a budget is passed (twice: the first cycle clears the weak handle entry, the second
+-- runs the handle's finalizer).
+local dtype_bytes = { f32 = 4, f64 = 8, bf16 = 2, f16 = 2, i32 = 4, u8 = 1 }
+local gc_budget, gc_debt = 256 * 2 ^ 20, 0
+
 function M.empty(shape, opts)
   local ctx = resolve_ctx(opts)
   local dt = norm_dtype(opts and opts.dtype)
   local arr, n = as_shape(shape)
+  local bytes = dtype_bytes[dt]
+  for i = 0, n - 1 do bytes = bytes * tonumber(arr[i]) end
+  gc_debt = gc_debt + bytes
+  if gc_debt > gc_budget then
+    gc_debt = 0
+    collectgarbage()
+    collectgarbage()
+  end
   check_alloc(C.ms_tensor_new, ctx_handle[ctx], dtype_enum[dt], n, arr, core.out_tensor)
   return wrap(core.out_tensor[0], ctx)
 end
