@@ -1,9 +1,11 @@
 /*
 ** IEEE binary16 <-> binary32 conversions used wherever f16 is stored or read on the host: round to
-** nearest even, subnormals and infinities exact, NaN payloads kept (so every f16 survives f16->f32->f16).
+** nearest even, subnormals and infinities exact, NaN payloads kept (so every f16 survives f16->f32->f16);
+** and the rounding helpers the random-number backends share.
 */
 #include "internal.h"
 
+#include <math.h>
 #include <string.h>
 
 static uint32_t f32_bits(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
@@ -44,4 +46,26 @@ uint16_t ms_f32_to_f16(float f)
     }
     if (rem > half || (rem == half && (q & 1u))) q++;          /* a carry may step into the exponent: right */
     return (uint16_t)(sign | q);
+}
+
+double ms_round_to_dtype(ms_dtype dt, double x)
+{
+    switch (dt) {
+    case MS_DTYPE_F32:  return (float)x;
+    case MS_DTYPE_BF16: return ms_bf16_to_f32(ms_f32_to_bf16((float)x));
+    case MS_DTYPE_F16:  return ms_f16_to_f32(ms_f32_to_f16((float)x));
+    default:            return x;
+    }
+}
+
+double ms_dtype_step_down(ms_dtype dt, double x)
+{
+    if (dt == MS_DTYPE_F64) return nextafter(x, -INFINITY);
+    if (dt == MS_DTYPE_F32) return nextafterf((float)x, -INFINITY);
+    /* 16-bit formats: sign-magnitude bit patterns, one unit of the last place down */
+    uint16_t h = dt == MS_DTYPE_BF16 ? ms_f32_to_bf16((float)x) : ms_f32_to_f16((float)x);
+    if (x > 0) h--;
+    else if (x == 0) h = 0x8001;
+    else h++;
+    return dt == MS_DTYPE_BF16 ? ms_bf16_to_f32(h) : ms_f16_to_f32(h);
 }

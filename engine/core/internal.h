@@ -219,6 +219,10 @@ static inline uint16_t ms_f32_to_bf16(float f)
 }
 float ms_f16_to_f32(uint16_t h);
 uint16_t ms_f32_to_f16(float f);
+/* x rounded to dt's precision (bf16/f16 through f32), as a double. */
+double ms_round_to_dtype(ms_dtype dt, double x);
+/* The next value of dt below x (x a value of dt): keeps ms_rand's uniform range half-open after rounding. */
+double ms_dtype_step_down(ms_dtype dt, double x);
 
 /* --- argument checks of the fused group steps (engine/core/optim_ops.c) -------------------------------
 ** `fn` is the public function's name and `who` names the tensor in messages ("member 3 (exp_avg)"). */

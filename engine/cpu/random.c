@@ -35,28 +35,6 @@ static double u24(uint32_t w) { return (double)(w >> 8) * 0x1p-24; }
 static double u53(uint32_t hi, uint32_t lo) { return ((double)(hi >> 5) * 0x1p26 + (double)(lo >> 6)) * 0x1p-53; }
 
 /* x rounded to dt (what a store keeps), and the next value of dt below a stored x. */
-static double round_to(ms_dtype dt, double x)
-{
-    switch (dt) {
-    case MS_DTYPE_F32:  return (float)x;
-    case MS_DTYPE_BF16: return ms_bf16_to_f32(ms_f32_to_bf16((float)x));
-    case MS_DTYPE_F16:  return ms_f16_to_f32(ms_f32_to_f16((float)x));
-    default:            return x;
-    }
-}
-
-static double step_down(ms_dtype dt, double x)
-{
-    if (dt == MS_DTYPE_F64) return nextafter(x, -INFINITY);
-    if (dt == MS_DTYPE_F32) return nextafterf((float)x, -INFINITY);
-    /* 16-bit formats: sign-magnitude bit patterns, one unit of the last place down */
-    uint16_t h = dt == MS_DTYPE_BF16 ? ms_f32_to_bf16((float)x) : ms_f32_to_f16((float)x);
-    if (x > 0) h--;
-    else if (x == 0) h = 0x8001;
-    else h++;
-    return dt == MS_DTYPE_BF16 ? ms_bf16_to_f32(h) : ms_f16_to_f32(h);
-}
-
 /* Values are computed in f64 from the documented formulas, then stored in dst's dtype like any f64 value
 ** (bf16/f16 through f32).  A backend using the same f64 formulas agrees bit for bit on uniforms, and on
 ** normals up to its libm's last f64 bit (what survives rounding to f32 about once in 10^8).
@@ -77,7 +55,7 @@ ms_status ms_cpu_rand(ms_ctx *ctx, ms_tensor *dst, const ms_rand_options *o)
     const ms_dtype dt = dst->dtype;
     const bool wide = dt == MS_DTYPE_F64, normal = o->dist == MS_RAND_NORMAL;
     const double a = o->a, b = o->b;
-    const double rb = round_to(dt, b), top = rb < b ? rb : step_down(dt, rb);   /* largest value < b */
+    const double rb = ms_round_to_dtype(dt, b), top = rb < b ? rb : ms_dtype_step_down(dt, rb);   /* largest value < b */
     const uint32_t key[2] = { (uint32_t)o->seed, (uint32_t)(o->seed >> 32) };
     const uint32_t off_lo = (uint32_t)o->offset, off_hi = (uint32_t)(o->offset >> 32);
 
@@ -97,7 +75,7 @@ ms_status ms_cpu_rand(ms_ctx *ctx, ms_tensor *dst, const ms_rand_options *o)
                 x = a + b * (sqrt(-2.0 * log(u1)) * cos(TWO_PI * u2));
             } else {
                 x = a + (b - a) * (wide ? u53(w[0], w[1]) : u24(w[0]));
-                x = round_to(dt, x);
+                x = ms_round_to_dtype(dt, x);
                 if (b > a && x >= b) x = top;
             }
             buf[j] = x;

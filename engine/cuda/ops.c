@@ -180,28 +180,6 @@ ms_status ms_cuda_fill_tensor(ms_ctx *ctx, ms_tensor *t, double value)
 
 /* --- random ----------------------------------------------------------------------------------------- */
 
-static double round_to(ms_dtype dt, double x)
-{
-    switch (dt) {
-    case MS_DTYPE_F32:  return (float)x;
-    case MS_DTYPE_BF16: return ms_bf16_to_f32(ms_f32_to_bf16((float)x));
-    case MS_DTYPE_F16:  return ms_f16_to_f32(ms_f32_to_f16((float)x));
-    default:            return x;
-    }
-}
-
-/* the next value of dt below x (x a value of dt) */
-static double step_down(ms_dtype dt, double x)
-{
-    if (dt == MS_DTYPE_F64) return nextafter(x, -INFINITY);
-    if (dt == MS_DTYPE_F32) return nextafterf((float)x, -INFINITY);
-    uint16_t h = dt == MS_DTYPE_BF16 ? ms_f32_to_bf16((float)x) : ms_f32_to_f16((float)x);
-    if (x > 0) h--;
-    else if (x == 0) h = 0x8001;
-    else h++;
-    return dt == MS_DTYPE_BF16 ? ms_bf16_to_f32(h) : ms_f16_to_f32(h);
-}
-
 ms_status ms_cuda_rand(ms_ctx *ctx, ms_tensor *dst, const ms_rand_options *o)
 {
     MS_TRY(ms_cuda_enter(ctx));
@@ -219,8 +197,8 @@ ms_status ms_cuda_rand(ms_ctx *ctx, ms_tensor *dst, const ms_rand_options *o)
     r.normal = o->dist == MS_RAND_NORMAL;
     r.a = o->a;
     r.b = o->b;
-    double rb = round_to(dst->dtype, o->b);
-    r.top = rb < o->b ? rb : step_down(dst->dtype, rb);
+    double rb = ms_round_to_dtype(dst->dtype, o->b);
+    r.top = rb < o->b ? rb : ms_dtype_step_down(dst->dtype, rb);
     r.seed = o->seed;
     r.offset = o->offset;
     MS_CUDA_LAUNCH(ctx, msk_rand_run(ctx, STREAM(ctx), &r));
