@@ -173,6 +173,52 @@ uninstall:
 	    $(DESTDIR)$(PREFIX)/lib/pkgconfig/moonstep.pc
 
 clean:
-	$(Q)rm -rf $(BUILD) build-asan
+	$(Q)rm -rf $(BUILD) build-asan $(FUZZ_BUILD)
+
+# ------------------------------------------------------------------------------------------------------
+# Fuzzing: libFuzzer harnesses (tests/fuzz/) with ASan + UBSan, built with clang into build-fuzz/.
+#   make fuzz [FUZZ_SECONDS=60]   each harness for FUZZ_SECONDS, from its committed corpus
+#                                 (tests/fuzz/corpus/<name>/); new inputs go to build-fuzz/corpus/<name>/
+# ------------------------------------------------------------------------------------------------------
+FUZZ_SECONDS ?= 60
+FUZZ_CC      ?= clang
+FUZZ_BUILD   := build-fuzz
+FUZZ_NAMES   := json safetensors checkpoint recipe
+FUZZ_OBJ     := $(patsubst %.c,$(FUZZ_BUILD)/obj/%.o,$(CORE_SRC) $(CPU_SRC))
+FUZZ_SAN     := -fsanitize=address,undefined -fno-omit-frame-pointer
+# the Lua harnesses keep one LuaJIT state alive to the end, whose garbage is freed whenever its collector
+# runs: leak checks there would only report that state
+FUZZ_NOLEAKS := checkpoint recipe
+
+.PHONY: fuzz fuzz-build
+fuzz-build:
+	$(Q)sh scripts/setup-deps.sh --fuzz
+	$(Q)$(MAKE) -s --no-print-directory BUILD=$(FUZZ_BUILD) CC="$(FUZZ_CC) -Wno-pass-failed" CUDA=0 \
+	    SANITIZE=address,undefined,fuzzer-no-link $(FUZZ_OBJ)
+	$(Q)$(MAKE) -s --no-print-directory CUDA=0 $(FUZZ_BUILD)/libmoonstep-fuzz.so $(patsubst %,$(FUZZ_BUILD)/fuzz_%,$(FUZZ_NAMES))
+
+# Linked here rather than by the library rule: a clang-sanitized shared library takes its sanitizer
+# runtime from the executable that loads it (the harness), so it must not be linked with --no-undefined.
+$(FUZZ_BUILD)/libmoonstep-fuzz.so: $(FUZZ_OBJ)
+	$(E) LD $@
+	$(Q)$(FUZZ_CC) -shared $(FUZZ_SAN) -o $@ $(FUZZ_OBJ) $(LIB_LIBS)
+
+$(FUZZ_BUILD)/fuzz_%: tests/fuzz/fuzz_%.c tests/fuzz/lua_harness.h $(FUZZ_OBJ)
+	$(E) FUZZCC $@
+	$(Q)$(FUZZ_CC) -std=c11 -O1 -g -fsanitize=fuzzer $(FUZZ_SAN) -D_GNU_SOURCE -Iengine/include -Iengine/core \
+	    $(LUAJIT_CFLAGS) -DMS_SOURCE_DIR='"$(CURDIR)"' -DMS_FUZZ_BUILD='"$(FUZZ_BUILD)"' $< $(FUZZ_OBJ) -o $@ \
+	    $(LIB_LIBS) $(LUAJIT_LIBS) -ldl
+
+fuzz: fuzz-build
+	$(Q)for n in $(FUZZ_NAMES); do \
+	    mkdir -p $(FUZZ_BUILD)/corpus/$$n; \
+	    printf '  %-6s %s (%s s)\n' FUZZ $$n $(FUZZ_SECONDS); \
+	    leaks=1; case " $(FUZZ_NOLEAKS) " in *" $$n "*) leaks=0;; esac; \
+	    ASAN_OPTIONS=detect_leaks=$$leaks UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
+	    $(FUZZ_BUILD)/fuzz_$$n -max_total_time=$(FUZZ_SECONDS) -detect_leaks=$$leaks \
+	        -timeout=10 -rss_limit_mb=4096 -print_final_stats=1 -artifact_prefix=$(FUZZ_BUILD)/ \
+	        $(FUZZ_BUILD)/corpus/$$n tests/fuzz/corpus/$$n 2>&1 | grep -E '^(#[0-9]+[[:space:]]+DONE|stat::number_of_executed_units|==[0-9]+==|SUMMARY|fuzz finding|.*runtime error)' ; \
+	    [ -z "$$(ls $(FUZZ_BUILD)/crash-* $(FUZZ_BUILD)/leak-* $(FUZZ_BUILD)/timeout-* 2>/dev/null)" ] || exit 1; \
+	done
 
 -include $(shell find $(BUILD)/obj -name '*.d' 2>/dev/null)

@@ -2,11 +2,13 @@
 # Makes sure the Debian packages moonstep builds and tests with are present.  Installs what is missing
 # when it can (root, apt-get, a reachable archive); otherwise only checks and says what is missing, so a
 # host with no package access can still run the tests of a build carried there.
-# Usage: setup-deps.sh [--check]
+# Usage: setup-deps.sh [--check | --fuzz]
 set -u
 # gnuplot-nox draws the PNG/SVG plots of `moonstep compare` (without it: SVG from moonstep's own renderer);
 # tmux drives the REPL through a terminal in tests/repl_spec.lua
 pkgs="luajit libluajit-5.1-dev lua-busted libopenblas-dev liblapacke-dev libdlpack-dev libreadline-dev pkg-config gnuplot-nox tmux"
+# `make fuzz` (only) asks for clang and its libFuzzer/sanitizer runtimes
+[ "${1:-}" = "--fuzz" ] && pkgs="$pkgs clang libclang-rt-14-dev"
 missing=""
 for p in $pkgs; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "ok installed" || missing="$missing $p"

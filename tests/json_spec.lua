@@ -28,4 +28,10 @@ describe("moonstep.json", function()
       assert.truthy(tostring(err):find("json:", 1, true), err)
     end
   end)
+
+  -- found by tests/fuzz/fuzz_checkpoint: a DEL byte in a string made the decoder spin forever
+  it("takes DEL (0x7f) in strings as text, and round-trips it", function()
+    assert.equals("a\127b", json.decode('"a\127b"'))
+    assert.equals("x\127", json.decode(json.encode("x\127")))
+  end)
 end)

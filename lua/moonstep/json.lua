@@ -106,7 +106,9 @@ local function decode_string(s, i)
       else decode_error(s, j, "bad escape") end
     elseif c:byte() < 32 then decode_error(s, j, "control character in string")
     else
-      local k = s:find('[%c"\\]', j) or #s + 1
+      -- only bytes below 0x20 must be escaped in JSON: DEL (0x7f, which %c also matches) is plain text,
+      -- and stopping on it here would never advance
+      local k = s:find('[%z\1-\31"\\]', j) or #s + 1
       out[#out + 1] = s:sub(j, k - 1)
       j = k
     end
@@ -163,7 +165,12 @@ function decode_value(s, i, depth)
 end
 
 --- A sentinel for JSON null inside arrays and objects.
-M.null = setmetatable({}, { __tostring = function() return "null" end })
+-- Read-only and with its metatable hidden: the sentinel is shared by every caller, sandboxed recipes included.
+M.null = setmetatable({}, {
+  __tostring = function() return "null" end,
+  __newindex = function() error("json.null is read-only", 2) end,
+  __metatable = false,
+})
 
 function M.decode(s)
   if type(s) ~= "string" then error("json: expected a string", 2) end

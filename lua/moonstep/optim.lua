@@ -17,6 +17,7 @@ Settings (the runtime's, kept apart from the recipe's options):
                   "raise" (an error naming the parameters), or "apply"
   master_weights  keep f32 master copies of bf16/f16 parameters (the recipe updates the masters)
   trusted         run a recipe loaded from a file with the full Lua environment
+  sandbox         limits of an untrusted recipe: {instructions =, memory =, quota =} (moonstep.recipe)
   ctx / device    the context or device the optimizer runs on (default: the first parameter's)
   stats           true: opt:stats() also reports each parameter's update norm (costs a copy per step)
 ]]
@@ -36,7 +37,7 @@ M.SCHEMA = 1
 
 local setting_names = {
   schedule = true, clip_grad_norm = true, nonfinite = true, master_weights = true, trusted = true, ctx = true,
-  device = true, stats = true,
+  device = true, stats = true, sandbox = true,
 }
 
 local function check_settings(s)
@@ -105,12 +106,14 @@ function M.new(recipe, params, options, settings)
   if type(lr_spec) ~= "table" or lr_spec.type ~= "number" then
     error(("recipe %s has no number option 'lr': the runtime owns the learning rate and schedules options.lr"):format(recipe.name), 2)
   end
-  local opts = R.options(recipe, options)
+  -- untrusted recipes: every call into the recipe goes through R.call with this guard (nil when trusted)
+  local guard = R.guard(recipe, settings.sandbox, params)
+  local opts = R.options(recipe, options, nil, guard)
   if type(params) ~= "table" then error("params must be an array of {name=, param=, grad=, tags=}", 2) end
 
   local self = setmetatable({
     recipe = recipe, recipe_hash = meta.hash, options = opts, settings = settings, step_count = 0,
-    skipped = 0, groups = {}, members = {}, by_name = {}, aliases = {}, reports = {}, last = {},
+    skipped = 0, groups = {}, members = {}, by_name = {}, aliases = {}, reports = {}, last = {}, guard = guard,
   }, Optimizer)
   self.schedule, self.schedule_kind = S.compile(settings.schedule)
 
@@ -153,7 +156,7 @@ function M.new(recipe, params, options, settings)
   local route_count = {}
   for _, e in ipairs(entries) do
     local info = param_info(e)
-    local route, overrides = recipe.route(info, opts)
+    local route, overrides = R.call(guard, recipe.route, info, opts)
     if type(route) ~= "string" or not recipe.routes[route] then
       error(("%s: route() gave %s for parameter '%s', which is not one of its routes"):format(recipe.name, tostring(route), e.name), 2)
     end
@@ -163,7 +166,7 @@ function M.new(recipe, params, options, settings)
     local gkey = route .. "\0" .. json.encode(next(ov) and ov or {})
     local g = group_of[gkey]
     if not g then
-      local gopts = next(ov) and R.options(recipe, ov, opts) or opts
+      local gopts = next(ov) and R.options(recipe, ov, opts, guard) or opts
       route_count[route] = (route_count[route] or 0)
       g = { route = route, index = route_count[route], options = gopts, overrides = ov, state = {} }
       g.id = route .. "." .. g.index
@@ -185,7 +188,7 @@ function M.new(recipe, params, options, settings)
   -- state: created by each route's init, owned by the optimizer
   for _, g in ipairs(self.groups) do
     local r = recipe.routes[g.route]
-    if r.init then r.init(g, g.options) end
+    if r.init then R.call(guard, r.init, g, g.options) end
   end
   return self
 end
@@ -304,8 +307,8 @@ function Optimizer:step(args)
         for _, m in ipairs(g) do if m.grad then run[#run + 1] = m end end
       end
       local r = self.recipe.routes[g.route]
-      c.plan = r.plan and r.plan(run, g.options, c) or "step"
-      r.step(run, g.options, c)
+      c.plan = r.plan and R.call(self.guard, r.plan, run, g.options, c) or "step"
+      R.call(self.guard, r.step, run, g.options, c)
     end
   end
   for _, m in ipairs(active) do

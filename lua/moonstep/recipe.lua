@@ -7,7 +7,9 @@ moonstep.recipe -- finding, loading and checking recipes (the contract is in DES
   ms.recipe.options(recipe, {lr = "0.1"})       options checked against the recipe's specs, defaults filled
 
 Built-in recipes are trusted.  Any other file is untrusted unless the caller says trusted = true: it then
-runs in a restricted environment (safe Lua and the moonstep primitives only, text chunks only).
+runs in the sandbox (safe Lua and the moonstep primitives only, text chunks only, with instruction, memory
+and engine-allocation limits; see "the sandbox for untrusted recipes" below).  The runtime calls every
+recipe function through M.call(guard, fn, ...), where guard = M.guard(recipe, limits) is nil for trusted ones.
 ]]
 local bit = require("bit")
 
@@ -60,20 +62,161 @@ function M.hash(s)
 end
 
 -- ---------------------------------------------------------------------------------------------------
--- the sandbox for untrusted recipes (first version: a restricted environment; text chunks only)
+-- the sandbox for untrusted recipes
 -- ---------------------------------------------------------------------------------------------------
-local safe_globals = {
-  "assert", "error", "ipairs", "next", "pairs", "pcall", "select", "tonumber", "tostring", "type", "unpack",
-  "xpcall", "rawequal",
+--[[
+What an untrusted recipe can reach: the globals below (safe Lua: no io, os, ffi, require, debug, package,
+load/loadstring/dofile, string.dump, collectgarbage, setfenv/getfenv, getmetatable/setmetatable,
+rawget/rawset, coroutine, jit, bit, newproxy), read-only copies of math/string/table subsets, and a
+read-only `ms` facade of tensor functions.  Tensors are tables whose engine handle lives in a private weak
+table of moonstep.tensor; their metatable answers getmetatable() with a string and its __index is a
+function, so neither the Tensor nor the Context method table can be reached, let alone changed.
+
+Strings: every string's methods come from the one string metatable, whose __index is the real `string`
+table (`("").dump` would reach string.dump).  While an untrusted function runs, M.call points that
+__index at the safe string table and puts it back afterwards, on errors too.  Trusted code called from the
+recipe meanwhile sees the same safe functions, which behave like the real ones within the limits below.
+
+Limits, enforced while untrusted code runs (M.call):
+  instructions  a count hook (debug.sethook, every HOOK_EVERY VM instructions) stops a call that runs more
+                than this many.  The recipe's functions are never compiled (jit.off on its chunk, which
+                covers every function defined in it), because LuaJIT does not run hooks inside traces.
+                Trusted code reachable from the sandbox only loops over bounded data (no walk of a
+                possibly cyclic table), so compiled trusted traces end on their own.
+  memory        the Lua heap may grow by at most this many bytes during one call (checked in the hook;
+                a full collection first, so garbage does not count).  String functions that can build a
+                large result in one C call (rep, gsub, format, table.concat) check its size beforehand,
+                and pattern functions refuse patterns whose backtracking cost on the subject is too large.
+  quota         bytes of engine memory held by tensors the recipe allocated (live, per optimizer: a
+                charge is released when the tensor and all its views are collected).
+Once a limit trips, the sandbox's pcall/xpcall re-raise the error, so a recipe cannot swallow it.
+Trusted recipes never pass through any of this: M.call(nil, fn, ...) is a plain tail call.
+]]
+local tensor = require("moonstep.tensor")
+local jit_off = jit and jit.off
+
+local MiB = 2 ^ 20
+M.limits = { instructions = 1e8, memory = 256 * MiB, quota = 64 * MiB }
+-- the default engine quota of an optimizer: this many times its parameters' bytes, plus limits.quota
+M.QUOTA_PER_PARAM_BYTE = 4
+local HOOK_EVERY = 1000
+
+local active = nil                      -- the guard of the untrusted call in progress
+local string_mt = getmetatable("")
+local real_string_index = string_mt.__index
+local real_tostring, real_pcall, real_xpcall = tostring, pcall, xpcall
+local str_rep, str_gsub, str_format, str_find = string.rep, string.gsub, string.format, string.find
+local str_match, str_gmatch, tbl_concat = string.match, string.gmatch, table.concat
+
+local function memory_cap() return active and active.memory or M.limits.memory end
+
+local function too_big(what, n)
+  if n > memory_cap() then
+    error(("%s: result of %.0f bytes exceeds the recipe's memory limit of %.0f bytes"):format(what, n, memory_cap()), 3)
+  end
+end
+
+-- Worst-case backtracking of a Lua pattern grows like n^(k+1) for k quantifiers (*, +, -, ?, %b) on a
+-- subject of n bytes; the C matcher cannot be interrupted by the hook, so an expensive pattern is refused
+-- up front.  Anchored patterns lose the factor for trying every start position.
+local PATTERN_BUDGET = 1e8
+local function check_pattern(what, s, p, init, plain)
+  if type(s) ~= "string" or type(p) ~= "string" or plain then return end
+  local k, i, n = 0, 1, #p
+  while i <= n do
+    local c = p:byte(i)
+    if c == 37 then                                   -- '%': an escape, or %b (counted), %f
+      if p:byte(i + 1) == 98 then k = k + 1 end
+      i = i + 2
+    elseif c == 91 then                               -- '[': skip the set
+      i = i + 1
+      if p:byte(i) == 94 then i = i + 1 end
+      if p:byte(i) == 93 then i = i + 1 end
+      while i <= n and p:byte(i) ~= 93 do i = i + (p:byte(i) == 37 and 2 or 1) end
+      i = i + 1
+    else
+      if c == 42 or c == 43 or c == 45 or c == 63 then k = k + 1 end
+      i = i + 1
+    end
+  end
+  local len = #s - ((type(init) == "number" and init > 1) and init - 1 or 0)
+  if len < 1 then len = 1 end
+  local cost = len ^ (k + ((p:byte(1) == 94) and 0 or 1))
+  if cost > PATTERN_BUDGET then
+    error(("%s: pattern with %d repetitions on %d bytes is too expensive for a sandboxed recipe"):format(what, k, len), 3)
+  end
+end
+
+local safe_string = {
+  byte = string.byte, char = string.char, len = string.len, lower = string.lower, upper = string.upper,
+  reverse = string.reverse, sub = string.sub,
+  rep = function(s, n, sep)
+    if type(n) == "number" and n > 0 then
+      too_big("string.rep", (type(s) == "string" and #s or 16) * n + (type(sep) == "string" and #sep or 0) * n)
+    end
+    return str_rep(s, n, sep)
+  end,
+  find = function(s, p, init, plain) check_pattern("string.find", s, p, init, plain) return str_find(s, p, init, plain) end,
+  match = function(s, p, init) check_pattern("string.match", s, p, init) return str_match(s, p, init) end,
+  gmatch = function(s, p) check_pattern("string.gmatch", s, p) return str_gmatch(s, p) end,
+  gsub = function(s, p, repl, n)
+    check_pattern("string.gsub", s, p)
+    if type(s) == "string" then
+      if type(repl) == "string" then
+        too_big("string.gsub", #s + (#s + 1) * #repl)
+      elseif type(repl) == "table" or type(repl) == "function" then
+        -- each replacement comes from recipe data: count the bytes as they are produced
+        local total, lookup = #s, repl
+        repl = function(...)
+          local v
+          if type(lookup) == "table" then v = lookup[(...)] else v = lookup(...) end
+          if type(v) == "string" then
+            total = total + #v
+            too_big("string.gsub", total)
+          end
+          return v
+        end
+      end
+    end
+    return str_gsub(s, p, repl, n)
+  end,
+  format = function(fmt, ...)
+    local n = type(fmt) == "string" and #fmt or 0
+    for i = 1, select("#", ...) do
+      local v = select(i, ...)
+      n = n + (type(v) == "string" and #v or 0) + 128      -- a number or a width/precision pads to < 128
+    end
+    too_big("string.format", n)
+    return str_format(fmt, ...)
+  end,
 }
-local safe_libs = {
-  math = { "abs", "acos", "asin", "atan", "atan2", "ceil", "cos", "cosh", "deg", "exp", "floor", "fmod", "frexp",
-           "huge", "ldexp", "log", "log10", "max", "min", "modf", "pi", "pow", "rad", "sin", "sinh", "sqrt",
-           "tan", "tanh" },
-  string = { "byte", "char", "find", "format", "gmatch", "gsub", "len", "lower", "match", "rep", "reverse",
-             "sub", "upper" },
-  table = { "concat", "insert", "remove", "sort", "maxn" },
+
+local safe_table = {
+  insert = table.insert, remove = table.remove, sort = table.sort, maxn = table.maxn,
+  concat = function(t, sep, i, j)
+    if type(t) == "table" then
+      local n, seplen = 0, type(sep) == "string" and #sep or 0
+      i = i or 1
+      j = j or #t
+      -- stops at the first non-string (concat itself then raises): bounded by the table's contents
+      for k = i, j do
+        local v = t[k]
+        if type(v) == "string" then n = n + #v + seplen
+        elseif type(v) == "number" then n = n + 24 + seplen
+        else break end
+        too_big("table.concat", n)
+      end
+    end
+    return tbl_concat(t, sep, i, j)
+  end,
 }
+
+local safe_math = {}
+for _, k in ipairs { "abs", "acos", "asin", "atan", "atan2", "ceil", "cos", "cosh", "deg", "exp", "floor", "fmod",
+                     "frexp", "huge", "ldexp", "log", "log10", "max", "min", "modf", "pi", "pow", "rad", "sin",
+                     "sinh", "sqrt", "tan", "tanh" } do
+  safe_math[k] = math[k]
+end
 
 -- the moonstep functions a sandboxed recipe may call: tensor math, no files, no contexts on foreign streams
 local safe_ms = {
@@ -89,19 +232,40 @@ local safe_ms = {
 local function readonly(t, what)
   return setmetatable({}, {
     __index = t,
-    __newindex = function(_, k) error(("%s is read-only (tried to set %s)"):format(what, tostring(k)), 2) end,
+    __newindex = function(_, k) error(("%s is read-only (tried to set %s)"):format(what, real_tostring(k)), 2) end,
     __metatable = false,
   })
 end
 
+local safe_string_ro = readonly(safe_string, "string")
+local safe_table_ro = readonly(safe_table, "table")
+local safe_math_ro = readonly(safe_math, "math")
+
+-- after a limit has tripped, the error goes on up whatever the recipe's pcall caught
+local function settle(ok, ...)
+  if active and active.tripped then error(active.tripped, 0) end
+  return ok, ...
+end
+
+-- tostring without heap addresses (functions, tables): they help no recipe and would help an exploit
+local function safe_tostring(v)
+  local tv = type(v)
+  if tv == "string" or tv == "number" or tv == "boolean" or tv == "nil" then return real_tostring(v) end
+  if tv == "table" and (tensor.is_tensor(v) or getmetatable(v) == "moonstep.Context") then return real_tostring(v) end
+  return tv
+end
+
+local safe_globals = {
+  assert = assert, error = error, ipairs = ipairs, next = next, pairs = pairs, select = select,
+  tonumber = tonumber, type = type, unpack = unpack, rawequal = rawequal, tostring = safe_tostring,
+  pcall = function(f, ...) return settle(real_pcall(f, ...)) end,
+  xpcall = function(f, h, ...) return settle(real_xpcall(f, h, ...)) end,
+}
+
 local function sandbox_env(ms)
   local env = {}
-  for _, k in ipairs(safe_globals) do env[k] = _G[k] end
-  for lib, names in pairs(safe_libs) do
-    local t = {}
-    for _, k in ipairs(names) do t[k] = _G[lib][k] end
-    env[lib] = readonly(t, lib)
-  end
+  for k, v in pairs(safe_globals) do env[k] = v end
+  env.string, env.table, env.math = safe_string_ro, safe_table_ro, safe_math_ro
   local m = {}
   for _, k in ipairs(safe_ms) do m[k] = ms[k] end
   m.json = readonly({ encode = ms.json.encode, decode = ms.json.decode }, "ms.json")
@@ -109,6 +273,121 @@ local function sandbox_env(ms)
   env._G = env
   return env
 end
+
+-- a guard: the limits of one optimizer's (or one load's) untrusted calls and its engine-memory account
+local function check_limits(limits)
+  local out = { instructions = M.limits.instructions, memory = M.limits.memory, quota = nil }
+  if limits == nil then return out end
+  if type(limits) ~= "table" then error("sandbox limits must be a table {instructions=, memory=, quota=}", 4) end
+  for k, v in pairs(limits) do
+    if out[k] == nil and k ~= "quota" then
+      error(("unknown sandbox limit '%s' (limits: instructions, memory, quota)"):format(real_tostring(k)), 4)
+    end
+    local x = M.types.number(v)
+    if not x or x <= 0 then error(("sandbox limit %s must be a positive number (got %s)"):format(k, real_tostring(v)), 4) end
+    out[k] = x
+  end
+  return out
+end
+
+--- The guard for running `recipe` untrusted, or nil when it is trusted (its calls then run unguarded).
+--- limits = {instructions =, memory = (bytes of Lua heap growth per call), quota = (engine bytes)};
+--- params (optional, the optimizer's parameter list) sets the default quota from their size.
+local new_guard
+function M.guard(recipe, limits, params)
+  local meta = M.meta[recipe]
+  if meta == nil or meta.trusted then return nil end
+  return new_guard(("recipe %s (%s)"):format(real_tostring(recipe.name), meta.chunkname), limits, params)
+end
+
+new_guard = function(name, limits, params)
+  local l = check_limits(limits)
+  if l.quota == nil then
+    local bytes = 0
+    for _, p in ipairs(type(params) == "table" and params or {}) do
+      if type(p) == "table" and tensor.is_tensor(p.param) then
+        bytes = bytes + p.param:numel() * ({ f32 = 4, f64 = 8, bf16 = 2, f16 = 2, i32 = 4, u8 = 1 })[p.param:dtype()]
+      end
+    end
+    l.quota = M.limits.quota + M.QUOTA_PER_PARAM_BYTE * bytes
+  end
+  local g = { name = name, instructions = l.instructions,
+              memory = l.memory, quota = l.quota, held = 0, calls = 0 }
+  -- the engine-memory account: a token per allocation, released by its finalizer (two collections after
+  -- the tensor and its views die: the first clears the weak entry, the second finalizes the token)
+  g.reserve = function(bytes)
+    if g.held + bytes <= g.quota then return end
+    collectgarbage()
+    collectgarbage()
+    if g.held + bytes > g.quota then
+      error(("%s: engine allocation quota exceeded (%.0f bytes held, %.0f more asked, quota %.0f)")
+            :format(g.name, g.held, bytes, g.quota), 0)
+    end
+  end
+  g.charge = function(t, bytes)
+    local token = newproxy(true)
+    getmetatable(token).__gc = function() g.held = g.held - bytes end
+    g.held = g.held + bytes
+    tensor.set_anchor(t, token)
+  end
+  return g
+end
+
+local call, leave
+
+local function trip(g, why)
+  g.tripped = ("%s: %s"):format(g.name, why)
+  -- never raise inside M.call's own bookkeeping (outside its pcall): the pcall's result carries it instead
+  local f = debug.getinfo(3, "f")
+  if f and (f.func == call or f.func == leave) then return end
+  error(g.tripped, 0)
+end
+
+local function hook()
+  local g = active
+  if g == nil then return end
+  if g.tripped then trip(g, g.why) return end
+  g.count = g.count + 1
+  if g.count * HOOK_EVERY > g.instructions then
+    g.why = ("instruction limit of %.0f exceeded (an endless loop?)"):format(g.instructions)
+    trip(g, g.why)
+    return
+  end
+  if (collectgarbage("count") - g.mem0) * 1024 > g.memory then
+    collectgarbage()
+    if (collectgarbage("count") - g.mem0) * 1024 > g.memory then
+      g.why = ("Lua memory limit of %.0f bytes exceeded"):format(g.memory)
+      trip(g, g.why)
+      return
+    end
+  end
+end
+
+leave = function(g, prev, ok, ...)
+  active = nil
+  debug.sethook(prev[1], prev[2], prev[3])
+  string_mt.__index = real_string_index
+  tensor.set_alloc_guard(prev[4])
+  local tripped = g.tripped
+  g.tripped, g.why = nil, nil
+  if tripped then error(tripped, 0) end
+  if not ok then error((...), 0) end
+  return ...
+end
+
+--- Runs fn(...) as untrusted code under guard g (from M.guard), or plainly when g is nil (trusted).
+--- Every call of a recipe function by the runtime goes through here.
+call = function(g, fn, ...)
+  if g == nil or active ~= nil then return fn(...) end     -- trusted, or already inside a guarded call
+  local h, mask, count = debug.gethook()
+  local prev = { h, mask, count, tensor.set_alloc_guard(g) }
+  g.count, g.mem0, g.calls = 0, collectgarbage("count"), g.calls + 1
+  string_mt.__index = safe_string_ro
+  active = g
+  debug.sethook(hook, "", HOOK_EVERY)
+  return leave(g, prev, real_pcall(fn, ...))
+end
+M.call = call
 
 -- ---------------------------------------------------------------------------------------------------
 -- loading
@@ -148,8 +427,20 @@ function M.load_string(src, chunkname, opts)
   local env = trusted and setmetatable({ ms = require("moonstep") }, { __index = _G }) or sandbox_env(require("moonstep"))
   local chunk, err = load(src, chunkname, "t", env)
   if not chunk then error("recipe " .. chunkname .. ": " .. err, 2) end
-  local ok, r = pcall(chunk)
-  if not ok then error("recipe " .. chunkname .. ": " .. tostring(r), 2) end
+  local ok, r
+  if trusted then
+    ok, r = pcall(chunk)
+  else
+    -- every function the recipe defines is a child of this chunk: none of them is ever compiled, so the
+    -- instruction hook always runs in recipe code
+    jit_off(chunk, true)
+    ok, r = pcall(call, new_guard("recipe " .. chunkname, opts and opts.limits), chunk)
+  end
+  if not ok then
+    local msg = tostring(r)
+    if msg:sub(1, 7 + #chunkname) ~= "recipe " .. chunkname then msg = "recipe " .. chunkname .. ": " .. msg end
+    error(msg, 2)
+  end
   r = check_shape(r, chunkname)
   -- the contract's metadata, kept beside the recipe (not inside it: a sandboxed table could lie)
   M.meta[r] = { source = src, hash = M.hash(src), chunkname = chunkname, trusted = trusted and true or false }
@@ -297,7 +588,7 @@ end
 
 --- Options for a recipe: the given ones checked and converted, defaults filled in, then validate().
 --- Unknown options are refused.  `base` (optional) supplies values for options not given (group overrides).
-function M.options(recipe, given, base)
+function M.options(recipe, given, base, guard)
   given = given or {}
   if type(given) ~= "table" then error(recipe.name .. ": options must be a table", 2) end
   local out = {}
@@ -317,7 +608,10 @@ function M.options(recipe, given, base)
       elseif spec.default ~= nil then out[k] = M.check_option(recipe.name, k, spec, spec.default) end
     end
   end
-  if recipe.validate then recipe.validate(out) end
+  if recipe.validate then
+    -- an untrusted recipe's validate runs guarded (the optimizer's guard, or one with the default limits)
+    call(guard or M.guard(recipe), recipe.validate, out)
+  end
   return out
 end
 

@@ -18,8 +18,21 @@ local tensor_ctx = setmetatable({}, { __mode = "k" }) -- Tensor -> its Context (
 local Tensor = {}
 Tensor.__index = Tensor
 local Context = {}
-Context.__index = Context
+-- a function, not the table itself: `ctx.__index` must not hand the shared method table to a recipe
+Context.__index = function(_, k) return Context[k] end
+-- getmetatable() on a tensor or context gives this string, never the shared (mutable) metatable
+Tensor.__metatable = "moonstep.Tensor"
+Context.__metatable = "moonstep.Context"
 M.Tensor, M.Context = Tensor, Context
+
+-- Allocation accounting for untrusted recipes: moonstep.recipe installs a guard while one runs.
+-- guard.reserve(bytes) raises when the recipe's quota would be exceeded, guard.charge(t, bytes) records a
+-- fresh allocation.  A view keeps its base's charge alive (anchor), so a slice cannot keep a large storage
+-- alive after its accounting has been released.
+local alloc_guard = nil
+local anchor = setmetatable({}, { __mode = "k" })    -- Tensor -> charge token (see moonstep.recipe)
+function M.set_alloc_guard(g) local old = alloc_guard; alloc_guard = g; return old end
+function M.set_anchor(t, token) anchor[t] = token end
 
 -- ---------------------------------------------------------------------------------------------------
 -- dtypes
@@ -81,7 +94,7 @@ end
 --- The default context of a device (created once per device per process).
 function M.device(name)
   name = name or default_device
-  if getmetatable(name) == Context then return name end
+  if ctx_handle[name] ~= nil then return name end
   local c = default_ctx[name]
   if c then return c end
   c = M.context { device = name }
@@ -113,17 +126,22 @@ end
 Context.__tostring = function(self) return "moonstep.Context(" .. self:name() .. ")" end
 
 local function resolve_ctx(opts)
-  if opts and opts.ctx then return opts.ctx end
+  if opts and opts.ctx then
+    -- a table posing as a context would reach C as a NULL handle
+    if ctx_handle[opts.ctx] == nil then error("ctx must be a moonstep context (got " .. type(opts.ctx) .. ")", 4) end
+    return opts.ctx
+  end
   return M.device(opts and opts.device)
 end
 
 -- ---------------------------------------------------------------------------------------------------
 -- construction
 -- ---------------------------------------------------------------------------------------------------
-local function wrap(p, ctx)
+local function wrap(p, ctx, base)
   local t = setmetatable({}, Tensor)
   handle[t] = core.own_tensor(p)
   tensor_ctx[t] = ctx
+  if base ~= nil and anchor[base] ~= nil then anchor[t] = anchor[base] end   -- a view shares its base's charge
   return t
 end
 M.wrap = wrap
@@ -151,7 +169,7 @@ local function as_shape(shape, level)
   for i = 1, n do
     local v = shape[i]
     if type(v) ~= "number" or v ~= math.floor(v) then
-      error(("shape[%d] must be an integer (got %s)"):format(i, tostring(v)), level or 3)
+      error(("shape[%d] must be an integer (got %s)"):format(i, type(v) == "number" and tostring(v) or type(v)), level or 3)
     end
     arr[i - 1] = v
   end
@@ -172,6 +190,7 @@ function M.empty(shape, opts)
   local arr, n = as_shape(shape)
   local bytes = dtype_bytes[dt]
   for i = 0, n - 1 do bytes = bytes * tonumber(arr[i]) end
+  if alloc_guard then alloc_guard.reserve(bytes) end
   gc_debt = gc_debt + bytes
   if gc_debt > gc_budget then
     gc_debt = 0
@@ -179,7 +198,9 @@ function M.empty(shape, opts)
     collectgarbage()
   end
   check_alloc(C.ms_tensor_new, ctx_handle[ctx], dtype_enum[dt], n, arr, core.out_tensor)
-  return wrap(core.out_tensor[0], ctx)
+  local t = wrap(core.out_tensor[0], ctx)
+  if alloc_guard then alloc_guard.charge(t, bytes) end
+  return t
 end
 
 function M.full(shape, value, opts)
@@ -194,6 +215,9 @@ function M.ones(shape, opts) return M.full(shape, 1, opts) end
 local function nested_shape(tbl)
   local shape, node = {}, tbl
   while type(node) == "table" do
+    -- bounded: a table that contains itself would otherwise spin here in compiled code, where an
+    -- untrusted recipe's instruction hook never runs
+    if #shape == 8 then error("tensor data is nested more than 8 deep", 4) end
     shape[#shape + 1] = #node
     node = node[1]
   end
@@ -305,37 +329,38 @@ end
 function Tensor:view(...)
   local arr, n = as_shape(shape_args(...))
   check(C.ms_tensor_reshape(ctx_of(self), H(self), n, arr, core.out_tensor))
-  return wrap(core.out_tensor[0], tensor_ctx[self])
+  return wrap(core.out_tensor[0], tensor_ctx[self], self)
 end
 
 --- reshape: a view when the layout allows it, else a contiguous copy
 function Tensor:reshape(...)
   local arr, n = as_shape(shape_args(...))
+  local base = self
   local st = C.ms_tensor_reshape(ctx_of(self), H(self), n, arr, core.out_tensor)
   if st == C.MS_E_LAYOUT then
-    local c = self:contiguous()
-    st = C.ms_tensor_reshape(ctx_of(c), H(c), n, arr, core.out_tensor)
+    base = self:contiguous()
+    st = C.ms_tensor_reshape(ctx_of(base), H(base), n, arr, core.out_tensor)
   end
   check(st)
-  return wrap(core.out_tensor[0], tensor_ctx[self])
+  return wrap(core.out_tensor[0], tensor_ctx[self], base)
 end
 
 function Tensor:flatten() return self:reshape({ self:numel() }) end
 
 function Tensor:slice(dim, start, stop, step)
   check(C.ms_tensor_slice(ctx_of(self), H(self), dim, start or 0, stop or 2 ^ 62, step or 1, core.out_tensor))
-  return wrap(core.out_tensor[0], tensor_ctx[self])
+  return wrap(core.out_tensor[0], tensor_ctx[self], self)
 end
 Tensor.narrow = function(self, dim, start, len) return self:slice(dim, start, start + len) end
 
 function Tensor:select(dim, index)
   check(C.ms_tensor_select(ctx_of(self), H(self), dim, index, core.out_tensor))
-  return wrap(core.out_tensor[0], tensor_ctx[self])
+  return wrap(core.out_tensor[0], tensor_ctx[self], self)
 end
 
 function Tensor:transpose(d0, d1)
   check(C.ms_tensor_transpose(ctx_of(self), H(self), d0 or -2, d1 or -1, core.out_tensor))
-  return wrap(core.out_tensor[0], tensor_ctx[self])
+  return wrap(core.out_tensor[0], tensor_ctx[self], self)
 end
 function Tensor:t()
   if self:dim() ~= 2 then error(("t(): a 2-dim tensor is needed (got %d dims)"):format(self:dim()), 2) end
@@ -347,13 +372,13 @@ function Tensor:permute(...)
   local arr = ffi.new("int[?]", #p > 0 and #p or 1)
   for i = 1, #p do arr[i - 1] = p[i] end
   check(C.ms_tensor_permute(ctx_of(self), H(self), #p, arr, core.out_tensor))
-  return wrap(core.out_tensor[0], tensor_ctx[self])
+  return wrap(core.out_tensor[0], tensor_ctx[self], self)
 end
 
 function Tensor:expand(...)
   local arr, n = as_shape(shape_args(...))
   check(C.ms_tensor_expand(ctx_of(self), H(self), n, arr, core.out_tensor))
-  return wrap(core.out_tensor[0], tensor_ctx[self])
+  return wrap(core.out_tensor[0], tensor_ctx[self], self)
 end
 
 function Tensor:unsqueeze(d)
@@ -372,8 +397,13 @@ function Tensor:squeeze(d)
 end
 
 function Tensor:contiguous()
+  -- a non-contiguous tensor is copied into fresh storage: that allocation counts against a recipe's quota
+  local bytes = alloc_guard and not self:is_contiguous() and self:numel() * dtype_bytes[self:dtype()]
+  if bytes then alloc_guard.reserve(bytes) end
   check(C.ms_tensor_contiguous(ctx_of(self), H(self), core.out_tensor))
-  return wrap(core.out_tensor[0], tensor_ctx[self])
+  local t = wrap(core.out_tensor[0], tensor_ctx[self], not bytes and self or nil)
+  if bytes then alloc_guard.charge(t, bytes) end
+  return t
 end
 
 -- ---------------------------------------------------------------------------------------------------
@@ -400,7 +430,7 @@ end
 function Tensor:to(a, b)
   local dt, dev = self:dtype(), nil
   for _, x in ipairs { a, b } do
-    if getmetatable(x) == Context then dev = x
+    if ctx_handle[x] ~= nil then dev = x
     elseif type(x) == "string" then
       local n = dtype_alias[x] or x
       if dtype_enum[n] then dt = n else dev = M.device(x) end

@@ -1,0 +1,332 @@
+--[[
+The sandbox for untrusted recipes (DESIGN.md, "Loading"; moonstep.recipe, "the sandbox"): real escape
+attempts, each of which must end in an error, in bounded time, with the trusted side unchanged; and
+legitimate untrusted recipes that must still work.
+]]
+local ms = H.ms
+local R = ms.recipe
+
+-- a recipe whose pieces run the given code: top level, validate, route, init, plan, step
+local function recipe_src(parts)
+  return ([[
+%s
+return {
+  name = "evil", version = 1,
+  options = { lr = { default = 0.1, type = "number" } },
+  validate = function(o) %s end,
+  route = function(p, o) %s return "r" end,
+  routes = { r = {
+    init = function(group, o) %s end,
+    plan = function(group, o, ctx) %s return "step" end,
+    step = function(group, o, ctx) %s end,
+  } },
+}]]):format(parts.top or "", parts.validate or "", parts.route or "", parts.init or "", parts.plan or "",
+             parts.step or "")
+end
+
+-- loads the recipe untrusted, builds an optimizer over one parameter and takes `steps` steps
+local function run(parts, settings, steps)
+  local r = R.load_string(recipe_src(parts), "=evil")
+  local p, g = ms.randn({ 4, 3 }), ms.randn({ 4, 3 })
+  local opt = ms.optim.new(r, { { name = "w", param = p, grad = g } }, {}, settings)
+  for _ = 1, steps or 1 do opt:step() end
+  return opt, p
+end
+
+-- asserts that fn fails with a message containing `want` (plain text) in less than `limit` seconds
+local function fails(fn, want, limit)
+  local t0 = os.clock()
+  local ok, err = pcall(fn)
+  local dt = os.clock() - t0
+  assert.is_false(ok, "expected an error containing '" .. want .. "'")
+  assert.truthy(tostring(err):find(want, 1, true), ("error %q lacks %q"):format(tostring(err), want))
+  assert.truthy(dt < (limit or 2), ("took %.2f s"):format(dt))
+  return tostring(err)
+end
+
+-- the trusted side's state an untrusted recipe must not be able to change
+local function snapshot()
+  local s = { hook = debug.gethook(), strindex = getmetatable("").__index }
+  for _, lib in ipairs { "string", "math", "table" } do
+    for k, v in pairs(_G[lib]) do s[lib .. "." .. k] = v end
+  end
+  for k, v in pairs(ms) do s["ms." .. k] = v end
+  for k, v in pairs(ms.Tensor) do s["Tensor." .. k] = v end
+  for k, v in pairs(require("moonstep.tensor").Context) do s["Context." .. k] = v end
+  for k, v in pairs(ms.json) do s["json." .. k] = v end
+  return s
+end
+local function same_as(before)
+  local now = snapshot()
+  for k, v in pairs(before) do assert.equals(v, now[k], "trusted " .. k .. " changed") end
+  for k in pairs(now) do assert.is_not_nil(before[k], "trusted " .. k .. " appeared") end
+end
+
+describe("the recipe sandbox", function()
+  local before
+  before_each(function() before = snapshot() end)
+  after_each(function() same_as(before) end)
+
+  it("has none of the forbidden globals", function()
+    local uses = {
+      io = "io.open('/etc/passwd')", os = "os.execute('true')", ffi = "ffi.C.abort()", require = "require('ffi')",
+      debug = "debug.getregistry()", package = "package.loaded.ffi", load = "load('return 1')",
+      loadstring = "loadstring('return 1')", dofile = "dofile('/dev/null')", loadfile = "loadfile('/dev/null')",
+      collectgarbage = "collectgarbage('count')", setfenv = "setfenv(1, {})", getfenv = "getfenv(1).x",
+      getmetatable = "getmetatable('').__index", setmetatable = "setmetatable({}, {})", rawget = "rawget(ms, 'x')",
+      rawset = "rawset(ms, 'x', 1)", newproxy = "newproxy(true)", coroutine = "coroutine.create(print)",
+      jit = "jit.on()", bit = "bit.band(1, 1)", module = "module('x')", gcinfo = "gcinfo()", print = "print(1)",
+    }
+    for name, use in pairs(uses) do
+      local code = "local _ = " .. use
+      fails(function() R.load_string(recipe_src { top = code }, "=g_" .. name) end, "recipe =g_" .. name)
+      fails(function() R.load_string(recipe_src { top = code }, "=g_" .. name) end, "(a nil value)")
+    end
+    -- the same code runs when trusted: the failures above come from the sandbox, not from the code
+    assert.equals("table", type(R.load_string(recipe_src { top = "local x = io.open and package.loaded" }, "=t",
+                                               { trusted = true })))
+  end)
+
+  it("refuses bytecode in every form", function()
+    fails(function() R.load_string(string.dump(function() end), "=bc") end, "bytecode")
+    fails(function() R.load_string(recipe_src { top = "local s = string.dump(function() end)" }, "=d") end, "dump")
+    -- string methods come from the safe table while a recipe runs: ("").dump is not there
+    fails(function() R.load_string(recipe_src { top = "local s = ('').dump(function() end)" }, "=d2") end,
+          "attempt to call field 'dump'")
+    fails(function() run { step = "local f = ('x').dump; f(function() end)" } end, "a nil value")
+    -- a text chunk that hides a binary one cannot be loaded by anything the sandbox offers
+    fails(function() R.load_string("--\n" .. string.dump(function() end), "=bc2") end, "recipe =bc2")
+  end)
+
+  it("hands out no shared metatable and no writable shared table", function()
+    local tries = {
+      "string.x = 1", "math.pi = 3", "table.insert = nil", "ms.zeros = nil", "ms.json.decode = nil",
+      "ms.x = 1", "_G.ms = nil; ms.zeros({1})",
+      "local t = ms.zeros({2}); t.x = 1",
+      "local t = ms.zeros({2}); t.__index.zeros = 1",               -- __index is a function
+      "local t = ms.zeros({2}); t.__index(t, 'sum').x = 1",
+      "local c = ms.zeros({2}):context(); c.__index.name = 1",       -- Context's __index too
+      "local c = ms.zeros({2}):context(); c.x = 1; if c.x then error('context writable') end",
+      "local n = ms.json.decode('[null]')[1]; n.x = 1",              -- the shared json.null
+      "if ('').rep ~= string.rep then error('string methods are not the safe ones') end; ('').x = 1",
+      "local mt = ms.zeros({2}).__metatable; if type(mt) ~= 'string' then error('metatable reachable') end; mt.x = 1",
+    }
+    for i, code in ipairs(tries) do
+      fails(function() run { step = code } end, "", 2)
+      local ok = pcall(run, { step = code })
+      assert.is_false(ok, "escape " .. i .. " succeeded: " .. code)
+    end
+    -- rawequal stays (harmless) and reports the facades are not the real tables
+    local o = run { step = "ctx.report('same', rawequal(ms.zeros, ms.zeros) and not rawequal(string, ('').sub))" }
+    assert.is_true(o:stats().last.reports.same)
+  end)
+
+  it("lets no cdata, userdata, thread or address be reached from anything it can walk", function()
+    -- the walker runs inside the sandbox, in step: everything reachable from _G, ms, tensors, contexts,
+    -- the group, its members, the options and the step context, including what methods and facade
+    -- functions return or raise when called with plausible arguments
+    local walker = [[
+      local seen, bad, visited = {}, {}, 0
+      local function note(path, v)
+        local tv = type(v)
+        if tv ~= "nil" and tv ~= "boolean" and tv ~= "number" and tv ~= "string" and tv ~= "table" and tv ~= "function" then
+          bad[#bad + 1] = path .. " is a " .. tv
+        end
+        local s = tostring(v)
+        if s:find("cdata", 1, true) or s:find("0x%x%x%x%x") then bad[#bad + 1] = path .. " prints as " .. s end
+      end
+      local walk
+      local methods = {"shape", "strides", "dtype", "device", "context", "numel", "dim", "is_contiguous",
+                       "tolist_flat", "clone", "contiguous", "t", "flatten", "float", "cpu", "name", "device_type",
+                       "mem_stats", "sync", "__index", "__tostring", "__metatable", "__len", "__gc", "__newindex"}
+      walk = function(path, v, depth)
+        note(path, v)
+        if type(v) ~= "table" or seen[v] or depth > 6 then return end
+        seen[v] = true
+        visited = visited + 1
+        for k, x in pairs(v) do note(path .. "[key]", k) walk(path .. "." .. tostring(k), x, depth + 1) end
+        -- tensors and contexts have no fields: look through their methods
+        if ms.is_tensor(v) or tostring(v):find("Context", 1, true) then
+          for _, m in ipairs(methods) do
+            local f = v[m]
+            note(path .. ":" .. m, f)
+            if type(f) == "function" then
+              local res = { pcall(f, v) }
+              for i = 1, #res do walk(path .. ":" .. m .. "()[" .. i .. "]", res[i], depth + 1) end
+            elseif type(f) == "table" then walk(path .. "." .. m, f, depth + 1) end
+          end
+        end
+      end
+      walk("_G", _G, 0)
+      walk("group", group, 0)
+      walk("o", o, 0)
+      walk("ctx", ctx, 0)
+      local t = ms.randn({3, 2})
+      local args = { {}, {t}, {t, t}, {t, 2}, {{2, 2}}, {{2, 2}, {dtype = "f64"}}, {2}, {"x"}, {{params = {t}, grads = {t}}} }
+      for _, name in ipairs {"empty", "full", "zeros", "ones", "zeros_like", "empty_like", "tensor", "rand", "randn",
+                              "is_tensor", "broadcast_shapes", "lerp", "addcmul", "addcdiv", "dot", "matmul", "eye",
+                              "diag", "eigh", "add", "mul", "sqrt", "sum", "norm", "adamw_step", "sgd_step",
+                              "foreach_sumsq", "foreach_scale", "sinkgd_step", "adamw8_step", "adamw8_qmap"} do
+        for j, a in ipairs(args) do
+          local res = { pcall(ms[name], unpack(a)) }
+          for i = 1, #res do walk(name .. "#" .. j .. "[" .. i .. "]", res[i], 1) end
+        end
+      end
+      ctx.report("bad", table.concat(bad, "; "))
+      ctx.report("visited", visited)
+    ]]
+    local o = run({ step = walker }, { sandbox = { quota = 2 ^ 30, instructions = 1e10 } })
+    local rep = o:stats().last.reports
+    assert.equals("", rep.bad)
+    assert.truthy(rep.visited > 50, "the walk reached only " .. tostring(rep.visited) .. " tables")
+  end)
+
+  it("stops endless loops anywhere in a recipe, in bounded time, naming the recipe", function()
+    local loops = {
+      "while true do end",
+      "local i = 0; repeat i = i + 1 until false",
+      "for i = 1, 1e15 do end",
+      "while true do pcall(function() while true do end end) end",            -- swallowing the error
+      "while true do xpcall(function() while true do end end, function(e) return e end) end",
+      "local function f() return f() end f()",                                -- a tail-call loop
+      "string.gsub(('x'):rep(100), '.', function() while true do end end)",
+      "local t = {3, 2, 1}; table.sort(t, function() while true do end end)",
+    }
+    for _, where in ipairs { "top", "validate", "route", "init", "plan", "step" } do
+      for _, loop in ipairs(loops) do
+        local msg = fails(function() run({ [where] = loop }, { sandbox = { instructions = 2e7 } }) end,
+                          "instruction limit", 2)
+        assert.truthy(msg:find("recipe =evil", 1, true) or msg:find("recipe evil", 1, true), msg)
+      end
+    end
+    -- the default limit stops it too (in about a quarter of a second here)
+    fails(function() run { step = "while true do end" } end, "instruction limit of 100000000", 2)
+  end)
+
+  it("stops memory bombs", function()
+    local bombs = {
+      { "return string.rep('x', 2^30)", "string.rep" },
+      { "return ('x'):rep(2^30)", "string.rep" },
+      { "return ('x'):rep(2^20, ('y'):rep(2^10))", "string.rep" },
+      { "local t = {} for i = 1, 1e9 do t[i] = i end", "memory limit" },
+      { "local t = {} for i = 1, 1e9 do t[i] = {} end", "memory limit" },
+      { "local t = {} for i = 1, 1e9 do t[#t + 1] = ('x'):rep(1e5) .. i end", "memory limit" },
+      { "local s = ('x'):rep(2^20); return s:gsub('', s)", "string.gsub" },
+      { "local s = ('x'):rep(2^20); return s:gsub('x', {x = s})", "string.gsub" },
+      { "local s = ('x'):rep(2^20); return s:gsub('x', function() return s end)", "string.gsub" },
+      { "local s, t = ('x'):rep(2^20), {} for i = 1, 1000 do t[i] = s end return table.concat(t)", "table.concat" },
+      { "local s = ('x'):rep(2^24); return string.format(('%s'):rep(64), " ..
+        ("s, "):rep(63) .. "s)", "string.format" },
+      { "return string.find(('a'):rep(4000), '.-.-.-.-.-b')", "too expensive" },
+      { "return ('a'):rep(1e5):match('(a*)*b')", "too expensive" },
+    }
+    for _, b in ipairs(bombs) do
+      fails(function() run { step = b[1] } end, b[2], 3)
+    end
+    -- cheap patterns on long strings, anchored scans and plain finds stay allowed
+    local o = run { step = [[
+      local s, short = ('ab'):rep(1e5), ('ab'):rep(2000)
+      ctx.report('ok', #s:gsub('a', 'c') == 2e5 and s:find('^a') == 1 and s:find('ba', 1, true) == 2
+                       and select(2, short:gsub('%a+', '')) == 1 and ('x'):rep(3) == 'xxx')]] }
+    assert.is_true(o:stats().last.reports.ok)
+  end)
+
+  it("enforces the engine allocation quota, releasing what the recipe lets go", function()
+    fails(function() run { init = "ms.zeros({1e12})" } end, "engine allocation quota", 2)
+    fails(function() run { step = "local keep = {} for i = 1, 1e4 do keep[i] = ms.zeros({2^20}) end" } end,
+          "engine allocation quota", 5)
+    -- state kept across steps is still held: the quota is live bytes, not per call
+    fails(function() run({ step = "group.state[ctx.step] = ms.zeros({2^20})" }, { sandbox = { quota = 2 ^ 24 } }, 20) end,
+          "engine allocation quota", 5)
+    -- a view keeps its base's storage alive, so it keeps the base's charge
+    fails(function() run { step = "local keep = {} for i = 1, 1e3 do keep[i] = ms.zeros({2^20}):slice(0, 0, 1) end" } end,
+          "engine allocation quota", 5)
+    -- temporaries that die are released: 400 MB allocated in total under a 16 MB quota
+    local o = run({ step = "for i = 1, 100 do local x = ms.zeros({2^20}) + 1 end ctx.report('done', true)" },
+                  { sandbox = { quota = 2 ^ 24 } })
+    assert.is_true(o:stats().last.reports.done)
+    -- the default quota grows with the parameters (4x their bytes + 64 MiB)
+    local r = R.load_string(recipe_src {}, "=q")
+    local g = R.guard(r, nil, { { param = ms.zeros({ 2 ^ 20 }) } })
+    assert.equals(64 * 2 ^ 20 + 16 * 2 ^ 20, g.quota)
+  end)
+
+  it("checks its settings", function()
+    H.expect_error(function() run({}, { sandbox = { instructions = -1 } }) end, "sandbox limit instructions")
+    H.expect_error(function() run({}, { sandbox = { cpu = 1 } }) end, "unknown sandbox limit 'cpu'")
+    H.expect_error(function() run({}, { sandbox = 5 }) end, "sandbox limits must be a table")
+    -- a tighter memory limit trips earlier
+    fails(function() run({ step = "local t = {} for i = 1, 1e6 do t[i] = i end" }, { sandbox = { memory = 2 ^ 20 } }) end,
+          "memory limit of 1048576")
+  end)
+
+  it("restores the hook and the string metatable after every call, failed or not", function()
+    local function mark() end
+    debug.sethook(mark, "", 1e6)
+    pcall(run, { step = "error('boom')" })
+    pcall(run, { step = "while true do end" })
+    run { step = "local x = ('x'):rep(3)" }
+    local h, mask, count = debug.gethook()
+    debug.sethook()
+    assert.equals(mark, h)
+    assert.equals("", mask)
+    assert.equals(1e6, count)
+    assert.equals(string, getmetatable("").__index)
+    assert.is_function(("x").dump)
+  end)
+
+  it("shows recipe code strings whose methods are the safe ones, and no heap addresses", function()
+    local o = run { step = [[
+      ctx.report('dump', type(('x').dump))
+      ctx.report('rep', ('ab'):rep(2))
+      ctx.report('fn', tostring(print or function() end))
+      ctx.report('tensor', tostring(ms.tensor({1, 2})):sub(1, 7))]] }
+    local rep = o:stats().last.reports
+    assert.equals("nil", rep.dump)
+    assert.equals("abab", rep.rep)
+    assert.equals("function", rep.fn)
+    assert.equals("tensor(", rep.tensor)
+  end)
+
+  it("runs a legitimate untrusted recipe end to end, with the same result as the trusted one", function()
+    local src = io.open("recipes/sgd.lua"):read("*a")
+    local path = os.tmpname() .. ".lua"
+    local f = io.open(path, "w")
+    f:write(src)
+    f:close()
+    local function train(recipe, settings)
+      ms.manual_seed(7)
+      local p, g = ms.randn({ 8, 5 }), ms.randn({ 8, 5 })
+      local opt = ms.optim.new(recipe, { { name = "w", param = p, grad = g } }, { lr = 0.1, momentum = 0.9 }, settings)
+      for _ = 1, 5 do opt:step() end
+      return opt, p:tolist_flat()
+    end
+    local opt, got = train(path)
+    os.remove(path)
+    assert.is_false(R.meta[opt.recipe].trusted)
+    assert.is_not_nil(opt.guard)
+    assert.equals(8, opt.guard.calls)                  -- validate, route, init, then five steps: all guarded
+    local topt, want = train("sgd")
+    assert.is_nil(topt.guard)
+    assert.same(want, got)
+    -- and it saves and loads its state like any other
+    local ck = os.tmpname()
+    opt:save(ck)
+    assert.equals(5, opt:load(ck).step)
+    os.remove(ck)
+  end)
+
+  it("runs trusted recipes unguarded: no hook, the real string table, full speed", function()
+    local r = R.load_string(recipe_src { step = [[
+      ctx.report('hook', debug.gethook() == nil)
+      ctx.report('dump', ('x').dump == string.dump)]] }, "=trusted", { trusted = true })
+    assert.is_nil(R.guard(r))
+    local p, g = ms.randn({ 2 }), ms.randn({ 2 })
+    local opt = ms.optim.new(r, { { name = "w", param = p, grad = g } })
+    opt:step()
+    assert.is_true(opt:stats().last.reports.hook)
+    assert.is_true(opt:stats().last.reports.dump)
+    -- R.call with no guard is a plain call
+    assert.equals(3, R.call(nil, function(a, b) return a + b end, 1, 2))
+  end)
+end)
