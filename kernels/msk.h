@@ -157,6 +157,66 @@ size_t msk_sumsq_scratch(int n, const msk_member *m);
 ms_status msk_sumsq_run(ms_ctx *ctx, cudaStream_t s, void *dst, int dst_dtype, int n, const msk_member *m,
                         double *partials, unsigned *tickets, int *launches);
 
+/* --- kernels/sinkgd.cu: the SinkGD step (ms_sinkgd_step) --------------------------------------------
+** One entry per matrix of the call (a member [..., m, n] gives one per leading index), in call order.  The
+** step runs as a fixed sequence of launches over all matrices at once (a table of up to MSK_SINKGD_CAP
+** matrices in the kernel parameters; more take further sequences): per SR-Sinkhorn iteration one sweep over G
+** and one fold of column partials, then (spectral, sphere) the power steps, the sphere sums, and the apply.
+** *launches gets the number of kernels queued.  No device memory is allocated (the scratch is the caller's) and
+** nothing synchronises. */
+
+enum { MSK_SINKGD_CAP = 224 };
+
+typedef struct msk_sinkgd_mat {
+    const void *g;            /* G(i, j) at g + i * rs + j * cs elements */
+    void       *p;            /* the matrix's first param element (rows of n, contiguous) */
+    float      *u;            /* its specnorm_u row [n] (spectral, sphere), else NULL */
+    float      *t;            /* its md_target_norm element (sphere), else NULL */
+    int64_t     m, n, rs, cs;
+    int64_t     e0;           /* index of p[0] in the member's param (the stochastic rounding's counter) */
+    int64_t     b;            /* index of the matrix among the member's leading dims (u's first value) */
+    double      scale;        /* learning-rate multiplier of the member */
+    int32_t     member;       /* the member's index in the call */
+    int8_t      gdt, pdt;
+} msk_sinkgd_mat;
+
+/* Scalars of a call (moonstep.h, ms_sinkgd_options); lr, step and skip may be device scalars. */
+typedef struct msk_sinkgd {
+    msk_scalar lr, step, skip;
+    int        mode, iters, sn_iters, target, stochastic;
+    double     eps, weight_decay;
+    uint64_t   seed;
+} msk_sinkgd;
+
+/* Bytes of device scratch msk_sinkgd_run needs (every m, n >= 1): the scale vectors, a row of column partials
+** per CTA band and a few scalars per matrix, O(#SMs (m + n)) floats for a matrix alone. */
+size_t msk_sinkgd_scratch(int n, const msk_sinkgd_mat *m);
+/* `tickets`: MSK_SINKGD_CAP counters that are zero before the call and zero again after it (kept by the
+** caller across calls, as msk_sumsq_run's). */
+ms_status msk_sinkgd_run(ms_ctx *ctx, cudaStream_t s, const msk_sinkgd *o, int n, const msk_sinkgd_mat *m,
+                         void *scratch, unsigned *tickets, int *launches);
+
+/* --- kernels/adamw8.cu: AdamW with 8-bit block-quantized moments (ms_adamw8_step) --------------------
+** A member is a msk_member of the step (x = param, g = grad, s0 = exp_avg codes, s1 = exp_avg_sq codes) and its
+** two block-scale arrays.  One warp per block of block_size elements; up to MSK_ADAMW8_CAP members a launch. */
+
+enum { MSK_ADAMW8_CAP = 224 };
+
+typedef struct msk_adamw8_member {
+    msk_member t;
+    float     *m_scale, *v_scale;
+} msk_adamw8_member;
+
+typedef struct msk_adamw8 {
+    msk_adamw a;                   /* state_dtype unused */
+    int       block_size;
+    float     qmap[2][256];        /* signed (exp_avg), unsigned (exp_avg_sq): ms_adamw8_qmap */
+} msk_adamw8;
+
+/* Every member's numel >= 1 and a multiple of block_size. */
+ms_status msk_adamw8_run(ms_ctx *ctx, cudaStream_t s, const msk_adamw8 *o, int n, const msk_adamw8_member *m,
+                         int *launches);
+
 /* --- shared --------------------------------------------------------------------------------------- */
 
 /* The engine's error recorder (engine/core/error.c), for the launchers' messages. */

@@ -439,4 +439,6 @@ const ms_backend ms_cuda_backend = {
     .foreach_scale    = ms_cuda_foreach_scale,
     .adamw_step       = ms_cuda_adamw_step,
     .sgd_step         = ms_cuda_sgd_step,
+    .sinkgd_step      = ms_cuda_sinkgd_step,
+    .adamw8_step      = ms_cuda_adamw8_step,
 };

@@ -27,7 +27,7 @@ typedef struct ms_cuda_ctx {
     void              *blas_workspace;
     cusolverDnHandle_t solver;         /* likewise */
     ms_cuda_pool      *pool;
-    unsigned          *tickets;        /* ms_foreach_sumsq's counters (engine/cuda/optim.c), made on first use */
+    unsigned          *tickets;        /* counters of ms_foreach_sumsq and ms_sinkgd_step (ms_cuda_tickets) */
     ms_cuda_graph     *capture;        /* the graph being captured on `stream`, NULL otherwise */
     ms_status          capture_status; /* the first failure while capturing */
     char               capture_error[MS_ERRMSG_SIZE];
@@ -130,6 +130,17 @@ ms_status ms_cuda_adamw_step(ms_ctx *ctx, int n, ms_tensor *const *params, const
                              const ms_adamw_options *o);
 ms_status ms_cuda_sgd_step(ms_ctx *ctx, int n, ms_tensor *const *params, const ms_tensor *const *grads,
                            ms_tensor *const *momentum_buf, const double *scales, const ms_sgd_options *o);
+ms_status ms_cuda_adamw8_step(ms_ctx *ctx, int n, ms_tensor *const *params, const ms_tensor *const *grads,
+                              ms_tensor *const *exp_avg, ms_tensor *const *exp_avg_scale,
+                              ms_tensor *const *exp_avg_sq, ms_tensor *const *exp_avg_sq_scale,
+                              const double *scales, const ms_adamw8_options *o);
+/* The context's MSK_OPTIM_CAP integer counters for "last block" reductions, zero between calls (made on first
+** use, which cannot be captured: `op` names the caller in that error). */
+ms_status ms_cuda_tickets(ms_ctx *ctx, const char *op, unsigned **out);
+/* engine/cuda/sinkgd.c */
+ms_status ms_cuda_sinkgd_step(ms_ctx *ctx, int n, ms_tensor *const *params, const ms_tensor *const *grads,
+                              ms_tensor *const *specnorm_u, ms_tensor *const *md_target_norm,
+                              const double *scales, const ms_sinkgd_options *o);
 
 /* --- shared by the op files (engine/cuda/ops.c) --------------------------------------------------- */
 

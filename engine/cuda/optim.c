@@ -248,16 +248,17 @@ ms_status ms_cuda_foreach_scale(ms_ctx *ctx, int n, ms_tensor *const *tensors, m
     return finish(&c, st, launches);
 }
 
-/* The context's sumsq tickets (kernels/msk.h): made and zeroed once, like the cuBLAS handle, and never while
-** capturing (the driver cannot allocate then).  They stay zero between calls because every call leaves them so. */
-static ms_status tickets_of(ms_ctx *ctx, unsigned **out)
+/* The context's tickets (kernels/msk.h: msk_sumsq_run, msk_sinkgd_run): made and zeroed once, like the cuBLAS
+** handle, and never while capturing (the driver cannot allocate then).  They stay zero between calls because
+** every call leaves them so; calls on the context's stream never overlap, so the ops share them. */
+ms_status ms_cuda_tickets(ms_ctx *ctx, const char *op, unsigned **out)
 {
     ms_cuda_ctx *cc = ms_cuda(ctx);
     if (cc->tickets == NULL) {
         if (cc->capture)
-            return ms_cuda_note_failure(ctx, MS_FAIL(ctx, MS_E_UNSUPPORTED, "ms_foreach_sumsq on %s: the first call "
-                                                     "sets up the context's counters and cannot be captured; run "
-                                                     "it once before capturing", ctx->name));
+            return ms_cuda_note_failure(ctx, MS_FAIL(ctx, MS_E_UNSUPPORTED, "%s on %s: the first call sets up the "
+                                                     "context's counters and cannot be captured; run it once "
+                                                     "before capturing", op, ctx->name));
         void *p = NULL;
         size_t nbytes = MSK_OPTIM_CAP * sizeof(unsigned);
         MS_CUDA_TRY(ctx, cudaMalloc(&p, nbytes));
@@ -276,7 +277,7 @@ ms_status ms_cuda_foreach_sumsq(ms_ctx *ctx, ms_tensor *dst, int n, const ms_ten
 {
     MS_TRY(ms_cuda_enter(ctx));
     unsigned *tickets = NULL;
-    MS_TRY(tickets_of(ctx, &tickets));
+    MS_TRY(ms_cuda_tickets(ctx, "ms_foreach_sumsq", &tickets));
     call c;
     MS_TRY(call_new(ctx, n, &c));
     ms_status st = MS_OK;
@@ -302,5 +303,62 @@ ms_status ms_cuda_foreach_sumsq(ms_ctx *ctx, ms_tensor *dst, int n, const ms_ten
         ms_cuda_track_tensor(ctx, dst);
     }
     if (scratch) ms_cuda_scratch_free(ctx, scratch, scratch_bytes);   /* stream-ordered: safe right away */
+    return finish(&c, st, launches);
+}
+
+/* --- AdamW with 8-bit state (kernels/adamw8.cu) -------------------------------------------------------------
+** The members are those of a step (x = param, g = grad in any layout, s0/s1 = the u8 codes) plus the two scale
+** arrays; the maps are ms_adamw8_qmap's, passed in the kernel parameters. */
+
+ms_status ms_cuda_adamw8_step(ms_ctx *ctx, int n, ms_tensor *const *params, const ms_tensor *const *grads,
+                              ms_tensor *const *exp_avg, ms_tensor *const *exp_avg_scale,
+                              ms_tensor *const *exp_avg_sq, ms_tensor *const *exp_avg_sq_scale,
+                              const double *scales, const ms_adamw8_options *o8)
+{
+    MS_TRY(ms_cuda_enter(ctx));
+    const ms_adamw_options *o = &o8->adamw;
+    call c;
+    MS_TRY(call_new(ctx, n, &c));
+    ms_status st = step_members(&c, n, params, grads, exp_avg, exp_avg_sq, scales);
+    msk_adamw8_member *mm = NULL;
+    msk_adamw8 *k = NULL;
+    if (st == MS_OK) {
+        mm = calloc((size_t)(c.n > 0 ? c.n : 1), sizeof *mm);
+        k = calloc(1, sizeof *k);
+        if (mm == NULL || k == NULL) st = MS_FAIL(ctx, MS_E_OOM, "cuda adamw8: no host memory for %d members", n);
+    }
+    if (st == MS_OK) {
+        for (int j = 0; j < c.n; j++) {
+            int i = c.m[j].index;
+            mm[j].t = c.m[j];
+            mm[j].m_scale = ms_tensor_ptr(exp_avg_scale[i]);
+            mm[j].v_scale = ms_tensor_ptr(exp_avg_sq_scale[i]);
+        }
+        k->a = (msk_adamw){
+            .lr = scalar_of(o->lr, o->lr_t), .step = scalar_of(o->step, o->step_t), .skip = scalar_of(0, o->skip_t),
+            .beta1 = o->beta1, .beta2 = o->beta2, .omb1 = 1.0 - o->beta1, .omb2 = 1.0 - o->beta2, .eps = o->eps,
+            .weight_decay = o->weight_decay, .bc1 = 1.0, .bc2_sqrt = 1.0, .bias_correction = o->bias_correction != 0,
+            .stochastic = o->stochastic_round != 0, .state_dtype = MS_DTYPE_U8, .seed = o->seed,
+        };
+        if (o->bias_correction && o->step_t == NULL) {   /* the host's libm, as the CPU backend computes them */
+            double step = rint(o->step);
+            k->a.bc1 = 1.0 - pow(o->beta1, step);
+            k->a.bc2_sqrt = sqrt(1.0 - pow(o->beta2, step));
+        }
+        k->block_size = o8->block_size;
+        ms_adamw8_qmap(1, k->qmap[0]);
+        ms_adamw8_qmap(0, k->qmap[1]);
+    }
+    int launches = 0;
+    if (st == MS_OK) st = ms_cuda_note_failure(ctx, msk_adamw8_run(ctx, STREAM(ctx), k, c.n, mm, &launches));
+    if (st == MS_OK) {
+        track_all(ctx, n, (const ms_tensor *const *)params, grads, exp_avg, exp_avg_sq);
+        track_all(ctx, n, (const ms_tensor *const *)exp_avg_scale, NULL, exp_avg_sq_scale, NULL);
+        ms_cuda_track_tensor(ctx, o->lr_t);
+        ms_cuda_track_tensor(ctx, o->step_t);
+        ms_cuda_track_tensor(ctx, o->skip_t);
+    }
+    free(mm);
+    free(k);
     return finish(&c, st, launches);
 }

@@ -1,0 +1,158 @@
+--[[
+bench/sinkgd_bench.lua -- the CUDA SinkGD step (ms.sinkgd_step, kernels/sinkgd.cu) against its floor, on the GPU
+host: bf16 params and grads, sinkhorn_iters 5, base and spectral modes (unit target, 1 power step), on the shapes
+of issue 5 and on the whole Llama-3-8B matrix set as one step.
+
+  build/moonstep bench/sinkgd_bench.lua [results.json] [shape,shape,...|none] [set|noset]
+  python3 bench/torch_baselines/sinkgd.py ...        -- the pinned PyTorch baselines, own process
+
+Method (DESIGN.md, "Performance"): CUDA events around R back-to-back steps, median of 7 trials after a warm-up
+(each shape also as one captured CUDA graph of a step per set, replayed: the GPU time without the host's);
+lr 1e-3, weight decay 0, alpha 1 (the baseline's settings).  Each shape's steps rotate over enough (p, g, u)
+sets that the sets together are at least 256 MB (4x the L2), so a step never finds its inputs in L2 from an
+earlier step; within a step the passes do reuse G from L2 where it fits (4096x4096, 8x1408x2048 and the small
+shapes, 8-46 MB), which is the kernel's design, not a measurement artefact.  The Llama set (224 matrices,
+14 GB of params) is one set, far beyond L2.  Floor: the bytes the step must move at the device-to-device copy
+bandwidth measured in this run: (L + 1) reads of G + a read and a write of p (spectral: + 2 reads of G per
+power step), research/anchors-h200.md's definition.
+]]
+local ms = require("moonstep")
+local core = require("moonstep.core")
+local tensor = require("moonstep.tensor")
+local graph = require("moonstep.graph")
+local json = ms.json
+local C = core.C
+local ffi = core.ffi
+
+local out_path = arg and arg[1]
+local shape_arg = arg and arg[2] or "2048x2048,4096x4096,1024x4096,14336x4096,4096x14336,8x1408x2048"
+local want_set = not (arg and arg[3] == "noset")
+assert(ms.device_count("cuda") > 0, "sinkgd_bench: no CUDA device")
+local ctx = ms.context { device = "cuda" }
+local h = tensor.handle_ctx(ctx)
+
+local ev = ffi.new("ms_event *[2]")
+core.check(C.ms_event_new(h, ev))
+core.check(C.ms_event_new(h, ev + 1))
+local elapsed = ffi.new("double[1]")
+
+-- median milliseconds per call of fn(i) (i = 1, 2, ... rotates the buffer sets); bench/core_bench.lua's method
+local function time(fn, reps, trials)
+  trials = trials or 7
+  for i = 1, 3 do fn(i) end
+  ctx:sync()
+  local t, k = {}, 0
+  for j = 1, trials do
+    core.check(C.ms_event_record(h, ev[0]))
+    for _ = 1, reps do k = k + 1 fn(k) end
+    core.check(C.ms_event_record(h, ev[1]))
+    core.check(C.ms_event_elapsed(ev[0], ev[1], elapsed))
+    t[j] = elapsed[0] / reps
+  end
+  table.sort(t)
+  return t[math.ceil(#t / 2)]
+end
+
+local ITERS, LR = 5, 1e-3
+print(("moonstep %s sinkgd bench on %s  [%s]"):format(ms.version, ctx:name(), ms.build_info))
+ms.manual_seed(20261130)
+
+-- copy bandwidth: 1 GiB f32 buffers, bytes read + written
+local bw
+do
+  local n = 2 ^ 28
+  local src = { ms.rand({ n }, { ctx = ctx }), ms.rand({ n }, { ctx = ctx }) }
+  local dst = { ms.empty({ n }, { ctx = ctx }), ms.empty({ n }, { ctx = ctx }) }
+  local t = time(function(i) dst[i % 2 + 1]:copy_(src[(i + 1) % 2 + 1]) end, 20)
+  bw = 2 * n * 4 / (t * 1e-3)   -- bytes per second
+  print(("  copy f32 1 GiB (d2d): %.4f ms, %.0f GB/s"):format(t, bw / 1e9))
+  src, dst = nil, nil
+  collectgarbage()
+  core.check(C.ms_ctx_empty_cache(h))
+end
+
+local function make_set(shapes)
+  local s = { p = {}, g = {}, u = {} }
+  for k, shape in ipairs(shapes) do
+    s.p[k] = ms.randn(shape, { ctx = ctx, dtype = "bf16" })
+    s.g[k] = ms.randn(shape, { ctx = ctx, dtype = "bf16" })
+    local us = {}
+    for d = 1, #shape - 2 do us[d] = shape[d] end
+    us[#us + 1] = shape[#shape]
+    s.u[k] = ms.rand(us, { ctx = ctx, low = -1, high = 1 })
+  end
+  return s
+end
+
+local function step(s, mode)
+  ms.sinkgd_step { params = s.p, grads = s.g, specnorm_u = mode == "spectral" and s.u or nil, lr = LR,
+                   mode = mode, iters = ITERS, sn_iters = 1, target = "unit" }
+end
+
+local function floor_ms(gbytes, pbytes, mode)
+  local bytes = (ITERS + 1) * gbytes + 2 * pbytes + (mode == "spectral" and 2 * gbytes or 0)
+  return bytes / bw * 1e3
+end
+
+local results = { device = ctx:name(), copy_GBps = bw / 1e9, iters = ITERS, rows = {} }
+local function record(name, mb, mode, t, fl, nsets)
+  local r = { name = name, MB = mb, mode = mode, ms = t, floor_ms = fl, ratio = t / fl, sets = nsets }
+  results.rows[#results.rows + 1] = r
+  print(("  %-26s %-8s %7.0f MB  %9.4f ms  floor %8.4f ms  x%.2f  (%d sets)"):format(name, mode, mb, t, fl, t / fl, nsets))
+end
+
+if shape_arg ~= "none" then
+  for spec in shape_arg:gmatch("[^,]+") do
+    local shape = {}
+    for d in spec:gmatch("%d+") do shape[#shape + 1] = tonumber(d) end
+    local numel = 1
+    for _, d in ipairs(shape) do numel = numel * d end
+    local bytes = numel * 2
+    local nsets = math.max(2, math.ceil(256e6 / (2 * bytes)))
+    local sets = {}
+    for i = 1, nsets do sets[i] = make_set({ shape }) end
+    for _, mode in ipairs { "base", "spectral" } do
+      local reps = math.max(10, math.min(200, math.floor(2e9 / (bytes * 10))))
+      local t = time(function(i) step(sets[(i - 1) % nsets + 1], mode) end, reps)
+      record(spec, bytes / 1e6, mode, t, floor_ms(bytes, bytes, mode), nsets)
+      -- the same steps replayed from one CUDA graph (one step per set, in order): the GPU's time without the
+      -- host's per-call work, which bounds the small shapes above
+      local okg, gr = pcall(graph.capture, ctx, function() for i = 1, nsets do step(sets[i], mode) end end)
+      if okg then
+        local tg = time(function() gr:launch() end, math.max(3, math.ceil(reps / nsets))) / nsets
+        gr:free()
+        record(spec, bytes / 1e6, mode .. "/graph", tg, floor_ms(bytes, bytes, mode), nsets)
+      else
+        print("  graph capture failed: " .. tostring(gr))
+      end
+    end
+    sets = nil
+    collectgarbage()
+    core.check(C.ms_ctx_empty_cache(h))
+  end
+end
+
+if want_set then
+  local layer = { { 4096, 4096 }, { 1024, 4096 }, { 1024, 4096 }, { 4096, 4096 }, { 14336, 4096 }, { 14336, 4096 },
+                  { 4096, 14336 } }
+  local shapes = {}
+  for _ = 1, 32 do for _, s in ipairs(layer) do shapes[#shapes + 1] = s end end
+  local s = make_set(shapes)
+  local bytes = 0
+  for _, sh in ipairs(shapes) do bytes = bytes + sh[1] * sh[2] * 2 end
+  for _, mode in ipairs { "base", "spectral" } do
+    local t = time(function() step(s, mode) end, 3, 5)
+    record("llama3-8b set (224)", bytes / 1e6, mode, t, floor_ms(bytes, bytes, mode), 1)
+  end
+end
+
+C.ms_event_free(ev[0])
+C.ms_event_free(ev[1])
+local st = ctx:mem_stats()
+print(("  pool: %d driver allocations, %.1f MB cached, %d launches"):format(st.num_device_allocs,
+      st.bytes_cached / 1e6, st.launches))
+if out_path then
+  local f = assert(io.open(out_path, "w"))
+  f:write(json.encode(results), "\n")
+  f:close()
+end

@@ -1,0 +1,1248 @@
+/*
+** The SinkGD step on the GPU (ms_sinkgd_step; the semantics and the f64 reference: engine/cpu/sinkgd.c and
+** moonstep.h).  SR-Sinkhorn (Scetbon et al., arXiv 2502.06742, Algorithm 3) returns X = diag(r) G diag(c), so
+** only the two f32 scale vectors are iterated and no matrix is ever written but p (research/sinkgd.md §9):
+**
+**   sweep   one pass over G per SR-Sinkhorn iteration.  Each CTA owns a band of whole rows; for each group of
+**           rows it computes the rows' sums of (G c)^2 (c of the previous iteration), the new r, and adds
+**           (r G)^2 into per-thread column accumulators, all from one read of the rows (staged in shared memory
+**           by cp.async, 3 groups in flight); at the end of its band it writes one row of column partials.
+**   fold    sums each column's band partials in a fixed order and updates c.
+**   power   (spectral, sphere) one pass per power step: v = diag(r) G (c u) per row, and the column partials of
+**           G^T (r v) from the same rows; the fold makes w, sigma and the next u (the last CTA of a matrix, told
+**           by an integer ticket, does the O(n) vector work); a degenerate u restarts the step (a second pass
+**           that every other matrix skips at once).
+**   sums    (sphere) ||W||^2, <W, X>, ||X||^2 in f64, one pass over G and p.
+**   apply   p <- (p dec - coef X) fac, one pass over G and p, stochastic rounding as engine/cpu/optim.c.
+**
+** All matrices of a call go through each pass in one launch (a table of them in the kernel parameters).  The
+** sweeps and the apply run one CTA per SM; the row groups of all the call's matrices are split into equal,
+** contiguous ranges, one per CTA, so a CTA's band of a matrix is as large as possible (few partial rows) and
+** every CTA has the same work.  Consecutive passes walk each range in opposite directions, so a pass starts on
+** the rows the previous one left in L2.  Sums are f32 (the sphere sums f64) in an order fixed by the shapes and
+** the SM count alone, with no float atomics: a step is bitwise reproducible.
+*/
+#include "common.cuh"
+#include "sr.cuh"
+
+#include <math.h>
+#include <new>
+
+#define T_SWEEP     512                                   /* threads of the sweep and elementwise kernels */
+#define WARPS       (T_SWEEP / 32)
+#define SLOTS       4                                     /* 16-byte chunks of G per thread per group */
+#define STAGES      4                                     /* groups in the cp.async ring */
+#define STAGE_DATA  (SLOTS * T_SWEEP * 16)                /* 32 KiB of G */
+#define STAGE_BYTES (STAGE_DATA + SLOTS * T_SWEEP * 4)    /* + the rows' scales (one per slot row) */
+#define RED_FLOATS  (2 * 2 * SLOTS * WARPS)               /* row sums: 2 parities x 2 kinds */
+#define SWEEP_SMEM  (STAGES * STAGE_BYTES + RED_FLOATS * 4 + WARPS * 8)
+#define GROUP_BYTES 32768                                 /* rows per group of the generic path: ~this many */
+#define FOLD_THREADS 256
+#define FOLD_COLS   32                                    /* a lane's column; 8 warps split the bands */
+#define PREP_THREADS 256
+#define ESTAGES     3                                     /* stages of the elementwise ring (64 KiB each) */
+#define ELEM_SMEM   (ESTAGES * 8 * T_SWEEP * 16)
+#define ESPLIT      1                                     /* CTAs of an elementwise pass per sweep range */
+#define SMALL_CAP   16                                    /* a second table size: small groups pass ~2 KB */
+#define PARAM_LIMIT 32764                                 /* bytes of kernel parameters (CUDA 12.1+) */
+#define U_DEGENERATE 1e-4                                 /* engine/cpu/sinkgd.c's restart threshold */
+
+#define BSC 8   /* band scalars: power (|v|^2, ||G||^2) or sphere sums (3 per CTA of ESPLIT) */
+enum { FL_FIRST = 1, FL_UNIT = 2, FL_LAST = 4, FL_REDO = 8, FL_REV = 16 };
+enum { K_SINK = 0, K_POWER = 1 };       /* sweeps */
+enum { E_SUMS = 0, E_APPLY = 1 };       /* elementwise passes */
+/* the per-matrix scalars (f64) */
+enum { SC_F2 = 0, SC_UU, SC_SIGMA, SC_S0, SC_S1, SC_S2, SC_RESTARTED, SC_REDO, SC_N = 8 };
+
+/* --- the launch table ------------------------------------------------------------------------------- */
+
+struct skmat {
+    const void *g;
+    void       *p;
+    float      *u, *t;
+    char       *scr;          /* this matrix's scratch (scr_layout) */
+    int64_t     m, n, rs, cs, e0, b;
+    int64_t     g0;           /* its first row group in the launch (ascending) */
+    double      scale;
+    int32_t     f0;           /* its first fold block (ascending) */
+    int32_t     member, band0, nbands;
+    int16_t     K, Cp, P, GR; /* the fast path's thread map (below); GR: rows per group */
+    int8_t      gdt, pdt;
+    uint8_t     fast, pvec;
+};
+
+template <int CAP> struct skargs {
+    msk_sinkgd o;
+    int        flags, nmat, grid, nfold;
+    int64_t    gtot;          /* row groups in all */
+    unsigned  *tickets;
+    skmat      m[CAP];
+};
+
+static_assert(sizeof(skargs<MSK_SINKGD_CAP>) <= PARAM_LIMIT, "the SinkGD table exceeds the parameter space");
+
+/* --- scratch of one matrix ----------------------------------------------------------------------------- */
+
+struct skscr {
+    float  *r, *c, *uv, *wv, *part;   /* r [m], c [n], u [n], w [n], part [nbands][n] */
+    double *bsc, *fsc, *scal;         /* band scalars [nbands][BSC], fold-block scalars [nfold], SC_* */
+};
+
+__host__ __device__ __forceinline__ int64_t up4(int64_t x) { return (x + 3) / 4 * 4; }
+__host__ __device__ __forceinline__ int64_t nfold_of(int64_t n) { return (n + FOLD_COLS - 1) / FOLD_COLS; }
+
+/* Lays the scratch out from base (16-byte aligned) and returns its bytes (a multiple of 16). */
+__host__ __device__ __forceinline__ int64_t scr_layout(char *base, int64_t m, int64_t n, int64_t nb, skscr *s)
+{
+    float *f = (float *)base;
+    skscr k;
+    k.r = f;    f += up4(m);
+    k.c = f;    f += up4(n);
+    k.uv = f;   f += up4(n);
+    k.wv = f;   f += up4(n);
+    k.part = f; f += up4(nb * n);
+    double *d = (double *)f;
+    k.bsc = d;  d += BSC * nb;
+    k.fsc = d;  d += (nfold_of(n) + 1) / 2 * 2;
+    k.scal = d; d += 2 * SC_N;
+    if (s) *s = k;
+    return (int64_t)((char *)d - base);
+}
+
+/* --- small device helpers ------------------------------------------------------------------------------ */
+
+/* max(x, eps) that keeps a NaN, as the CPU's clamp_min */
+__device__ __forceinline__ float clampf(float x, float eps) { return x < eps ? eps : x; }
+__device__ __forceinline__ double clampd(double x, double eps) { return x < eps ? eps : x; }
+
+/* First row group of CTA b when gtot groups are split into `grid` equal contiguous ranges. */
+__host__ __device__ __forceinline__ int64_t range_start(int64_t b, int64_t gtot, int64_t grid)
+{
+    return b * gtot / grid;
+}
+
+template <int CAP>
+__device__ __forceinline__ int mat_of_group(const skargs<CAP> &A, int64_t g)
+{
+    int lo = 0, hi = A.nmat - 1;
+    while (lo < hi) {
+        const int mid = lo + (hi - lo + 1) / 2;
+        if (A.m[mid].g0 <= g) lo = mid;
+        else hi = mid - 1;
+    }
+    return lo;
+}
+
+template <int CAP>
+__device__ __forceinline__ int mat_of_fold(const skargs<CAP> &A, int64_t blk)
+{
+    int lo = 0, hi = A.nmat - 1;
+    while (lo < hi) {
+        const int mid = lo + (hi - lo + 1) / 2;
+        if (A.m[mid].f0 <= blk) lo = mid;
+        else hi = mid - 1;
+    }
+    return lo;
+}
+
+/* Deterministic block sums: butterfly within warps, then every thread adds the warps' sums in warp order
+** (so every thread holds the same bits).  red holds NT / 32 values of shared memory. */
+template <class V> __device__ __forceinline__ V warp_sum(V v)
+{
+#pragma unroll
+    for (int o = 16; o >= 1; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+template <int NT, class V> __device__ __forceinline__ V block_sum(V v, V *red)
+{
+    v = warp_sum(v);
+    __syncthreads();   /* red may still be read from the previous call */
+    if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = v;
+    __syncthreads();
+    V s = 0;
+#pragma unroll
+    for (int w = 0; w < NT / 32; w++) s += red[w];
+    return s;
+}
+
+/* u's first value for element j of matrix b (engine/cpu/sinkgd.c, u_start): 2 U - 1, U the f32 uniform of
+** ms_rand with key `seed` and offset 2^63 + b; exact in f32. */
+__device__ __forceinline__ float u_start(uint64_t seed, int64_t b, int64_t j)
+{
+    uint32_t w[4];
+    msk_philox((uint32_t)j, (uint32_t)((uint64_t)j >> 32), (uint32_t)b, 0x80000000u + (uint32_t)((uint64_t)b >> 32),
+               (uint32_t)seed, (uint32_t)(seed >> 32), w);
+    return (float)(w[0] >> 8) * 0x1p-23f - 1.0f;
+}
+
+/* --- cp.async (sm_80+): global -> shared without registers; `bytes` < size zero-fills the rest ----------- */
+
+__device__ __forceinline__ void cp16(void *dst, const void *src, int bytes)
+{
+    const unsigned d = (unsigned)__cvta_generic_to_shared(dst);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src), "r"(bytes) : "memory");
+}
+
+__device__ __forceinline__ void cp4(void *dst, const void *src, int bytes)
+{
+    const unsigned d = (unsigned)__cvta_generic_to_shared(dst);
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(d), "l"(src), "r"(bytes) : "memory");
+}
+
+__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+
+template <int N> __device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
+
+/* --- 16 bytes of a dtype as floats -------------------------------------------------------------------------- */
+
+template <class T> struct elems16 { static constexpr int n = 16 / (int)sizeof(T); };
+
+__device__ __forceinline__ void unpack(const uint4 &q, float *x, const __nv_bfloat16 *)
+{
+    const uint32_t w[4] = { q.x, q.y, q.z, q.w };
+#pragma unroll
+    for (int k = 0; k < 4; k++) {
+        x[2 * k] = __uint_as_float(w[k] << 16);
+        x[2 * k + 1] = __uint_as_float(w[k] & 0xffff0000u);
+    }
+}
+
+__device__ __forceinline__ void unpack(const uint4 &q, float *x, const __half *)
+{
+    const uint32_t w[4] = { q.x, q.y, q.z, q.w };
+#pragma unroll
+    for (int k = 0; k < 4; k++) {
+        const float2 f = __half22float2(*reinterpret_cast<const __half2 *>(&w[k]));
+        x[2 * k] = f.x;
+        x[2 * k + 1] = f.y;
+    }
+}
+
+__device__ __forceinline__ void unpack(const uint4 &q, float *x, const float *)
+{
+    x[0] = __uint_as_float(q.x);
+    x[1] = __uint_as_float(q.y);
+    x[2] = __uint_as_float(q.z);
+    x[3] = __uint_as_float(q.w);
+}
+
+/* 8 consecutive elements at p (16-byte aligned) as floats */
+template <class T> __device__ __forceinline__ void load8(const T *p, float *x)
+{
+    if constexpr (sizeof(T) == 4) {
+        unpack(*reinterpret_cast<const uint4 *>(p), x, p);
+        unpack(*reinterpret_cast<const uint4 *>(p + 4), x + 4, p);
+    } else {
+        unpack(*reinterpret_cast<const uint4 *>(p), x, p);
+    }
+}
+
+/* --- the sweep: one CTA's band of a matrix ---------------------------------------------------------------
+** The fast path (G dense, 16-byte aligned, n a multiple of E = 16 / sizeof(T), at most 4 * T_SWEEP chunks of E
+** per row).  A row is C = n / E chunks.  The threads form P = T_SWEEP / Cp row lanes of Cp threads (Cp a power
+** of two up to 32, else a multiple of 32); thread kap of a lane takes chunks kap + Cp k, k < K, of its rows: K = 4
+** (Cp >= C / 4) whenever C >= 4, so a row's sum across its lane and its scale update are paid once per 4 chunks,
+** and K = 1 with R = 4 rows a lane for rows of fewer than 4 chunks.  A group is P R rows (about 32 KiB); lane
+** rho takes rows rho + P r.  Each thread copies exactly the chunks it later reads (its 4 slots of a stage), so
+** the ring needs no barrier; the only one per group is the row sums' exchange across warps.
+** SINK:  S_i = sum_j G_ij^2 c_j^2, r_i <- sqrt(n) r_i / max(r_i sqrt(S_i), eps) (S_i = 0: r_i kept); column
+**        partials of r_i^2 G_ij^2 (G^2 computed once for both).
+** POWER: v_i = r_i sum_j G_ij c_j u_j; column partials of r_i v_i G_ij; band scalars sum v_i^2 and (iters = 0:
+**        r = c = 1) sum G_ij^2. */
+
+template <int R>
+__device__ __forceinline__ void row_sums(float (&ps)[R], float (&pf)[R], bool ff, int Cp, int rho, bool on, float *red)
+{
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    if (Cp <= 32) {   /* the row's lanes are an aligned power-of-two part of a warp */
+        for (int o = Cp >> 1; o >= 1; o >>= 1) {
+#pragma unroll
+            for (int r = 0; r < R; r++) {
+                ps[r] += __shfl_xor_sync(0xffffffffu, ps[r], o);
+                if (ff) pf[r] += __shfl_xor_sync(0xffffffffu, pf[r], o);
+            }
+        }
+        return;
+    }
+#pragma unroll
+    for (int r = 0; r < R; r++) {
+        ps[r] = warp_sum(ps[r]);
+        if (ff) pf[r] = warp_sum(pf[r]);
+        if (lane == 0) {
+            red[r * WARPS + warp] = ps[r];
+            red[(SLOTS + r) * WARPS + warp] = pf[r];
+        }
+    }
+    __syncthreads();
+    const int wpr = Cp >> 5, w0 = rho * wpr;
+#pragma unroll
+    for (int r = 0; r < R; r++) {
+        float s = 0, f = 0;
+        if (on) {
+            for (int w = 0; w < wpr; w++) s += red[r * WARPS + w0 + w];
+            if (ff)
+                for (int w = 0; w < wpr; w++) f += red[(SLOTS + r) * WARPS + w0 + w];
+        }
+        ps[r] = s;
+        pf[r] = f;
+    }
+}
+
+template <class T, int K, int KIND, int CAP>
+__device__ __noinline__ void fast_segment(const skargs<CAP> &A, const skmat &M, const skscr &S, int band, int64_t la,
+                                          int64_t lb, bool rev, char *smem)
+{
+    constexpr int E = elems16<T>::n, R = SLOTS / K;
+    const int t = threadIdx.x;
+    const int Cp = M.Cp, P = M.P, GR = M.GR;
+    const int rho = t / Cp, kap = t - rho * Cp;
+    const int64_t m = M.m, n = M.n;
+    const int C = (int)(n / E);
+    const bool on = rho < P;
+    const bool unit = (A.flags & FL_UNIT) != 0;
+    const bool first = KIND == K_SINK && (A.flags & FL_FIRST);
+    const bool need_rs = KIND == K_SINK ? !first : !unit;
+    const bool want_ff = KIND == K_POWER && unit;
+    const float eps = (float)A.o.eps, sqn = sqrtf((float)n);
+    float *red = (float *)(smem + STAGES * STAGE_BYTES);
+
+    /* the thread's columns: c^2 (SINK) or c u (POWER), and their accumulators */
+    float cv[K][E], acc[K][E];
+#pragma unroll
+    for (int k = 0; k < K; k++) {
+        const int ch = kap + Cp * k;
+        const bool ok = on && ch < C;
+#pragma unroll
+        for (int e = 0; e < E; e++) {
+            acc[k][e] = 0;
+            float v = 0;
+            if (ok) {
+                const int64_t j = (int64_t)ch * E + e;
+                if (KIND == K_SINK) {
+                    v = first ? 1.f : __ldcg(S.c + j);
+                    v *= v;
+                } else {
+                    v = (unit ? 1.f : __ldcg(S.c + j)) * __ldcg(S.uv + j);
+                }
+            }
+            cv[k][e] = v;   /* SINK: c^2; POWER: c u */
+        }
+    }
+
+    const int64_t ng = lb - la;
+    const T *g = (const T *)M.g;
+    auto issue = [&](int64_t q) {
+        const int64_t gi = rev ? lb - 1 - q : la + q;
+        char *st = smem + (int)(q % STAGES) * STAGE_BYTES;
+#pragma unroll
+        for (int r = 0; r < R; r++) {
+            const int64_t row = gi * GR + rho + (int64_t)P * r;
+            const bool rv = on && row < m;
+#pragma unroll
+            for (int k = 0; k < K; k++) {
+                const int ch = kap + Cp * k;
+                const bool ok = rv && ch < C;
+                cp16(st + ((r * K + k) * T_SWEEP + t) * 16, g + (ok ? row * n + (int64_t)ch * E : 0), ok ? 16 : 0);
+            }
+            if (need_rs) cp4(st + STAGE_DATA + (r * T_SWEEP + t) * 4, S.r + (rv ? row : 0), rv ? 4 : 0);
+        }
+    };
+
+    double vv = 0, ff = 0;
+#pragma unroll 1
+    for (int s = 0; s < STAGES - 1; s++) {
+        if (s < ng) issue(s);
+        cp_commit();
+    }
+#pragma unroll 1
+    for (int64_t q = 0; q < ng; q++) {
+        if (q + STAGES - 1 < ng) issue(q + STAGES - 1);
+        cp_commit();
+        cp_wait<STAGES - 1>();   /* this thread's copies of group q have landed */
+        const char *st = smem + (int)(q % STAGES) * STAGE_BYTES;
+        const int64_t gi = rev ? lb - 1 - q : la + q;
+        float x[R][K][E], rs[R], ps[R], pf[R];
+#pragma unroll
+        for (int r = 0; r < R; r++) {
+            rs[r] = need_rs ? *(const float *)(st + STAGE_DATA + (r * T_SWEEP + t) * 4) : 1.f;
+            float pk[K], fk[K];   /* one chain per chunk: K independent FMA chains, added as a fixed tree */
+#pragma unroll
+            for (int k = 0; k < K; k++) {
+                const uint4 w = *(const uint4 *)(st + ((r * K + k) * T_SWEEP + t) * 16);
+                unpack(w, x[r][k], (const T *)0);
+                pk[k] = 0;
+                fk[k] = 0;
+#pragma unroll
+                for (int e = 0; e < E; e++) {
+                    if (KIND == K_SINK) {   /* x holds G^2 from here on: (G c)^2 = G^2 c^2, (r G)^2 = r^2 G^2 */
+                        x[r][k][e] = x[r][k][e] * x[r][k][e];
+                        pk[k] = fmaf(x[r][k][e], cv[k][e], pk[k]);
+                    } else {
+                        pk[k] = fmaf(x[r][k][e], cv[k][e], pk[k]);
+                        if (want_ff) fk[k] = fmaf(x[r][k][e], x[r][k][e], fk[k]);
+                    }
+                }
+            }
+            if (K == 4) {
+                ps[r] = (pk[0] + pk[1]) + (pk[2 % K] + pk[3 % K]);
+                pf[r] = (fk[0] + fk[1 % K]) + (fk[2 % K] + fk[3 % K]);
+            } else {
+                ps[r] = pk[0];
+                pf[r] = fk[0];
+            }
+        }
+        row_sums<R>(ps, pf, want_ff, Cp, rho, on, red + (int)(q & 1) * 2 * SLOTS * WARPS);
+        float co[R];
+#pragma unroll
+        for (int r = 0; r < R; r++) {
+            const int64_t row = gi * GR + rho + (int64_t)P * r;
+            const bool rv = on && row < m;
+            if (KIND == K_SINK) {
+                /* sqrt(n) r / max(r sqrt(S), eps) = sqrt(n) / sqrt(S) when r^2 S >= eps^2: one rsqrt; the exact
+                ** formula where eps clamps, and for NaN (which fails the comparison) */
+                const float q2 = rs[r] * rs[r] * ps[r];
+                const float rn = ps[r] == 0         ? rs[r]
+                                 : q2 >= eps * eps ? sqn * rsqrtf(ps[r])
+                                                    : sqn * rs[r] / clampf(rs[r] * sqrtf(ps[r]), eps);
+                if (rv && kap == 0) S.r[row] = rn;
+                co[r] = rv ? rn * rn : 0.f;
+            } else {
+                const float v = rs[r] * ps[r];
+                co[r] = rv ? rs[r] * v : 0.f;
+                if (rv && kap == 0) {
+                    vv += (double)v * v;
+                    ff += (double)pf[r];
+                }
+            }
+        }
+#pragma unroll
+        for (int r = 0; r < R; r++)
+#pragma unroll
+            for (int k = 0; k < K; k++)
+#pragma unroll
+                for (int e = 0; e < E; e++) {
+                    acc[k][e] = fmaf(co[r], x[r][k][e], acc[k][e]);   /* SINK: r^2 G^2; POWER: (r v) G */
+                }
+    }
+    cp_wait<0>();
+
+    /* the band's row of column partials: chunk ch is thread kap = ch mod Cp's k = ch / Cp in every row lane; the
+    ** row lanes' sums are added in lane order through the (drained) stage buffers */
+    float *prow = S.part + (int64_t)band * n;
+    if (P == 1) {   /* (threads past the one lane, when Cp does not divide T_SWEEP, hold no columns) */
+#pragma unroll
+        for (int k = 0; k < K; k++) {
+            const int ch = kap + Cp * k;
+            if (on && ch < C)
+#pragma unroll
+                for (int e = 0; e < E; e += 4)
+                    *reinterpret_cast<float4 *>(prow + (int64_t)ch * E + e) =
+                        make_float4(acc[k][e], acc[k][e + 1], acc[k][e + 2], acc[k][e + 3]);
+        }
+    } else {
+        float *cb = (float *)smem;   /* T_SWEEP * K * E floats <= 64 KiB < the stages */
+        __syncthreads();             /* every thread is done with the stages */
+#pragma unroll
+        for (int k = 0; k < K; k++)
+#pragma unroll
+            for (int e = 0; e < E; e++) cb[(t * K + k) * E + e] = on ? acc[k][e] : 0.f;
+        __syncthreads();
+        for (int ch = t; ch < C; ch += T_SWEEP) {
+            const int kp = ch % Cp, k = ch / Cp;
+            float sum[E];
+#pragma unroll
+            for (int e = 0; e < E; e++) sum[e] = 0;
+            for (int r2 = 0; r2 < P; r2++)
+#pragma unroll
+                for (int e = 0; e < E; e++) sum[e] += cb[((r2 * Cp + kp) * K + k) * E + e];
+#pragma unroll
+            for (int e = 0; e < E; e += 4)
+                *reinterpret_cast<float4 *>(prow + (int64_t)ch * E + e) =
+                    make_float4(sum[e], sum[e + 1], sum[e + 2], sum[e + 3]);
+        }
+    }
+    if (KIND == K_POWER) {
+        double *dred = (double *)(red + RED_FLOATS);
+        vv = block_sum<T_SWEEP>(vv, dred);
+        ff = block_sum<T_SWEEP>(ff, dred);
+        if (t == 0) {
+            S.bsc[band * BSC] = vv;
+            S.bsc[band * BSC + 1] = ff;
+        }
+    }
+    __syncthreads();   /* the last group's row sums are read before the next segment writes that buffer */
+}
+
+/* Any layout, any n: one row at a time, G read from global memory twice (the second time from L1/L2), the
+** column accumulators in the band's partial row (each column always the same thread's). */
+template <class T, int KIND, int CAP>
+__device__ __noinline__ void generic_segment(const skargs<CAP> &A, const skmat &M, const skscr &S, int band, int64_t la,
+                                             int64_t lb, bool rev, char *smem)
+{
+    const int t = threadIdx.x;
+    const int64_t m = M.m, n = M.n, rs = M.rs, cs = M.cs;
+    const bool unit = (A.flags & FL_UNIT) != 0;
+    const bool first = KIND == K_SINK && (A.flags & FL_FIRST);
+    const bool want_ff = KIND == K_POWER && unit;
+    const float eps = (float)A.o.eps, sqn = sqrtf((float)n);
+    float *red = (float *)(smem + STAGES * STAGE_BYTES);
+    double *dred = (double *)(red + RED_FLOATS);
+    float *prow = S.part + (int64_t)band * n;
+    for (int64_t j = t; j < n; j += T_SWEEP) prow[j] = 0;
+    const T *g = (const T *)M.g;
+    auto colv = [&](int64_t j) -> float {
+        if (KIND == K_SINK) return first ? 1.f : __ldcg(S.c + j);
+        return (unit ? 1.f : __ldcg(S.c + j)) * __ldcg(S.uv + j);
+    };
+    const int64_t r0 = la * M.GR, r1 = lb * M.GR < m ? lb * M.GR : m;
+    double vv = 0, ff = 0;
+#pragma unroll 1
+    for (int64_t q = 0; q < r1 - r0; q++) {
+        const int64_t i = rev ? r1 - 1 - q : r0 + q;
+        const T *gi = g + i * rs;
+        /* read before the reduction's barrier; thread 0 writes the new value after it */
+        const float rold = (KIND == K_SINK ? first : unit) ? 1.f : S.r[i];
+        float ps = 0, pf = 0;
+        for (int64_t j = t; j < n; j += T_SWEEP) {
+            const float x = msk_f(gi[j * cs]);
+            if (KIND == K_SINK) {
+                const float y = x * colv(j);
+                ps = fmaf(y, y, ps);
+            } else {
+                ps = fmaf(x, colv(j), ps);
+                if (want_ff) pf = fmaf(x, x, pf);
+            }
+        }
+        ps = block_sum<T_SWEEP>(ps, red);
+        if (want_ff) pf = block_sum<T_SWEEP>(pf, red);
+        float co;
+        if (KIND == K_SINK) {
+            co = ps == 0 ? rold : sqn * rold / clampf(rold * sqrtf(ps), eps);
+            if (t == 0) S.r[i] = co;
+        } else {
+            const float v = rold * ps;
+            co = rold * v;
+            if (t == 0) {
+                vv += (double)v * v;
+                ff += (double)pf;
+            }
+        }
+        for (int64_t j = t; j < n; j += T_SWEEP) {
+            const float x = msk_f(gi[j * cs]);
+            if (KIND == K_SINK) {
+                const float y = co * x;
+                prow[j] = fmaf(y, y, prow[j]);
+            } else {
+                prow[j] = fmaf(co, x, prow[j]);
+            }
+        }
+    }
+    if (KIND == K_POWER) {
+        vv = block_sum<T_SWEEP>(vv, dred);
+        ff = block_sum<T_SWEEP>(ff, dred);
+        if (t == 0) {
+            S.bsc[band * BSC] = vv;
+            S.bsc[band * BSC + 1] = ff;
+        }
+    }
+    __syncthreads();   /* the reductions' shared memory is free for the next segment */
+}
+
+template <class T, int KIND, int CAP>
+__device__ __forceinline__ void sweep_typed(const skargs<CAP> &A, const skmat &M, const skscr &S, int band, int64_t la,
+                                            int64_t lb, bool rev, char *smem)
+{
+    if (!M.fast) generic_segment<T, KIND>(A, M, S, band, la, lb, rev, smem);
+    else if (M.K == 1) fast_segment<T, 1, KIND>(A, M, S, band, la, lb, rev, smem);
+    else fast_segment<T, 4, KIND>(A, M, S, band, la, lb, rev, smem);
+}
+
+template <int CAP, int KIND>
+__global__ void __launch_bounds__(T_SWEEP, 1) sweep_kernel(const __grid_constant__ skargs<CAP> A)
+{
+    extern __shared__ __align__(16) char smem[];
+    if (A.o.skip.ptr && msk_scalar_value(A.o.skip) != 0) return;   /* NaN skips too, as on the CPU */
+    const int64_t ga = range_start(blockIdx.x, A.gtot, A.grid), gb = range_start(blockIdx.x + 1, A.gtot, A.grid);
+    const bool rev = (A.flags & FL_REV) != 0;
+    const int i0 = mat_of_group(A, ga), i1 = mat_of_group(A, gb - 1);
+    for (int s = 0; s <= i1 - i0; s++) {
+        const int i = rev ? i1 - s : i0 + s;
+        const skmat &M = A.m[i];
+        skscr S;
+        scr_layout(M.scr, M.m, M.n, M.nbands, &S);
+        if ((A.flags & FL_REDO) && __ldcg(S.scal + SC_REDO) == 0) continue;   /* no restart pending */
+        const int64_t end = i + 1 < A.nmat ? A.m[i + 1].g0 : A.gtot;
+        const int64_t sa = ga > M.g0 ? ga : M.g0, sb = gb < end ? gb : end;
+        const int band = (int)blockIdx.x - M.band0;
+        switch (M.gdt) {
+        case MS_DTYPE_BF16: sweep_typed<__nv_bfloat16, KIND>(A, M, S, band, sa - M.g0, sb - M.g0, rev, smem); break;
+        case MS_DTYPE_F16:  sweep_typed<__half, KIND>(A, M, S, band, sa - M.g0, sb - M.g0, rev, smem); break;
+        default:            sweep_typed<float, KIND>(A, M, S, band, sa - M.g0, sb - M.g0, rev, smem); break;
+        }
+    }
+}
+
+/* --- the folds: column partials summed in band order ------------------------------------------------------
+** A block takes FOLD_COLS = 32 columns of one matrix: warp w adds the bands w, w + 8, ... of its lane's column,
+** then the 8 warp sums are added in warp order.
+** SINK:  T_j = sum of the bands; c_j <- sqrt(m) c_j / max(c_j sqrt(T_j), eps) (T_j = 0: kept); with FL_LAST
+**        the block's sum of c_j^2 T_j (= ||X||_F^2 by columns, for the power step's restart test).
+** POWER: w_j = c_j (G^T r v)_j / max(||v||, eps); the restart test of engine/cpu/sinkgd.c; the matrix's last
+**        block (ticket) makes sigma = max(||w||, eps) and u = w / sigma (kept when w = 0), and with FL_LAST
+**        stores u. */
+
+template <int CAP, int KIND>
+__global__ void __launch_bounds__(FOLD_THREADS) fold_kernel(const __grid_constant__ skargs<CAP> A)
+{
+    __shared__ float sm[FOLD_THREADS / 32][FOLD_COLS];
+    __shared__ double dred[FOLD_THREADS / 32];
+    __shared__ int is_last;
+    if (A.o.skip.ptr && msk_scalar_value(A.o.skip) != 0) return;
+    const int blk = blockIdx.x;
+    const int i = mat_of_fold(A, blk);
+    const skmat &M = A.m[i];
+    skscr S;
+    scr_layout(M.scr, M.m, M.n, M.nbands, &S);
+    if (KIND == K_POWER && (A.flags & FL_REDO) && __ldcg(S.scal + SC_REDO) == 0) return;
+    const int t = threadIdx.x, lane = t & 31, warp = t >> 5;
+    const int64_t n = M.n, m = M.m;
+    const int lbk = blk - M.f0, nf = (int)nfold_of(n);
+    const int64_t j0 = (int64_t)lbk * FOLD_COLS, jl = j0 + lane;
+    const bool unit = (A.flags & FL_UNIT) != 0;
+    const float eps = (float)A.o.eps;
+
+    /* warp w adds the bands w, w + 8, ... of its lane's column (a warp reads 128 contiguous bytes a band) */
+    float s1 = 0;
+    if (jl < n) {
+        const float *col = S.part + jl;
+        int bb = warp;
+        for (; bb + 3 * (FOLD_THREADS / 32) < M.nbands; bb += 4 * (FOLD_THREADS / 32)) {   /* 4 loads in flight */
+            float v[4];
+#pragma unroll
+            for (int u = 0; u < 4; u++) v[u] = __ldcg(col + (int64_t)(bb + u * (FOLD_THREADS / 32)) * n);
+#pragma unroll
+            for (int u = 0; u < 4; u++) s1 += v[u];
+        }
+        for (; bb < M.nbands; bb += FOLD_THREADS / 32) s1 += __ldcg(col + (int64_t)bb * n);
+    }
+    sm[warp][lane] = s1;
+    __syncthreads();
+    const int64_t j = j0 + t;
+    const bool jv = t < FOLD_COLS && j < n;
+    float T2 = 0;
+    if (jv)
+#pragma unroll
+        for (int w = 0; w < FOLD_THREADS / 32; w++) T2 += sm[w][t];
+
+    if (KIND == K_SINK) {
+        double q = 0;
+        if (jv) {
+            const float c_old = (A.flags & FL_FIRST) ? 1.f : S.c[j];
+            const float cn = T2 == 0 ? c_old : sqrtf((float)m) * c_old / clampf(c_old * sqrtf(T2), eps);
+            S.c[j] = cn;
+            q = (double)cn * cn * T2;
+        }
+        if (A.flags & FL_LAST) {
+            q = block_sum<FOLD_THREADS>(q, dred);
+            if (t == 0) S.fsc[lbk] = q;
+        }
+        return;
+    }
+
+    /* POWER: the matrix's scalars, the same bits in every block */
+    double nv2 = 0, ffs = 0;
+    for (int bb = t; bb < M.nbands; bb += FOLD_THREADS) {
+        nv2 += __ldcg(S.bsc + bb * BSC);
+        ffs += __ldcg(S.bsc + bb * BSC + 1);
+    }
+    nv2 = block_sum<FOLD_THREADS>(nv2, dred);
+    ffs = block_sum<FOLD_THREADS>(ffs, dred);
+    const double nv = sqrt(nv2), f2 = unit ? ffs : __ldcg(S.scal + SC_F2);
+    const bool restart = __ldcg(S.scal + SC_RESTARTED) == 0 && f2 > 0 &&
+                         nv <= U_DEGENERATE * sqrt(f2) * sqrt(__ldcg(S.scal + SC_UU));
+    double q = 0;
+    if (restart) {
+        if (jv) S.uv[j] = u_start(A.o.seed, M.b, j);
+    } else if (jv) {
+        const float w = (float)((double)(unit ? 1.f : S.c[j]) * T2 / clampd(nv, A.o.eps));
+        S.wv[j] = w;
+        q = (double)w * w;
+    }
+    if (!restart) {
+        q = block_sum<FOLD_THREADS>(q, dred);
+        if (t == 0) S.fsc[lbk] = q;
+    }
+    __threadfence();   /* this block's writes are visible device-wide before its ticket */
+    __syncthreads();
+    if (t == 0) is_last = nf == 1 || atomicInc(&A.tickets[i], (unsigned)(nf - 1)) == (unsigned)(nf - 1);
+    __syncthreads();
+    if (!is_last) return;
+    __threadfence();
+    if (restart) {   /* u is the start vector now; the redo pass and fold take it from there */
+        if (t == 0) {
+            S.scal[SC_RESTARTED] = 1;
+            S.scal[SC_REDO] = 1;
+        }
+        return;
+    }
+    double w2 = 0;
+    for (int k = t; k < nf; k += FOLD_THREADS) w2 += __ldcg(S.fsc + k);
+    w2 = block_sum<FOLD_THREADS>(w2, dred);
+    const double nw = sqrt(w2), sigma = clampd(nw, A.o.eps);
+    double uu = 0;
+    if (nw != 0) {   /* X^T v = 0 keeps u, so no later step starts from a zero vector */
+        for (int64_t jj = t; jj < n; jj += FOLD_THREADS) {
+            const float u = (float)(__ldcg(S.wv + jj) / sigma);
+            S.uv[jj] = u;
+            uu += (double)u * u;
+        }
+    }
+    uu = block_sum<FOLD_THREADS>(uu, dred);
+    if (t == 0) {
+        S.scal[SC_SIGMA] = sigma;
+        if (nw != 0) S.scal[SC_UU] = uu;
+        S.scal[SC_REDO] = 0;
+    }
+    if ((A.flags & FL_LAST) && M.u)
+        for (int64_t jj = t; jj < n; jj += FOLD_THREADS) M.u[jj] = __ldcg(S.uv + jj);
+}
+
+/* --- before the power steps: u from the state (its first value when it is all zeros), ||u||^2, and ||X||_F^2
+** from the last SINK fold's block sums; one block per matrix. */
+template <int CAP>
+__global__ void __launch_bounds__(PREP_THREADS) prep_kernel(const __grid_constant__ skargs<CAP> A)
+{
+    __shared__ double dred[PREP_THREADS / 32];
+    if (A.o.skip.ptr && msk_scalar_value(A.o.skip) != 0) return;
+    const skmat &M = A.m[blockIdx.x];
+    skscr S;
+    scr_layout(M.scr, M.m, M.n, M.nbands, &S);
+    const int t = threadIdx.x;
+    const int64_t n = M.n;
+    int nonzero = 0;
+    for (int64_t j = t; j < n; j += PREP_THREADS) nonzero |= M.u[j] != 0;   /* NaN counts as nonzero */
+    const bool zero = !__syncthreads_or(nonzero);
+    double uu = 0;
+    for (int64_t j = t; j < n; j += PREP_THREADS) {
+        const float u = zero ? u_start(A.o.seed, M.b, j) : M.u[j];
+        S.uv[j] = u;
+        uu += (double)u * u;
+    }
+    uu = block_sum<PREP_THREADS>(uu, dred);
+    double f2 = 0;
+    if (!(A.flags & FL_UNIT)) {
+        const int nf = (int)nfold_of(n);
+        for (int k = t; k < nf; k += PREP_THREADS) f2 += __ldcg(S.fsc + k);
+        f2 = block_sum<PREP_THREADS>(f2, dred);
+    }
+    if (t == 0) {
+        S.scal[SC_F2] = f2;
+        S.scal[SC_UU] = uu;
+        S.scal[SC_SIGMA] = A.o.eps;
+        S.scal[SC_RESTARTED] = zero ? 1 : 0;
+        S.scal[SC_REDO] = 0;
+    }
+}
+
+/* --- the elementwise passes over a CTA's band: rows [r0, r1) of G and p ---------------------------------
+** x = r_i G_ij c_j (f32).  SUMS: s0 += p^2, s1 += p x, s2 += x^2 (f64).  APPLY: p <- (p dec - coef x) fac,
+** with dec split in two floats so that p dec - coef x is rounded once (as the CPU's f64 result is), then
+** stored (stochastic rounding as engine/cpu/optim.c when asked). */
+
+struct coefs {
+    float dhi, dlo, co, fa;
+    bool  scaled;   /* fa != 1 */
+    bool  stochastic;
+    uint32_t k0, k1, step;
+};
+
+template <class TP>
+__device__ __forceinline__ void store_p(TP *p, int64_t idx, float v, const coefs &cf, const skmat &M)
+{
+    if (sizeof(TP) == 2 && cf.stochastic) {
+        const uint16_t h = msk_sr_16(v, M.pdt == MS_DTYPE_BF16, (uint64_t)(M.e0 + idx), cf.step, (uint32_t)M.member,
+                                     cf.k0, cf.k1);
+        reinterpret_cast<uint16_t *>(p)[idx] = h;
+    } else {
+        p[idx] = msk_store_of<TP>::cvt(v);
+    }
+}
+
+template <int KIND>
+__device__ __forceinline__ float elem_op(float p, float x, const coefs &cf, double (&a)[3])
+{
+    if (KIND == E_SUMS) {
+        a[0] += (double)p * p;
+        a[1] += (double)p * x;
+        a[2] += (double)x * x;
+        return p;
+    }
+    float v = fmaf(p, cf.dhi, fmaf(p, cf.dlo, -(cf.co * x)));
+    if (cf.scaled) v *= cf.fa;
+    return v;
+}
+
+/* 8 consecutive elements of T at p (16-byte aligned), kept packed until used: one or two 16-byte words */
+template <class T> struct raw8 { uint4 w[sizeof(T) == 4 ? 2 : 1]; };
+
+template <class T> __device__ __forceinline__ raw8<T> ld8(const T *p)
+{
+    raw8<T> r;
+    r.w[0] = *reinterpret_cast<const uint4 *>(p);
+    if constexpr (sizeof(T) == 4) r.w[1] = *reinterpret_cast<const uint4 *>(p + 4);
+    return r;
+}
+
+template <class T> __device__ __forceinline__ void unpack8(const raw8<T> &r, float *x)
+{
+    unpack(r.w[0], x, (const T *)0);
+    if constexpr (sizeof(T) == 4) unpack(r.w[1], x + 4, (const T *)0);
+}
+
+/* A CTA's band is worked on by ESPLIT CTAs at once (virtual thread vt = sub * T_SWEEP + t); chunk q of the
+** segment goes to vt = q mod (ESPLIT T_SWEEP).  The fast path stages CPS chunks of G and p per thread and stage
+** in a ring of ESTAGES (each thread reads back only what it copied: no barrier). */
+template <class TG, class TP, int KIND, int CAP>
+__device__ __forceinline__ void elem_segment(const skargs<CAP> &A, const skmat &M, const skscr &S, int64_t r0,
+                                             int64_t r1, bool rev, int sub, const coefs &cf, double (&a)[3], char *smem)
+{
+    const int64_t vt = (int64_t)sub * T_SWEEP + threadIdx.x, VT = (int64_t)ESPLIT * T_SWEEP;
+    const int64_t n = M.n;
+    const bool unit = (A.flags & FL_UNIT) != 0;
+    const TG *g = (const TG *)M.g;
+    TP *p = (TP *)M.p;
+    if (M.pvec) {   /* dense, aligned, n % 8 == 0: chunks of 8 elements of one row, staged by cp.async */
+        constexpr int GW = sizeof(TG) == 4 ? 2 : 1, PW = sizeof(TP) == 4 ? 2 : 1;   /* 16-byte words a chunk */
+        constexpr int CPS = (GW == 1 && PW == 1) ? 4 : 2;                             /* chunks a thread a stage */
+        /* 32-bit chunk arithmetic (the host leaves pvec off for a matrix of 2^31 chunks or more) */
+        const uint32_t cpr = (uint32_t)(n / 8), nch = (uint32_t)((r1 - r0) * cpr);
+        const uint32_t per = (uint32_t)(CPS * VT), nst = (nch + per - 1) / per;
+        const int64_t e_base = r0 * n;
+        char *slots = smem + threadIdx.x * 16;   /* word w of stage s: slots + (s * 8 + w) * T_SWEEP * 16 */
+        auto chunk_of = [&](uint32_t st, int u, uint32_t &ch) {
+            const uint32_t q = st * per + (uint32_t)(u * VT + vt);
+            ch = rev ? nch - 1 - q : q;
+            return q < nch;
+        };
+        auto issue = [&](uint32_t st) {
+            char *sb = slots + (int)(st % ESTAGES) * 8 * T_SWEEP * 16;
+#pragma unroll
+            for (int u = 0; u < CPS; u++) {
+                uint32_t ch;
+                const bool ok = chunk_of(st, u, ch);
+                const int64_t e = ok ? e_base + (int64_t)ch * 8 : 0;
+#pragma unroll
+                for (int w = 0; w < GW; w++)
+                    cp16(sb + (u * (GW + PW) + w) * T_SWEEP * 16, g + (ok ? e + 4 * w : 0), ok ? 16 : 0);
+#pragma unroll
+                for (int w = 0; w < PW; w++)
+                    cp16(sb + (u * (GW + PW) + GW + w) * T_SWEEP * 16, p + (ok ? e + 4 * w : 0), ok ? 16 : 0);
+            }
+        };
+#pragma unroll 1
+        for (int s = 0; s < ESTAGES - 1; s++) {
+            if ((uint32_t)s < nst) issue(s);
+            cp_commit();
+        }
+#pragma unroll 1
+        for (uint32_t st = 0; st < nst; st++) {
+            if (st + ESTAGES - 1 < nst) issue(st + ESTAGES - 1);
+            cp_commit();
+            cp_wait<ESTAGES - 1>();
+            const char *sb = slots + (int)(st % ESTAGES) * 8 * T_SWEEP * 16;
+#pragma unroll
+            for (int u = 0; u < CPS; u++) {
+                uint32_t ch;
+                if (!chunk_of(st, u, ch)) continue;
+                const uint32_t row = ch / cpr;
+                const int64_t j = (int64_t)(ch - row * cpr) * 8, e = e_base + (int64_t)ch * 8;
+                float gx[8], px[8], out[8], cc[8], rr = 1.f;
+                raw8<TG> gw;
+                raw8<TP> pw;
+#pragma unroll
+                for (int w = 0; w < GW; w++) gw.w[w] = *(const uint4 *)(sb + (u * (GW + PW) + w) * T_SWEEP * 16);
+#pragma unroll
+                for (int w = 0; w < PW; w++) pw.w[w] = *(const uint4 *)(sb + (u * (GW + PW) + GW + w) * T_SWEEP * 16);
+                unpack8(gw, gx);
+                unpack8(pw, px);
+#pragma unroll
+                for (int k = 0; k < 8; k++) cc[k] = 1.f;
+                if (!unit) {
+                    rr = __ldcg(S.r + r0 + row);
+                    const float4 c0 = __ldg(reinterpret_cast<const float4 *>(S.c + j));
+                    const float4 c1 = __ldg(reinterpret_cast<const float4 *>(S.c + j + 4));
+                    cc[0] = c0.x; cc[1] = c0.y; cc[2] = c0.z; cc[3] = c0.w;
+                    cc[4] = c1.x; cc[5] = c1.y; cc[6] = c1.z; cc[7] = c1.w;
+                }
+#pragma unroll
+                for (int k = 0; k < 8; k++) out[k] = elem_op<KIND>(px[k], rr * gx[k] * cc[k], cf, a);
+                if constexpr (KIND == E_APPLY) {
+                    if constexpr (sizeof(TP) == 4) {
+                        *reinterpret_cast<float4 *>(p + e) = make_float4(out[0], out[1], out[2], out[3]);
+                        *reinterpret_cast<float4 *>(p + e + 4) = make_float4(out[4], out[5], out[6], out[7]);
+                    } else {
+                        msk_pack<uint16_t, 8> h;
+                        if (cf.stochastic) {
+#pragma unroll 1
+                            for (int k = 0; k < 8; k += 2) {   /* two at a time: few registers */
+                                const uint16_t lo = msk_sr_16(out[k], M.pdt == MS_DTYPE_BF16, (uint64_t)(M.e0 + e + k),
+                                                              cf.step, (uint32_t)M.member, cf.k0, cf.k1);
+                                const uint16_t hi = msk_sr_16(out[k + 1], M.pdt == MS_DTYPE_BF16,
+                                                              (uint64_t)(M.e0 + e + k + 1), cf.step, (uint32_t)M.member,
+                                                              cf.k0, cf.k1);
+                                reinterpret_cast<uint32_t *>(h.v)[k / 2] = (uint32_t)lo | ((uint32_t)hi << 16);
+                            }
+                        } else {
+#pragma unroll
+                            for (int k = 0; k < 8; k++) {
+                                const TP v = msk_store_of<TP>::cvt(out[k]);
+                                h.v[k] = *reinterpret_cast<const uint16_t *>(&v);
+                            }
+                        }
+                        *reinterpret_cast<msk_pack<uint16_t, 8> *>(p + e) = h;
+                    }
+                }
+            }
+        }
+        cp_wait<0>();
+        return;
+    }
+    /* any layout: element by element */
+    const int64_t ne = (r1 - r0) * n, e_base = r0 * n;
+#pragma unroll 1
+    for (int64_t q = vt; q < ne; q += VT) {
+        const int64_t el = rev ? ne - 1 - q : q, i = r0 + el / n, j = el - (i - r0) * n, e = e_base + el;
+        const float gv = msk_f(g[i * M.rs + j * M.cs]);
+        const float x = unit ? gv : __ldcg(S.r + i) * gv * __ldcg(S.c + j);
+        const float v = elem_op<KIND>(msk_f(p[e]), x, cf, a);
+        if (KIND == E_APPLY) store_p(p, e, v, cf, M);
+    }
+}
+
+template <class TG, int KIND, int CAP>
+__device__ __forceinline__ void elem_typed(const skargs<CAP> &A, const skmat &M, const skscr &S, int64_t r0, int64_t r1,
+                                           bool rev, int sub, const coefs &cf, double (&a)[3], char *smem)
+{
+    switch (M.pdt) {
+    case MS_DTYPE_BF16: elem_segment<TG, __nv_bfloat16, KIND>(A, M, S, r0, r1, rev, sub, cf, a, smem); break;
+    case MS_DTYPE_F16:  elem_segment<TG, __half, KIND>(A, M, S, r0, r1, rev, sub, cf, a, smem); break;
+    default:            elem_segment<TG, float, KIND>(A, M, S, r0, r1, rev, sub, cf, a, smem); break;
+    }
+}
+
+/* The step's coefficients for matrix M (moonstep.h, ms_sinkgd_step), in f64 as engine/cpu/sinkgd.c computes
+** them; the sphere's radius is captured here (by the matrix's first CTA) when the stored one is negative. */
+template <int CAP>
+__device__ __forceinline__ coefs coefs_of(const skargs<CAP> &A, const skmat &M, const skscr &S, bool first_cta,
+                                          float *t_sh)
+{
+    const double lr = msk_scalar_value(A.o.lr), eta = lr * M.scale;
+    double dec = 1.0 - eta * A.o.weight_decay, coef = eta, fac = 1.0;
+    if (A.o.mode == MS_SINKGD_SPECTRAL) {
+        const double tau = A.o.target == MS_SINKGD_TARGET_MUON ? sqrt((double)M.m / (double)M.n) : 1.0;
+        coef = eta * tau / __ldcg(S.scal + SC_SIGMA);
+    } else if (A.o.mode == MS_SINKGD_SPHERE) {
+        const double s0 = __ldcg(S.scal + SC_S0), s1 = __ldcg(S.scal + SC_S1), s2 = __ldcg(S.scal + SC_S2);
+        /* one read per CTA (thread 0's), so the whole CTA takes the same branch */
+        __syncthreads();
+        if (threadIdx.x == 0) *t_sh = *(volatile float *)M.t;
+        __syncthreads();
+        double tt = *t_sh;
+        if (tt < 0) {   /* not captured yet: every CTA computes the same f32 value; the first one stores it */
+            const float tf = (float)sqrt(s0);
+            if (first_cta && threadIdx.x == 0) *M.t = tf;
+            tt = tf;
+        }
+        const double a = eta * tt / __ldcg(S.scal + SC_SIGMA);
+        const double f = sqrt(clampd(s0 - 2 * a * s1 + a * a * s2, A.o.eps));
+        dec = 1.0;
+        coef = a;
+        fac = tt / f;
+    }
+    coefs cf;
+    cf.dhi = (float)dec;
+    cf.dlo = (float)(dec - (double)cf.dhi);
+    cf.co = (float)coef;
+    cf.fa = (float)fac;
+    cf.scaled = fac != 1.0;
+    const double step = rint(msk_scalar_value(A.o.step));
+    cf.stochastic = A.o.stochastic != 0;
+    cf.k0 = (uint32_t)A.o.seed;
+    cf.k1 = (uint32_t)(A.o.seed >> 32);
+    cf.step = msk_step_word(step);
+    return cf;
+}
+
+template <int CAP, int KIND>
+__global__ void __launch_bounds__(T_SWEEP, 1) elem_kernel(const __grid_constant__ skargs<CAP> A)
+{
+    extern __shared__ __align__(16) char smem[];
+    __shared__ double dred[WARPS];
+    __shared__ int is_last;
+    __shared__ float t_sh;
+    if (A.o.skip.ptr && msk_scalar_value(A.o.skip) != 0) return;
+    const int b = blockIdx.x / ESPLIT, sub = blockIdx.x % ESPLIT;
+    const int64_t ga = range_start(b, A.gtot, A.grid), gb = range_start(b + 1, A.gtot, A.grid);
+    const bool rev = (A.flags & FL_REV) != 0;
+    const int i0 = mat_of_group(A, ga), i1 = mat_of_group(A, gb - 1);
+    const int t = threadIdx.x;
+    for (int s = 0; s <= i1 - i0; s++) {
+        const int i = rev ? i1 - s : i0 + s;
+        const skmat &M = A.m[i];
+        skscr S;
+        scr_layout(M.scr, M.m, M.n, M.nbands, &S);
+        const int64_t end = i + 1 < A.nmat ? A.m[i + 1].g0 : A.gtot;
+        const int64_t sa = (ga > M.g0 ? ga : M.g0) - M.g0, sb = (gb < end ? gb : end) - M.g0;
+        const int64_t r0 = sa * M.GR, r1 = sb * M.GR < M.m ? sb * M.GR : M.m;
+        const int band = b - M.band0;
+        coefs cf = {};
+        if (KIND == E_APPLY) cf = coefs_of(A, M, S, band == 0 && sub == 0, &t_sh);
+        double a[3] = { 0, 0, 0 };
+        switch (M.gdt) {
+        case MS_DTYPE_BF16: elem_typed<__nv_bfloat16, KIND>(A, M, S, r0, r1, rev, sub, cf, a, smem); break;
+        case MS_DTYPE_F16:  elem_typed<__half, KIND>(A, M, S, r0, r1, rev, sub, cf, a, smem); break;
+        default:            elem_typed<float, KIND>(A, M, S, r0, r1, rev, sub, cf, a, smem); break;
+        }
+        if (KIND == E_SUMS) {   /* the band's sums; the matrix's last CTA (ticket) adds them in band order */
+            for (int k = 0; k < 3; k++) {
+                const double v = block_sum<T_SWEEP>(a[k], dred);
+                if (t == 0) S.bsc[band * BSC + sub * 3 + k] = v;
+            }
+            __threadfence();
+            __syncthreads();
+            const unsigned nt = (unsigned)(M.nbands * ESPLIT);
+            if (t == 0) is_last = nt == 1 || atomicInc(&A.tickets[i], nt - 1) == nt - 1;
+            __syncthreads();
+            if (is_last) {
+                __threadfence();
+                for (int k = 0; k < 3; k++) {
+                    double v = 0;
+                    for (int bb = t; bb < M.nbands; bb += T_SWEEP)
+                        for (int u = 0; u < ESPLIT; u++) v += __ldcg(S.bsc + bb * BSC + u * 3 + k);
+                    v = block_sum<T_SWEEP>(v, dred);
+                    if (t == 0) S.scal[SC_S0 + k] = v;
+                }
+            }
+            __syncthreads();
+        }
+    }
+}
+
+/* --- planning and launching (host) ---------------------------------------------------------------------- */
+
+static int dtype_size(int dt) { return dt == MS_DTYPE_F32 ? 4 : 2; }
+
+static bool aligned16(const void *p) { return ((uintptr_t)p & 15u) == 0; }
+
+/* The shared-memory limit raised once for each sweep kernel, and the CTAs a pass launches: one per SM times
+** the sweep's occupancy (1), cached per device. */
+template <int CAP, int KIND> static cudaError_t sweep_setup()
+{
+    static bool done[64];
+    int dev = 0;
+    cudaGetDevice(&dev);
+    const int slot = dev >= 0 && dev < 64 ? dev : 0;
+    if (done[slot]) return cudaSuccess;
+    cudaError_t e = cudaFuncSetAttribute(sweep_kernel<CAP, KIND>, cudaFuncAttributeMaxDynamicSharedMemorySize, SWEEP_SMEM);
+    if (e == cudaSuccess)
+        e = cudaFuncSetAttribute(elem_kernel<CAP, KIND>, cudaFuncAttributeMaxDynamicSharedMemorySize, ELEM_SMEM);
+    if (e == cudaSuccess) done[slot] = true;
+    return e;
+}
+
+static int ctas_per_pass()
+{
+    static int cache[64];
+    int dev = 0;
+    cudaGetDevice(&dev);
+    const int slot = dev >= 0 && dev < 64 ? dev : 0;
+    if (cache[slot] == 0) {
+        int sms = 0, occ = 0;
+        if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess || sms <= 0) sms = 132;
+        if (sweep_setup<MSK_SINKGD_CAP, K_SINK>() != cudaSuccess ||
+            cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, sweep_kernel<MSK_SINKGD_CAP, K_SINK>, T_SWEEP,
+                                                          SWEEP_SMEM) != cudaSuccess || occ <= 0)
+            occ = 1;
+        (void)cudaGetLastError();
+        cache[slot] = sms * occ;
+    }
+    return cache[slot];
+}
+
+static int pow2ceil(int x)
+{
+    int p = 1;
+    while (p < x) p <<= 1;
+    return p;
+}
+
+/* The thread map, groups and bands of matrices [0, cnt) of mm for one launch sequence on `maxgrid` CTAs;
+** scratch laid out from `base` (NULL: sizes only).  Returns the scratch bytes. */
+static int64_t plan_chunk(int cnt, const msk_sinkgd_mat *mm, int maxgrid, char *base, skmat *out, int64_t *gtot_out,
+                          int *grid_out, int *nfold_out)
+{
+    int64_t g0 = 0;
+    for (int k = 0; k < cnt; k++) {
+        const msk_sinkgd_mat &a = mm[k];
+        skmat &x = out[k];
+        x = skmat();
+        x.g = a.g;
+        x.p = a.p;
+        x.u = a.u;
+        x.t = a.t;
+        x.m = a.m;
+        x.n = a.n;
+        x.rs = a.rs;
+        x.cs = a.cs;
+        x.e0 = a.e0;
+        x.b = a.b;
+        x.scale = a.scale;
+        x.member = a.member;
+        x.gdt = a.gdt;
+        x.pdt = a.pdt;
+        const int es = dtype_size(a.gdt), E = 16 / es;
+        const bool dense = a.cs == 1 && (a.rs == a.n || a.m == 1);
+        x.fast = dense && aligned16(a.g) && a.n % E == 0 && a.n / E <= 4 * T_SWEEP;
+        x.pvec = dense && aligned16(a.g) && aligned16(a.p) && a.n % 8 == 0 && a.m * a.n / 8 < ((int64_t)1 << 31);
+        if (x.fast) {
+            /* 4 chunks (32 bf16 or 16 f32 elements) of a row per thread whenever the row has 4 chunks: the row's
+            ** reduction and scale update are paid once per 32 elements, not per 8 */
+            const int C = (int)(a.n / E);
+            if (C >= 4) {
+                const int cp = (C + 3) / 4;
+                x.K = 4;
+                x.Cp = (int16_t)(cp <= 32 ? pow2ceil(cp) : (cp + 31) / 32 * 32);
+            } else {
+                x.K = 1;
+                x.Cp = (int16_t)pow2ceil(C);
+            }
+            x.P = (int16_t)(T_SWEEP / x.Cp);
+            x.GR = (int16_t)(x.P * (SLOTS / x.K));
+        } else {
+            int64_t rows = GROUP_BYTES / (a.n * es);
+            x.GR = (int16_t)(rows < 1 ? 1 : rows > 1024 ? 1024 : rows);
+        }
+        x.g0 = g0;
+        g0 += (a.m + x.GR - 1) / x.GR;
+    }
+    const int64_t gtot = g0;
+    const int grid = (int)(gtot < maxgrid ? gtot : maxgrid);
+    /* the CTA whose range holds group x: the last b with range_start(b) <= x */
+    auto cta_of = [&](int64_t x) {
+        int64_t b = ((x + 1) * grid - 1) / gtot;
+        while (b + 1 < grid && range_start(b + 1, gtot, grid) <= x) b++;
+        while (b > 0 && range_start(b, gtot, grid) > x) b--;
+        return (int)b;
+    };
+    int64_t bytes = 0;
+    int nfold = 0;
+    for (int k = 0; k < cnt; k++) {
+        skmat &x = out[k];
+        const int64_t last = (k + 1 < cnt ? out[k + 1].g0 : gtot) - 1;
+        x.band0 = cta_of(x.g0);
+        x.nbands = cta_of(last) - x.band0 + 1;
+        x.f0 = nfold;
+        nfold += (int)nfold_of(x.n);
+        x.scr = base ? base + bytes : NULL;
+        bytes += scr_layout(NULL, x.m, x.n, x.nbands, NULL);
+    }
+    *gtot_out = gtot;
+    *grid_out = grid;
+    *nfold_out = nfold;
+    return bytes;
+}
+
+extern "C" size_t msk_sinkgd_scratch(int n, const msk_sinkgd_mat *m)
+{
+    skmat *tmp = new (std::nothrow) skmat[MSK_SINKGD_CAP];
+    if (tmp == NULL) return (size_t)-1;
+    const int G = ctas_per_pass();
+    int64_t most = 0, gtot;
+    int grid, nfold;
+    for (int first = 0; first < n; first += MSK_SINKGD_CAP) {
+        const int cnt = n - first < MSK_SINKGD_CAP ? n - first : MSK_SINKGD_CAP;
+        const int64_t b = plan_chunk(cnt, m + first, G, NULL, tmp, &gtot, &grid, &nfold);
+        most = b > most ? b : most;
+    }
+    delete[] tmp;
+    return (size_t)most;
+}
+
+/* One launch of kernel K with the table of `a` and the given flags. */
+template <int CAP>
+static ms_status launch(ms_ctx *ctx, cudaStream_t s, void (*K)(const skargs<CAP>), skargs<CAP> *a, int flags,
+                        unsigned grid, unsigned threads, size_t smem, const char *what, int *launches)
+{
+    a->flags = flags;
+    K<<<grid, threads, smem, s>>>(*a);
+    MSK_CHECK_LAUNCH(ctx, what);
+    ++*launches;
+    return MS_OK;
+}
+
+/* The launch sequence of one chunk (moonstep.h's step, pass by pass). */
+template <int CAP>
+static ms_status run_chunk(ms_ctx *ctx, cudaStream_t s, const msk_sinkgd *o, int cnt, const msk_sinkgd_mat *mm,
+                           char *scratch, unsigned *tickets, int *launches)
+{
+    cudaError_t e = sweep_setup<CAP, K_SINK>();
+    if (e == cudaSuccess) e = sweep_setup<CAP, K_POWER>();
+    if (e != cudaSuccess)
+        return ms_error_at(ctx, MS_E_BACKEND, __FILE__, __LINE__, "cuda sinkgd: cudaFuncSetAttribute failed: %s",
+                           cudaGetErrorString(e));
+    skargs<CAP> *a = new (std::nothrow) skargs<CAP>;
+    if (a == NULL)
+        return ms_error_at(ctx, MS_E_OOM, __FILE__, __LINE__, "cuda sinkgd: no host memory for the launch table");
+    a->o = *o;
+    a->nmat = cnt;
+    a->tickets = tickets;
+    plan_chunk(cnt, mm, ctas_per_pass(), scratch, a->m, &a->gtot, &a->grid, &a->nfold);
+    const unsigned G = (unsigned)a->grid, F = (unsigned)a->nfold;
+    const int unit = o->iters == 0 ? FL_UNIT : 0;
+    bool rev = false;
+    ms_status st = MS_OK;
+    typedef void (*kernel_t)(const skargs<CAP>);
+    auto go = [&](kernel_t K, int flags, unsigned grid, unsigned threads, size_t smem, const char *what) {
+        if (st == MS_OK) st = launch<CAP>(ctx, s, K, a, flags, grid, threads, smem, what, launches);
+    };
+    for (int k = 1; k <= o->iters; k++) {
+        const int fl = (k == 1 ? FL_FIRST : 0) | (k == o->iters && o->mode != MS_SINKGD_BASE ? FL_LAST : 0);
+        go(sweep_kernel<CAP, K_SINK>, fl | (rev ? FL_REV : 0), G, T_SWEEP, SWEEP_SMEM, "sinkgd sweep");
+        go(fold_kernel<CAP, K_SINK>, fl, F, FOLD_THREADS, 0, "sinkgd fold");
+        rev = !rev;
+    }
+    if (o->mode != MS_SINKGD_BASE) {
+        go(prep_kernel<CAP>, unit, (unsigned)cnt, PREP_THREADS, 0, "sinkgd power prep");
+        for (int k = 0; k < o->sn_iters; k++) {
+            const int fl = unit | (k == o->sn_iters - 1 ? FL_LAST : 0);
+            go(sweep_kernel<CAP, K_POWER>, fl | (rev ? FL_REV : 0), G, T_SWEEP, SWEEP_SMEM, "sinkgd power");
+            go(fold_kernel<CAP, K_POWER>, fl, F, FOLD_THREADS, 0, "sinkgd power fold");
+            go(sweep_kernel<CAP, K_POWER>, fl | FL_REDO | (rev ? 0 : FL_REV), G, T_SWEEP, SWEEP_SMEM,
+                         "sinkgd power restart");
+            go(fold_kernel<CAP, K_POWER>, fl | FL_REDO, F, FOLD_THREADS, 0, "sinkgd power restart fold");
+            rev = !rev;
+        }
+    }
+    if (o->mode == MS_SINKGD_SPHERE) {
+        go(elem_kernel<CAP, E_SUMS>, unit | (rev ? FL_REV : 0), G * ESPLIT, T_SWEEP, ELEM_SMEM, "sinkgd sphere sums");
+        rev = !rev;
+    }
+    go(elem_kernel<CAP, E_APPLY>, unit | (rev ? FL_REV : 0), G * ESPLIT, T_SWEEP, ELEM_SMEM, "sinkgd apply");
+    delete a;
+    return st;
+}
+
+extern "C" ms_status msk_sinkgd_run(ms_ctx *ctx, cudaStream_t s, const msk_sinkgd *o, int n, const msk_sinkgd_mat *m,
+                                    void *scratch, unsigned *tickets, int *launches)
+{
+    *launches = 0;
+    for (int first = 0; first < n; first += MSK_SINKGD_CAP) {
+        const int cnt = n - first < MSK_SINKGD_CAP ? n - first : MSK_SINKGD_CAP;
+        ms_status st = cnt <= SMALL_CAP
+            ? run_chunk<SMALL_CAP>(ctx, s, o, cnt, m + first, (char *)scratch, tickets, launches)
+            : run_chunk<MSK_SINKGD_CAP>(ctx, s, o, cnt, m + first, (char *)scratch, tickets, launches);
+        if (st != MS_OK) return st;
+    }
+    return MS_OK;
+}

@@ -1,0 +1,567 @@
+-- The CUDA SinkGD step (kernels/sinkgd.cu) and the CUDA 8-bit AdamW (kernels/adamw8.cu) against the CPU backend
+-- (engine/cpu/sinkgd.c, engine/cpu/adamw8.c) on the same fresh random inputs, through the C ABI, beyond the four
+-- parity specs of tests/sinkgd_spec.lua: every thread map of the sweep (chunks per thread K = 1, 2, 4; row lanes
+-- within a warp and across warps; the generic path for long rows, odd widths and strided grads), f16 and mixed
+-- param/grad dtypes, matrices split over many CTAs and CTAs spanning matrices, non-contiguous grads, iters 0 and
+-- several power steps, zero and NaN gradients, a zero u and the restart of a degenerate u, device scalars and
+-- skip_t, stochastic rounding, bitwise reproducibility, groups larger than one launch table, the launch count,
+-- graph capture, and the pool's cache.  SinkGD is compared to one rounding of the stored param (the GPU sums in
+-- f32, the CPU in f64): |gpu - cpu| <= 1 ulp + 1e-5 of the largest update.  8-bit AdamW is compared bit for bit.
+-- Every spec is a cuda_it: pending where no GPU is present.
+local ms = require("moonstep")
+local T = require("moonstep.tensor")
+local core = require("moonstep.core")
+local graph = require("moonstep.graph")
+local ffi, C = core.ffi, core.C
+
+local cuda_it = H.cuda_it
+local abs, max, sqrt = math.abs, math.max, math.sqrt
+local GPU = H.has_cuda and ms.device("cuda") or nil
+local CPU = ms.device("cpu")
+
+-- ---------------------------------------------------------------------------------------------------
+-- helpers
+-- ---------------------------------------------------------------------------------------------------
+local function vals(t) return t:tolist_flat() end
+local function h(t) return t and T.handle(t) or nil end
+local function randn(shape, dt, ctx) return ms.randn(shape, { dtype = dt or "f32", seed = H.seed(), ctx = ctx }) end
+local function urand(shape, lo, hi) return ms.rand(shape, { seed = H.seed(), low = lo, high = hi }) end
+local function gpu(t) return t:to(GPU) end
+
+local MANT, EMIN = { f32 = 24, bf16 = 8, f16 = 11 }, { f32 = -126, bf16 = -126, f16 = -14 }
+local function ulp(x, dt)
+  local e = EMIN[dt]
+  if x ~= 0 then
+    local _, ex = math.frexp(abs(x))
+    e = max(ex - 1, EMIN[dt])
+  end
+  return 2 ^ (e - MANT[dt] + 1)
+end
+
+-- |got - want| <= k ulp(want) + atol; NaN passes only against NaN
+local function assert_ulps(got, want, dt, what, k, atol)
+  k, atol = k or 1, atol or 0
+  assert.equals(#want, #got, what .. ": length")
+  for i = 1, #want do
+    local w, g = want[i], got[i]
+    if w ~= w then
+      if g == g then error(("%s: element %d is %.9g, expected NaN"):format(what, i, g), 2) end
+    elseif not (abs(g - w) <= k * ulp(w, dt) + atol) then
+      error(("%s: element %d is %.9g, expected %.9g (error %.3g > %.3g)"):format(what, i, g, w, abs(g - w),
+            k * ulp(w, dt) + atol), 2)
+    end
+  end
+end
+
+local function same_bits(a, b)
+  if #a ~= #b then return false end
+  for i = 1, #a do
+    local x, y = a[i], b[i]
+    if x ~= y and not (x ~= x and y ~= y) then return false end
+    if x == 0 and 1 / x ~= 1 / y then return false end
+  end
+  return true
+end
+local function assert_same(got, want, what)
+  if not same_bits(got, want) then
+    for i = 1, max(#got, #want) do
+      if not same_bits({ got[i] }, { want[i] }) then
+        error(("%s: element %d is %s, expected %s (the same bits)"):format(what, i, tostring(got[i]), tostring(want[i])), 2)
+      end
+    end
+  end
+end
+
+local function handles(list, ro)
+  local n = #list
+  local a = ffi.new(ro and "const ms_tensor *[?]" or "ms_tensor *[?]", n > 0 and n or 1)
+  for i = 1, n do a[i - 1] = T.handle(list[i]) end
+  return a
+end
+local function doubles(list)
+  if list == nil then return nil end
+  local a = ffi.new("double[?]", max(#list, 1))
+  for i = 1, #list do a[i - 1] = list[i] end
+  return a
+end
+local function ok(st)
+  if st ~= 0 then error(ffi.string(C.ms_status_name(st)) .. ": " .. ffi.string(C.ms_last_error()), 2) end
+end
+local function launches(ctx) return ctx:mem_stats().launches end
+
+local MODES = { base = C.MS_SINKGD_BASE, spectral = C.MS_SINKGD_SPECTRAL, sphere = C.MS_SINKGD_SPHERE }
+local TARGETS = { unit = C.MS_SINKGD_TARGET_UNIT, muon = C.MS_SINKGD_TARGET_MUON }
+
+local function sinkgd_opts(o)
+  local c = ffi.new("ms_sinkgd_options")
+  c.lr, c.lr_t = o.lr or 0.05, h(o.lr_t)
+  c.step, c.step_t = o.step or 1, h(o.step_t)
+  c.mode = MODES[o.mode or "base"]
+  c.target = TARGETS[o.target or "unit"]
+  c.iters, c.sn_iters = o.iters or 5, o.sn_iters or 1
+  c.eps, c.weight_decay = o.eps or 1e-8, o.weight_decay or 0
+  c.stochastic_round = o.stochastic_round and 1 or 0
+  c.seed = o.seed or 0
+  c.skip_t = h(o.skip_t)
+  return c
+end
+
+-- one call on ctx with members {p=, g=, u=, t=}; returns the status and the launches the engine counted (not
+-- counted when `quiet`, e.g. while capturing)
+local function sinkgd_raw(ctx, members, o, scales, quiet)
+  local P, G, U, Tt = {}, {}, {}, {}
+  for k, mb in ipairs(members) do P[k], G[k], U[k], Tt[k] = mb.p, mb.g, mb.u, mb.t end
+  local mode = o.mode or "base"
+  local args = { handles(P), handles(G, true), mode ~= "base" and handles(U) or nil,
+                 mode == "sphere" and handles(Tt) or nil, doubles(scales), sinkgd_opts(o) }
+  local n0 = not quiet and launches(ctx) or 0
+  local st = C.ms_sinkgd_step(T.handle_ctx(ctx), #members, args[1], args[2], args[3], args[4], args[5], args[6])
+  return st, not quiet and launches(ctx) - n0 or 0
+end
+
+local function lead_of(shape)
+  local l = {}
+  for d = 1, #shape - 2 do l[d] = shape[d] end
+  return l
+end
+local function ushape_of(shape)
+  local l = lead_of(shape)
+  l[#l + 1] = shape[#shape]
+  return l
+end
+
+-- a CPU member and its GPU twin: p of pdt, g of gdt, u random (spectral/sphere), t -1 or a radius (sphere).
+-- spec.grad: "transposed" (the GPU grad a transposed view), "sliced" (rows of a wider tensor), "permuted"
+-- (3-D: the leading dim moved inside).  The CPU's grad is contiguous with the same values.
+local function twin(spec, mode, k)
+  local shape, pdt, gdt = spec.shape, spec.pdt or spec.dt or "bf16", spec.gdt or spec.dt or "bf16"
+  local c = { p = randn(shape, pdt), dt = pdt, shape = shape }
+  local gg
+  if spec.grad == "transposed" then
+    local m, n = shape[1], shape[2]
+    local base = randn({ n, m }, gdt, GPU)
+    gg = base:t()
+    c.g = gg:to(CPU):contiguous()
+  elseif spec.grad == "sliced" then
+    local m, n = shape[1], shape[2]
+    local base = randn({ m, n + 24 }, gdt, GPU)
+    gg = base:slice(1, 8, 8 + n)
+    c.g = gg:to(CPU):contiguous()
+  elseif spec.grad == "permuted" then
+    local b, m, n = shape[1], shape[2], shape[3]
+    local base = randn({ m, b, n }, gdt, GPU)
+    gg = base:permute(1, 0, 2)
+    c.g = gg:to(CPU):contiguous()
+  else
+    c.g = randn(shape, gdt)
+    gg = gpu(c.g)
+  end
+  if mode ~= "base" then c.u = urand(ushape_of(shape), -1, 1) end
+  if mode == "sphere" then c.t = ms.full(lead_of(shape), k % 2 == 1 and -1 or 3.5 + k, { dtype = "f32" }) end
+  local g = { p = gpu(c.p), g = gg, u = c.u and gpu(c.u), t = c.t and gpu(c.t), dt = pdt, shape = shape }
+  return c, g
+end
+
+-- steps both groups with o and compares (params to one rounding plus 1e-5 of the largest update, u, t).  The GPU
+-- starts from the CPU's state: the two may round a stored param an ulp apart, and carried into the next step an
+-- ulp of a large param can be several of a smaller result.
+local function step_and_compare(cpu_m, gpu_m, o, scales, what)
+  local before = {}
+  for k, mb in ipairs(cpu_m) do
+    before[k] = vals(mb.p)
+    gpu_m[k].p:copy_(gpu(mb.p))
+    if mb.u then gpu_m[k].u:copy_(gpu(mb.u)) end
+    if mb.t then gpu_m[k].t:copy_(gpu(mb.t)) end
+  end
+  ok(sinkgd_raw(CPU, cpu_m, o, scales))
+  ok(sinkgd_raw(GPU, gpu_m, o, scales))
+  for k, mb in ipairs(cpu_m) do
+    local want, got = vals(mb.p), vals(gpu_m[k].p)
+    local maxupd = 0
+    for i = 1, #want do
+      local d = abs(want[i] - before[k][i])
+      if d == d then maxupd = max(maxupd, d) end
+    end
+    assert_ulps(got, want, mb.dt, ("%s member %d %s"):format(what, k, table.concat(mb.shape, "x")), 1, 1e-5 * maxupd)
+    if mb.u then H.assert_close(vals(gpu_m[k].u), vals(mb.u), 1e-4, 1e-5, what .. " member " .. k .. " u") end
+    if mb.t then H.assert_close(vals(gpu_m[k].t), vals(mb.t), 1e-6, 0, what .. " member " .. k .. " t") end
+  end
+end
+
+local function group(specs, mode)
+  local cm, gm = {}, {}
+  for k, s in ipairs(specs) do cm[k], gm[k] = twin(s, mode, k) end
+  return cm, gm
+end
+
+local function fresh_grads(cm, gm)
+  for k, mb in ipairs(cm) do
+    local g = randn(mb.g:shape(), mb.g:dtype())
+    mb.g:copy_(g)
+    gm[k].g:copy_(gpu(g))
+  end
+end
+
+-- every thread map of the sweep and the elementwise passes (kernels/sinkgd.cu, plan_chunk)
+local PATHS = {
+  { shape = { 3000, 256 }, dt = "bf16" },            -- row lanes of 32 threads within a warp, many groups
+  { shape = { 8, 8192 }, dt = "bf16" },              -- K = 2 chunks a thread
+  { shape = { 4, 14336 }, dt = "bf16" },             -- K = 4 (the Llama MLP width)
+  { shape = { 2, 20000 }, dt = "bf16" },             -- rows too long for the registers: generic path
+  { shape = { 1100, 1024 }, dt = "f32" },            -- row lanes across warps, a matrix over many CTAs
+  { shape = { 5, 4096 }, dt = "f32" },               -- f32 K = 2
+  { shape = { 3, 8192 }, dt = "f32" },               -- f32 K = 4
+  { shape = { 64, 300 }, dt = "f32" },               -- 96-thread row lanes (not a power of two)
+  { shape = { 33, 12 }, dt = "bf16" },               -- width not a multiple of 8: generic path
+  { shape = { 1, 8 }, dt = "f16" },                  -- one row
+  { shape = { 7, 1 }, dt = "f32" },                  -- one column
+  { shape = { 2, 3, 40, 24 }, dt = "f16" },          -- 4-D: six matrices
+  { shape = { 96, 64 }, pdt = "f32", gdt = "bf16" }, -- mixed param and grad dtypes
+  { shape = { 48, 256 }, pdt = "bf16", gdt = "f32" },
+  { shape = { 40, 512 }, dt = "f16" },
+}
+
+-- ---------------------------------------------------------------------------------------------------
+describe("cuda ms_sinkgd_step", function()
+  for _, mode in ipairs { "base", "spectral", "sphere" } do
+    cuda_it(mode .. ": the CPU's results on every thread map, f16 and mixed dtypes, in one group over two steps",
+            function()
+      local cm, gm = group(PATHS, mode)
+      local scales = {}
+      for k = 1, #PATHS do scales[k] = 0.5 + k / 8 end
+      local o = { mode = mode, iters = 5, sn_iters = 2, target = "muon", lr = 0.05,
+                  weight_decay = mode == "sphere" and 0 or 0.02 }
+      for step = 1, 2 do
+        o.step = step
+        fresh_grads(cm, gm)
+        step_and_compare(cm, gm, o, scales, mode .. " step " .. step)
+      end
+    end)
+  end
+
+  cuda_it("takes transposed, row-sliced and permuted grads in place (the CPU's results)", function()
+    for _, mode in ipairs { "base", "spectral" } do
+      local cm, gm = group({
+        { shape = { 512, 256 }, dt = "bf16", grad = "transposed" },
+        { shape = { 64, 96 }, dt = "f32", grad = "transposed" },
+        { shape = { 128, 1024 }, dt = "bf16", grad = "sliced" },
+        { shape = { 3, 40, 64 }, dt = "bf16", grad = "permuted" },
+      }, mode)
+      step_and_compare(cm, gm, { mode = mode, iters = 5, lr = 0.1, weight_decay = 0.01 }, nil, mode .. " strided")
+    end
+  end)
+
+  cuda_it("iters = 0 (X = G) and three power steps with either target, every mode", function()
+    for _, mode in ipairs { "base", "spectral", "sphere" } do
+      for _, iters in ipairs { 0, 1 } do
+        for _, target in ipairs { "unit", "muon" } do
+          local cm, gm = group({ { shape = { 200, 512 }, dt = "bf16" }, { shape = { 30, 50 }, dt = "f32" },
+                                 { shape = { 2, 16, 64 }, dt = "f32" } }, mode)
+          local o = { mode = mode, iters = iters, sn_iters = 3, target = target, lr = 0.03,
+                      weight_decay = mode == "sphere" and 0 or 0.1 }
+          step_and_compare(cm, gm, o, nil, ("%s iters %d %s"):format(mode, iters, target))
+        end
+      end
+    end
+  end)
+
+  cuda_it("zero gradients, zero rows and columns, a zero u (its first value) and a u orthogonal to X's rows "
+          .. "(the restart): the CPU's results, no NaN", function()
+    for _, mode in ipairs { "base", "spectral", "sphere" } do
+      local cm, gm = group({ { shape = { 64, 128 }, dt = "bf16" }, { shape = { 40, 256 }, dt = "f32" },
+                             { shape = { 1, 2 }, dt = "f32" }, { shape = { 16, 16 }, dt = "f16" } }, mode)
+      -- member 1: rows 3..9 and columns 5..20 zero; member 2: all zero; member 3: G = [a, a] and u = [b, -b]
+      local g1 = vals(cm[1].g)
+      for i = 3, 9 do for j = 1, 128 do g1[(i - 1) * 128 + j] = 0 end end
+      for i = 1, 64 do for j = 5, 20 do g1[(i - 1) * 128 + j] = 0 end end
+      cm[1].g:copy_(ms.tensor(g1):view(64, 128):to("bf16"))
+      cm[2].g:zero_()
+      local a, b = 0.3 + math.random(), 0.2 + math.random()
+      cm[3].g:copy_(ms.tensor({ { a, a } }))
+      if cm[3].u then cm[3].u:copy_(ms.tensor({ b, -b })) end
+      if cm[4].u then cm[4].u:zero_() end
+      for k, mb in ipairs(cm) do
+        gm[k].g:copy_(gpu(mb.g))
+        if mb.u then gm[k].u:copy_(gpu(mb.u)) end
+      end
+      step_and_compare(cm, gm, { mode = mode, iters = 5, sn_iters = 1, lr = 0.1 }, nil, mode .. " zeros")
+      for k, mb in ipairs(gm) do
+        for i, x in ipairs(vals(mb.p)) do assert(x == x, ("%s member %d element %d is NaN"):format(mode, k, i)) end
+      end
+    end
+  end)
+
+  cuda_it("a NaN in one matrix's gradient makes that matrix NaN, as on the CPU, and leaves the others alone",
+          function()
+    for _, mode in ipairs { "base", "spectral" } do
+      local cm, gm = group({ { shape = { 2, 32, 256 }, dt = "bf16" }, { shape = { 50, 70 }, dt = "f32" } }, mode)
+      local g = vals(cm[1].g)
+      g[5] = 0 / 0   -- matrix 0 of member 1
+      cm[1].g:copy_(ms.tensor(g):view(2, 32, 256):to("bf16"))
+      gm[1].g:copy_(gpu(cm[1].g))
+      step_and_compare(cm, gm, { mode = mode, lr = 0.1 }, nil, mode .. " NaN")
+      local p = vals(gm[1].p)
+      assert(p[1] ~= p[1], "matrix 0 of member 1 should be NaN")
+      assert(p[32 * 256 + 1] == p[32 * 256 + 1], "matrix 1 of member 1 should not be NaN")
+    end
+  end)
+
+  cuda_it("reads lr and step from device scalars; skip_t nonzero or NaN changes nothing, state included", function()
+    local cm, gm = group({ { shape = { 128, 512 }, dt = "bf16" }, { shape = { 3, 20, 24 }, dt = "f32" } }, "sphere")
+    local lr_c, step_c = ms.tensor({ 0.07 }), ms.tensor({ 2.4 })
+    local lr_g, step_g = gpu(lr_c), gpu(step_c)
+    local o_c = { mode = "sphere", lr_t = lr_c, step_t = step_c, stochastic_round = true, seed = 9 }
+    local o_g = { mode = "sphere", lr_t = lr_g, step_t = step_g, stochastic_round = true, seed = 9 }
+    local before = {}
+    for k, mb in ipairs(cm) do before[k] = vals(mb.p) end
+    ok(sinkgd_raw(CPU, cm, o_c))
+    ok(sinkgd_raw(GPU, gm, o_g))
+    for k, mb in ipairs(cm) do
+      local want, got, maxupd = vals(mb.p), vals(gm[k].p), 0
+      for i = 1, #want do maxupd = max(maxupd, abs(want[i] - before[k][i])) end
+      assert(maxupd > 0, "the step moved nothing")
+      assert_ulps(got, want, mb.dt, "device scalars member " .. k, 1, 1e-5 * maxupd)
+      H.assert_close(vals(gm[k].t), vals(mb.t), 1e-6, 0, "t")
+    end
+    for _, skip in ipairs { 1, 0 / 0 } do
+      local snap = {}
+      for k, mb in ipairs(gm) do snap[k] = { p = vals(mb.p), u = vals(mb.u), t = vals(mb.t) } end
+      fresh_grads(cm, gm)
+      local o = { mode = "sphere", lr_t = lr_g, step_t = step_g, skip_t = gpu(ms.tensor({ skip })) }
+      ok(sinkgd_raw(GPU, gm, o))
+      for k, mb in ipairs(gm) do
+        assert_same(vals(mb.p), snap[k].p, "skipped p")
+        assert_same(vals(mb.u), snap[k].u, "skipped u")
+        assert_same(vals(mb.t), snap[k].t, "skipped t")
+      end
+    end
+  end)
+
+  cuda_it("stochastic rounding of bf16 and f16 params: within an ulp of the CPU's, the same bits when repeated, "
+          .. "and unlike round-to-nearest", function()
+    for _, dt in ipairs { "bf16", "f16" } do
+      local cm, gm = group({ { shape = { 256, 512 }, dt = dt }, { shape = { 17, 40 }, dt = dt } }, "base")
+      local start = {}
+      for k, mb in ipairs(gm) do start[k] = mb.p:clone() end
+      local o = { lr = 0.01, step = 3, seed = 77, stochastic_round = true }
+      step_and_compare(cm, gm, o, nil, dt .. " SR")
+      local first = {}
+      for k, mb in ipairs(gm) do first[k] = vals(mb.p) mb.p:copy_(start[k]) end
+      ok(sinkgd_raw(GPU, gm, o))
+      for k, mb in ipairs(gm) do assert_same(vals(mb.p), first[k], dt .. " SR repeated member " .. k) end
+      for k, mb in ipairs(gm) do mb.p:copy_(start[k]) end
+      o.stochastic_round = false
+      ok(sinkgd_raw(GPU, gm, o))
+      local differ = 0
+      local rne = vals(gm[1].p)
+      for i = 1, #rne do if rne[i] ~= first[1][i] then differ = differ + 1 end end
+      assert(differ > #rne / 20, ("%s: only %d of %d elements differ from round-to-nearest"):format(dt, differ, #rne))
+    end
+  end)
+
+  cuda_it("is bitwise reproducible: the same call twice gives the same params, u and radius", function()
+    local cm, gm = group({ { shape = { 2000, 512 }, dt = "bf16" }, { shape = { 4, 14336 }, dt = "bf16" },
+                           { shape = { 300, 300 }, dt = "f32" } }, "sphere")
+    local start = {}
+    for k, mb in ipairs(gm) do start[k] = { p = mb.p:clone(), u = mb.u:clone(), t = mb.t:clone() } end
+    local o = { mode = "sphere", sn_iters = 2, lr = 0.02 }
+    ok(sinkgd_raw(GPU, gm, o))
+    local first = {}
+    for k, mb in ipairs(gm) do
+      first[k] = { p = vals(mb.p), u = vals(mb.u), t = vals(mb.t) }
+      mb.p:copy_(start[k].p)
+      mb.u:copy_(start[k].u)
+      mb.t:copy_(start[k].t)
+    end
+    ok(sinkgd_raw(GPU, gm, o))
+    for k, mb in ipairs(gm) do
+      assert_same(vals(mb.p), first[k].p, "p " .. k)
+      assert_same(vals(mb.u), first[k].u, "u " .. k)
+      assert_same(vals(mb.t), first[k].t, "t " .. k)
+    end
+  end)
+
+  cuda_it("updates a 300-matrix group in two launch sequences (224 matrices a table) with the CPU's results; "
+          .. "2 L + 1 launches a sequence in base mode, 2 L + 6 spectral, 2 L + 7 sphere", function()
+    local CAP = 224
+    for _, mode in ipairs { "base", "spectral", "sphere" } do
+      local cm, gm = group({ { shape = { 250, 12, 16 }, dt = "bf16" }, { shape = { 50, 8, 8 }, dt = "f32" } }, mode)
+      local st, n = sinkgd_raw(GPU, gm, { mode = mode, iters = 4, sn_iters = 1 })
+      ok(st)
+      local per = ({ base = 2 * 4 + 1, spectral = 2 * 4 + 6, sphere = 2 * 4 + 7 })[mode]
+      assert.equals(2 * per, n, mode .. " launches for 300 matrices")
+      cm, gm = group({ { shape = { 5, 12, 16 }, dt = "bf16" } }, mode)
+      st, n = sinkgd_raw(GPU, gm, { mode = mode, iters = 4 })
+      ok(st)
+      assert.equals(per, n, mode .. " launches for 5 matrices")
+      cm, gm = group({ { shape = { 250, 12, 16 }, dt = "bf16" }, { shape = { 50, 8, 8 }, dt = "f32" } }, mode)
+      step_and_compare(cm, gm, { mode = mode, iters = 4, lr = 0.05 }, nil, mode .. " 300 matrices")
+    end
+    assert(CAP < 300)
+  end)
+
+  cuda_it("captures a spectral step in a graph that replays with new device-scalar lr and step values; the "
+          .. "scratch comes from the pool's cache (no driver allocation after the first step)", function()
+    local ctx = ms.context { device = "cuda" }
+    local cm = {}
+    local specs = { { shape = { 512, 1024 }, dt = "bf16" }, { shape = { 3, 64, 96 }, dt = "f32" } }
+    local gm = {}
+    for k, s in ipairs(specs) do
+      local c = twin(s, "spectral", k)
+      cm[k] = c
+      gm[k] = { p = c.p:to(ctx), g = c.g:to(ctx), u = c.u:to(ctx), dt = c.dt, shape = c.shape }
+    end
+    local lr_t, step_t = ms.full({ 1 }, 0.01, { ctx = ctx }), ms.full({ 1 }, 1, { ctx = ctx })
+    local o = { mode = "spectral", target = "muon", lr_t = lr_t, step_t = step_t }
+    ok(sinkgd_raw(ctx, gm, o))   -- the first call sets the counters up and leaves the scratch in the cache
+    ok(sinkgd_raw(CPU, cm, { mode = "spectral", target = "muon", lr = 0.01 }))
+    local allocs = ctx:mem_stats().num_device_allocs
+    ok(sinkgd_raw(ctx, gm, o))
+    ok(sinkgd_raw(CPU, cm, { mode = "spectral", target = "muon", lr = 0.01 }))
+    assert.equals(allocs, ctx:mem_stats().num_device_allocs, "driver allocations in a second step")
+    local gr = graph.capture(ctx, function() ok(sinkgd_raw(ctx, gm, o, nil, true)) end)
+    for k, lr in ipairs { 0.02, 0.005 } do
+      lr_t:fill_(lr)
+      step_t:fill_(k + 2)
+      local before = {}
+      for j, mb in ipairs(cm) do   -- each replay from the CPU's state (see step_and_compare); same tensors, in place
+        before[j] = vals(mb.p)
+        gm[j].p:copy_(mb.p:to(ctx))
+        gm[j].u:copy_(mb.u:to(ctx))
+      end
+      gr:launch()
+      ok(sinkgd_raw(CPU, cm, { mode = "spectral", target = "muon", lr = lr, step = k + 2 }))
+      for j, mb in ipairs(cm) do
+        local want, got, maxupd = vals(mb.p), vals(gm[j].p), 0
+        for i = 1, #want do maxupd = max(maxupd, abs(want[i] - before[j][i])) end
+        assert_ulps(got, want, mb.dt, "replay " .. k .. " member " .. j, 1, 1e-5 * maxupd)
+        H.assert_close(vals(gm[j].u), vals(mb.u), 1e-4, 1e-5, "replay u")
+      end
+    end
+    gr:free()
+  end)
+end)
+
+-- ---------------------------------------------------------------------------------------------------
+-- 8-bit AdamW
+-- ---------------------------------------------------------------------------------------------------
+local function adamw8_raw(ctx, members, o)
+  local P, G, CM, SM, CV, SV = {}, {}, {}, {}, {}, {}
+  for k, mb in ipairs(members) do P[k], G[k], CM[k], SM[k], CV[k], SV[k] = mb.p, mb.g, mb.cm, mb.sm, mb.cv, mb.sv end
+  local c = ffi.new("ms_adamw8_options")
+  local w = c.adamw
+  w.lr, w.lr_t = o.lr or 1e-3, h(o.lr_t)
+  w.beta1, w.beta2, w.eps, w.weight_decay = o.beta1 or 0.9, o.beta2 or 0.999, o.eps or 1e-8, o.weight_decay or 0
+  w.step, w.step_t = o.step or 1, h(o.step_t)
+  w.bias_correction = 1
+  w.stochastic_round = o.stochastic_round and 1 or 0
+  w.seed = o.seed or 0
+  w.skip_t = h(o.skip_t)
+  c.block_size = o.block_size or 256
+  local n0 = launches(ctx)
+  local st = C.ms_adamw8_step(T.handle_ctx(ctx), #members, handles(P), handles(G, true), handles(CM), handles(SM),
+                              handles(CV), handles(SV), doubles(o.scales), c)
+  return st, launches(ctx) - n0
+end
+
+-- a CPU member with random state and its GPU twin (grad: "transposed" makes the GPU's a transposed view)
+local function twin8(shape, dt, block, grad)
+  local numel = 1
+  for _, d in ipairs(shape) do numel = numel * d end
+  local c = { p = randn(shape, dt), cm = ms.zeros(shape, { dtype = "u8" }), cv = ms.zeros(shape, { dtype = "u8" }),
+              sm = ms.zeros({ numel / block }), sv = ms.zeros({ numel / block }), dt = dt }
+  c.cm:copy_(urand(shape, 0, 256))
+  c.cv:copy_(urand(shape, 0, 256))
+  c.sm:copy_(urand({ numel / block }, 0.01, 1))
+  c.sv:copy_(urand({ numel / block }, 0.001, 0.1))
+  local g = { p = gpu(c.p), cm = gpu(c.cm), cv = gpu(c.cv), sm = gpu(c.sm), sv = gpu(c.sv), dt = dt, grad = grad }
+  return c, g
+end
+
+local function grads8(cm, gm)
+  for k, mb in ipairs(cm) do
+    local shape = mb.p:shape()
+    if gm[k].grad == "transposed" then
+      local base = randn({ shape[2], shape[1] }, "f32", GPU)
+      gm[k].g = base:t()
+      mb.g = gm[k].g:to(CPU):contiguous()
+    else
+      mb.g = randn(shape, "f32")
+      gm[k].g = gpu(mb.g)
+    end
+  end
+end
+
+local function compare8(cm, gm, what, ulps)
+  for k, mb in ipairs(cm) do
+    if ulps then assert_ulps(vals(gm[k].p), vals(mb.p), mb.dt, what .. " param " .. k, ulps)
+    else assert_same(vals(gm[k].p), vals(mb.p), what .. " param " .. k) end
+    local a, b, differ = vals(gm[k].cm), vals(mb.cm), 0
+    for i = 1, #a do if a[i] ~= b[i] then differ = differ + 1 assert(abs(a[i] - b[i]) == 1, "codes differ by more than one") end end
+    local a2, b2 = vals(gm[k].cv), vals(mb.cv)
+    for i = 1, #a2 do if a2[i] ~= b2[i] then differ = differ + 1 assert(abs(a2[i] - b2[i]) == 1, "codes differ by more than one") end end
+    if ulps then assert(differ <= #a / 500, differ .. " codes differ")
+    else assert.equals(0, differ, what .. " codes of member " .. k) end
+    if ulps then
+      H.assert_close(vals(gm[k].sm), vals(mb.sm), 1e-6, 0, what .. " exp_avg scales")
+      H.assert_close(vals(gm[k].sv), vals(mb.sv), 1e-6, 0, what .. " exp_avg_sq scales")
+    else
+      assert_same(vals(gm[k].sm), vals(mb.sm), what .. " exp_avg scales " .. k)
+      assert_same(vals(gm[k].sv), vals(mb.sv), what .. " exp_avg_sq scales " .. k)
+    end
+  end
+end
+
+describe("cuda ms_adamw8_step", function()
+  cuda_it("the CPU's bits: f32, bf16 and f16 params, block sizes 32, 256 and 4096, a transposed grad, weight "
+          .. "decay and per-member scales, host lr and step, over three steps", function()
+    for _, block in ipairs { 32, 256, 4096 } do
+      local cm, gm = {}, {}
+      local specs = { { { 64, 128 }, "bf16" }, { { 32, 256 }, "f32", "transposed" }, { { 8192 }, "f16" },
+                      { { 16, 512 }, "bf16", "transposed" } }
+      for k, s in ipairs(specs) do cm[k], gm[k] = twin8(s[1], s[2], block, s[3]) end
+      for step = 1, 3 do
+        grads8(cm, gm)
+        local o = { lr = 0.01, step = step, block_size = block, weight_decay = 0.05, scales = { 1, 0.5, 2, 0.25 } }
+        ok(adamw8_raw(CPU, cm, o))
+        ok(adamw8_raw(GPU, gm, o))
+        compare8(cm, gm, ("block %d step %d"):format(block, step))
+      end
+    end
+  end)
+
+  cuda_it("device lr and step (bias corrections from CUDA's pow: params within an ulp), stochastic rounding, "
+          .. "and skip_t nonzero or NaN changing nothing", function()
+    local cm, gm = {}, {}
+    for k, dt in ipairs { "bf16", "f16", "f32" } do cm[k], gm[k] = twin8({ 64, 64 }, dt, 256) end
+    grads8(cm, gm)
+    local o_c = { lr_t = ms.tensor({ 0.02 }), step_t = ms.tensor({ 5 }), stochastic_round = true, seed = 3 }
+    local o_g = { lr_t = gpu(o_c.lr_t), step_t = gpu(o_c.step_t), stochastic_round = true, seed = 3 }
+    ok(adamw8_raw(CPU, cm, o_c))
+    ok(adamw8_raw(GPU, gm, o_g))
+    compare8(cm, gm, "device scalars + SR", 1)
+    for _, skip in ipairs { 1, 0 / 0 } do
+      local snap = {}
+      for k, mb in ipairs(gm) do snap[k] = { vals(mb.p), vals(mb.cm), vals(mb.sm), vals(mb.cv), vals(mb.sv) } end
+      grads8(cm, gm)
+      o_g.skip_t = gpu(ms.tensor({ skip }))
+      ok(adamw8_raw(GPU, gm, o_g))
+      for k, mb in ipairs(gm) do
+        local now = { vals(mb.p), vals(mb.cm), vals(mb.sm), vals(mb.cv), vals(mb.sv) }
+        for q = 1, 5 do assert_same(now[q], snap[k][q], "skipped member " .. k .. " part " .. q) end
+      end
+    end
+  end)
+
+  cuda_it("updates 300 members in two launches (224 a table) with the CPU's bits", function()
+    local cm, gm = {}, {}
+    for k = 1, 300 do cm[k], gm[k] = twin8({ 256 + 256 * (k % 3) }, k % 2 == 0 and "bf16" or "f32", 256) end
+    grads8(cm, gm)
+    local o = { lr = 0.003, step = 2, block_size = 256 }
+    ok(adamw8_raw(CPU, cm, o))
+    local st, n = adamw8_raw(GPU, gm, o)
+    ok(st)
+    assert.equals(2, n)
+    compare8(cm, gm, "300 members")
+  end)
+end)
