@@ -79,7 +79,7 @@ CTESTS   := $(patsubst tests/c/%.c,$(BUILD)/tests/%,$(wildcard tests/c/test_*.c)
 LIB      := $(BUILD)/libmoonstep.so
 HOST     := $(BUILD)/moonstep
 
-.PHONY: all lib host test check run memcheck install uninstall clean deps cdef
+.PHONY: all lib host tests test check run memcheck install uninstall clean deps cdef
 all: lib host
 
 deps: $(BUILD)/.deps-ok
@@ -133,6 +133,9 @@ $(BUILD)/tests/%: tests/c/%.c tests/c/check.h $(LIB_OBJ)
 # ------------------------------------------------------------------------------------------------------
 test: all $(CTESTS)
 	$(Q)MOONSTEP_BUILD=$(BUILD) sh tests/run.sh
+
+# the C test programs alone (build them here before carrying build/ to a host that cannot compile)
+tests: all $(CTESTS)
 
 # the suite on an existing build, without rebuilding (a GPU host that received a carried build/)
 check:

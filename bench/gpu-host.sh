@@ -2,7 +2,8 @@
 # The GPU host's routine, in one command: the whole suite on a carried build (no rebuild there), the CUDA
 # specs under compute-sanitizer, and the benchmarks named as arguments (core, ...), each next to its PyTorch
 # baseline in a separate process.  Logs go to $OUT when it is set.
-# Usage (from the repository root, with build/ and .gpu-host/ carried): bash bench/gpu-host.sh [check] [sanitize] [core]
+# Build here first with `make tests` (the library, the host and the C test programs), then, on the GPU host
+# (from the repository root, with build/ and .gpu-host/ carried): bash bench/gpu-host.sh [check] [sanitize] [core]
 set -u
 . .gpu-host/env.sh
 out=${OUT:-/tmp}
@@ -17,7 +18,7 @@ for what in "$@"; do
         make check 2>&1 | tee "$out/check.log" | tail -n 25 ;;
     sanitize)
         echo "== compute-sanitizer on the CUDA specs"
-        for spec in tests/cuda_spec.lua tests/cuda_optim_spec.lua; do
+        for spec in tests/cuda_spec.lua tests/cuda_optim_spec.lua tests/cuda_sinkgd_spec.lua; do
             MS_UNDER_SANITIZER=1 compute-sanitizer --tool memcheck --report-api-errors no \
                 luajit -joff "$(command -v busted)" "$spec" > "$out/sanitize-$(basename "$spec" .lua).log" 2>&1
             grep -E "ERROR SUMMARY|successes" "$out/sanitize-$(basename "$spec" .lua).log"
