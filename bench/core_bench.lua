@@ -21,27 +21,8 @@ assert(ms.device_count("cuda") > 0, "core_bench: no CUDA device")
 local ctx = ms.context { device = "cuda" }
 local h = tensor.handle_ctx(ctx)
 
-local ev = ffi.new("ms_event *[2]")
-core.check(C.ms_event_new(h, ev))
-core.check(C.ms_event_new(h, ev + 1))
-local elapsed = ffi.new("double[1]")
-
 -- median milliseconds per call of fn(i) (i = 1, 2, ... rotates the buffer sets)
-local function time(fn, reps, trials)
-  trials = trials or 7
-  for i = 1, 3 do fn(i) end
-  ctx:sync()
-  local t, k = {}, 0
-  for j = 1, trials do
-    core.check(C.ms_event_record(h, ev[0]))
-    for _ = 1, reps do k = k + 1 fn(k) end
-    core.check(C.ms_event_record(h, ev[1]))
-    core.check(C.ms_event_elapsed(ev[0], ev[1], elapsed))
-    t[j] = elapsed[0] / reps
-  end
-  table.sort(t)
-  return t[math.ceil(#t / 2)]
-end
+local time, release_timer = dofile((arg and arg[0] and arg[0]:match("^(.*)/") or "bench") .. "/timing.lua")(ctx)
 
 local results = {}
 local function record(name, ms_time, bytes, flops, extra)
@@ -120,8 +101,7 @@ do
   bench_mm("matmul f32 TF32 228x1024x1024x1024", 228, 1024, "f32", true)
 end
 
-C.ms_event_free(ev[0])
-C.ms_event_free(ev[1])
+release_timer()
 local st = ctx:mem_stats()
 print(("  pool: %d driver allocations, %.1f MB cached, %d launches"):format(st.num_device_allocs,
       st.bytes_cached / 1e6, st.launches))

@@ -31,27 +31,8 @@ assert(ms.device_count("cuda") > 0, "sinkgd_bench: no CUDA device")
 local ctx = ms.context { device = "cuda" }
 local h = tensor.handle_ctx(ctx)
 
-local ev = ffi.new("ms_event *[2]")
-core.check(C.ms_event_new(h, ev))
-core.check(C.ms_event_new(h, ev + 1))
-local elapsed = ffi.new("double[1]")
-
--- median milliseconds per call of fn(i) (i = 1, 2, ... rotates the buffer sets); bench/core_bench.lua's method
-local function time(fn, reps, trials)
-  trials = trials or 7
-  for i = 1, 3 do fn(i) end
-  ctx:sync()
-  local t, k = {}, 0
-  for j = 1, trials do
-    core.check(C.ms_event_record(h, ev[0]))
-    for _ = 1, reps do k = k + 1 fn(k) end
-    core.check(C.ms_event_record(h, ev[1]))
-    core.check(C.ms_event_elapsed(ev[0], ev[1], elapsed))
-    t[j] = elapsed[0] / reps
-  end
-  table.sort(t)
-  return t[math.ceil(#t / 2)]
-end
+-- median milliseconds per call of fn(i) (i = 1, 2, ... rotates the buffer sets)
+local time, release_timer = dofile((arg and arg[0] and arg[0]:match("^(.*)/") or "bench") .. "/timing.lua")(ctx)
 
 local ITERS, LR = 5, 1e-3
 print(("moonstep %s sinkgd bench on %s  [%s]"):format(ms.version, ctx:name(), ms.build_info))
@@ -146,8 +127,7 @@ if want_set then
   end
 end
 
-C.ms_event_free(ev[0])
-C.ms_event_free(ev[1])
+release_timer()
 local st = ctx:mem_stats()
 print(("  pool: %d driver allocations, %.1f MB cached, %d launches"):format(st.num_device_allocs,
       st.bytes_cached / 1e6, st.launches))

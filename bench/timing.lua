@@ -1,0 +1,37 @@
+--[[
+bench/timing.lua -- the benchmarks' clock (DESIGN.md, "Performance"): CUDA events around R back-to-back calls,
+the median of several trials after a warm-up.
+
+  local time, release = dofile("bench/timing.lua")(ctx)
+  local ms_per_call = time(function(i) ... end, reps, trials)   -- i = 1, 2, ... rotates the buffer sets
+  release()                                                      -- frees the two events
+]]
+local core = require("moonstep.core")
+local tensor = require("moonstep.tensor")
+local ffi, C = core.ffi, core.C
+
+return function(ctx)
+  local h = tensor.handle_ctx(ctx)
+  local ev = ffi.new("ms_event *[2]")
+  core.check(C.ms_event_new(h, ev))
+  core.check(C.ms_event_new(h, ev + 1))
+  local elapsed = ffi.new("double[1]")
+  return function(fn, reps, trials)
+    trials = trials or 7
+    for i = 1, 3 do fn(i) end
+    ctx:sync()
+    local t, k = {}, 0
+    for j = 1, trials do
+      core.check(C.ms_event_record(h, ev[0]))
+      for _ = 1, reps do k = k + 1 fn(k) end
+      core.check(C.ms_event_record(h, ev[1]))
+      core.check(C.ms_event_elapsed(ev[0], ev[1], elapsed))
+      t[j] = elapsed[0] / reps
+    end
+    table.sort(t)
+    return t[math.ceil(#t / 2)]
+  end, function()
+    C.ms_event_free(ev[0])
+    C.ms_event_free(ev[1])
+  end
+end
