@@ -242,7 +242,7 @@ return {
   end)
 
   describe("compare", function()
-    it("runs every recipe on the same data and writes the table, CSV and plots", function()
+    it("runs every recipe on the same data and writes the table, CSV and plots #external", function()
       local d = scratch()
       local out, code = ms_run("compare " .. LSQ .. " --recipes sgd,adamw,lion --steps 20 --seeds 2 --eval-every 10 --opt adamw.lr=0.05 --out " .. q(d))
       assert.equals(0, code, out)

@@ -89,7 +89,7 @@ describe_tty("the REPL in a terminal", function()
     os.execute("rm -rf " .. q(dir))
   end)
 
-  it("evaluates, prints, survives errors, edits lines and keeps history", function()
+  it("evaluates, prints, survives errors, edits lines and keeps history #external", function()
     local hist = dir .. "/history"
     local t = terminal(q(host), "MOONSTEP_HISTORY=" .. q(hist))
     t.wait("`ms` is loaded")

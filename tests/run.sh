@@ -1,7 +1,7 @@
 #!/bin/sh
 # Runs the whole suite -- the C tests in $MOONSTEP_BUILD/tests, then the busted specs -- and ends with one
 # line: "N passed, N failed[, N skipped]".  MOONSTEP_ASAN=1 runs the specs with AddressSanitizer preloaded
-# into luajit (the library was built with -fsanitize=address).
+# into luajit (the library was built with -fsanitize=address), without the #external specs.
 set -u
 BUILD=${MOONSTEP_BUILD:-build}
 export MOONSTEP_BUILD="$BUILD"
@@ -33,7 +33,11 @@ if [ "${MOONSTEP_ASAN:-0}" = 1 ]; then
     export ASAN_OPTIONS="detect_leaks=1:abort_on_error=0:exitcode=23${ASAN_OPTIONS:+:$ASAN_OPTIONS}"
     export LSAN_OPTIONS="suppressions=$(pwd)/tests/support/lsan.supp:print_suppressions=0"
 fi
-MS_TEST_SUMMARY="$summary" luajit "$(command -v busted)" "$@"
+# under ASan, specs tagged #external (they drive gnuplot and tmux, which would inherit the preloaded
+# sanitizer and report their own leaks) are left out: the leak check is of moonstep
+extra=""
+[ "${MOONSTEP_ASAN:-0}" = 1 ] && extra="--exclude-tags=external"
+MS_TEST_SUMMARY="$summary" luajit "$(command -v busted)" $extra "$@"
 rc=$?
 unset LD_PRELOAD
 if [ -s "$summary" ]; then
