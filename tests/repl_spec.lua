@@ -81,7 +81,7 @@ end
 
 local describe_tty = have_tmux and describe or function(name) pending(name .. " (tmux is not installed)") end
 
-describe_tty("the REPL in a terminal", function()
+describe_tty("the REPL in a terminal #external", function()
   local dir
   before_each(function() dir = tmpdir() end)
   after_each(function()
