@@ -6,7 +6,7 @@
 #   make memcheck     the suite with AddressSanitizer + LeakSanitizer (build-asan/)
 #   make install PREFIX=/usr/local
 #
-# Knobs: CUDA=auto|0|1  PREFIX=/usr/local  BUILD=build  SANITIZE=address  V=1 (echo commands)
+# Knobs: CUDA=auto|0|1  NVTX=1|0  PREFIX=/usr/local  BUILD=build  SANITIZE=address  V=1 (echo commands)
 
 # ------------------------------------------------------------------------------------------------------
 # Configuration
@@ -55,14 +55,26 @@ SAN_FLAGS := $(if $(SANITIZE),-fsanitize=$(SANITIZE) -fno-omit-frame-pointer,)
 OPT       := $(if $(SANITIZE),-O1 -g,-O2 -g)
 CFLAGS_ALL := -std=c11 $(OPT) -fPIC -fopenmp -Wall -Wextra -D_GNU_SOURCE -MMD -MP $(SAN_FLAGS) \
               -Iengine/include -Iengine/core -I$(BUILD)/gen
-LIB_CFLAGS := $(CFLAGS_ALL) -fvisibility=hidden -DMS_BUILDING_LIBRARY
-LIB_LIBS   := -lopenblas -llapacke -lm -fopenmp
+# LuaJIT: the embedding API (engine/core/embed.c) runs recipes in a Lua state of its own
+LIB_CFLAGS := $(CFLAGS_ALL) -fvisibility=hidden -DMS_BUILDING_LIBRARY $(LUAJIT_CFLAGS)
+LIB_LIBS   := -lopenblas -llapacke -lm -fopenmp $(LUAJIT_LIBS) -ldl
 NVCCFLAGS  := -O3 -std=c++17 -Xcompiler -fPIC,-fvisibility=hidden -DMS_BUILDING_LIBRARY -DMS_WITH_CUDA \
               -Iengine/include -Iengine/core -Ikernels -gencode arch=compute_90,code=[sm_90,compute_90]
 
 ifeq ($(WITH_CUDA),1)
 LIB_CFLAGS += -DMS_WITH_CUDA -I$(CUDA_HOME)/include -Ikernels
 LIB_LIBS   += -L$(CUDA_HOME)/lib64 -Wl,-rpath,$(CUDA_HOME)/lib64 -lcublas -lcusolver -lcudart -lstdc++
+endif
+
+# NVTX v3 profiler ranges (header-only, in the CUDA toolkit; no library to link); NVTX=0 leaves them out
+NVTX ?= 1
+NVTX_HEADER :=
+ifeq ($(WITH_CUDA)$(NVTX),11)
+NVTX_HEADER := $(wildcard $(CUDA_HOME)/include/nvtx3/nvToolsExt.h)
+$(info   NVTX ranges: $(if $(NVTX_HEADER),yes ($(NVTX_HEADER)),no (no nvtx3/nvToolsExt.h under $(CUDA_HOME)/include)))
+endif
+ifneq ($(NVTX_HEADER),)
+LIB_CFLAGS += -DMS_WITH_NVTX
 endif
 
 # ------------------------------------------------------------------------------------------------------
@@ -75,11 +87,12 @@ CUDA_CU  := $(if $(filter 1,$(WITH_CUDA)),$(wildcard kernels/*.cu engine/cuda/*.
 LIB_OBJ  := $(patsubst %.c,$(BUILD)/obj/%.o,$(CORE_SRC) $(CPU_SRC) $(CUDA_C)) \
             $(patsubst %.cu,$(BUILD)/obj/%.o,$(CUDA_CU))
 CTESTS   := $(patsubst tests/c/%.c,$(BUILD)/tests/%,$(wildcard tests/c/test_*.c))
+EXAMPLES := $(patsubst examples/%.c,$(BUILD)/examples/%,$(wildcard examples/*.c))
 
 LIB      := $(BUILD)/libmoonstep.so
 HOST     := $(BUILD)/moonstep
 
-.PHONY: all lib host tests test check run memcheck install uninstall clean deps cdef
+.PHONY: all lib host tests test check run memcheck install uninstall clean deps cdef examples bench-c
 all: lib host
 
 deps: $(BUILD)/.deps-ok
@@ -93,7 +106,7 @@ host: $(HOST)
 
 $(BUILD)/gen/cdef.inc: engine/include/moonstep.h scripts/gen-cdef.sh
 	$(E) GEN $@
-	$(Q)sh scripts/gen-cdef.sh $(CC) $< $(BUILD)/gen
+	$(Q)sh scripts/gen-cdef.sh $(firstword $(CC)) $< $(BUILD)/gen
 
 $(BUILD)/obj/engine/core/version.o: $(BUILD)/gen/cdef.inc
 
@@ -128,14 +141,37 @@ $(BUILD)/tests/%: tests/c/%.c tests/c/check.h $(LIB_OBJ)
 	$(Q)mkdir -p $(dir $@)
 	$(Q)$(CC) $(CFLAGS_ALL) -DMS_BUILDING_LIBRARY -Itests/c -Iengine/cpu $< $(LIB_OBJ) -o $@ $(LIB_LIBS)
 
+# Programs that use moonstep as a trainer does, through libmoonstep.so (found beside them at run time): the
+# embedding API's Lua side loads the library that holds it, which must be the one they call
+EMBED_CC   = $(CC) -std=c11 $(OPT) -Wall -Wextra -D_GNU_SOURCE $(SAN_FLAGS) -Iengine/include -Itests/c
+EMBED_LINK = -L$(BUILD) -lmoonstep -Wl,-rpath,'$$ORIGIN/..' -lm
+$(BUILD)/tests/test_embed: tests/c/test_embed.c tests/c/check.h $(LIB)
+	$(E) CC $@
+	$(Q)mkdir -p $(dir $@)
+	$(Q)$(EMBED_CC) $< -o $@ $(EMBED_LINK)
+
+# examples/*.c -> $(BUILD)/examples/ (run by tests/embed_spec.lua)
+examples: $(EXAMPLES)
+$(BUILD)/examples/%: examples/%.c $(LIB)
+	$(E) CC $@
+	$(Q)mkdir -p $(dir $@)
+	$(Q)$(EMBED_CC) $< -o $@ $(EMBED_LINK)
+
 # ------------------------------------------------------------------------------------------------------
 # Tests, demo, sanitizers
 # ------------------------------------------------------------------------------------------------------
-test: all $(CTESTS)
+test: all $(CTESTS) $(EXAMPLES)
 	$(Q)MOONSTEP_BUILD=$(BUILD) sh tests/run.sh
 
 # the C test programs alone (build them here before carrying build/ to a host that cannot compile)
-tests: all $(CTESTS)
+tests: all $(CTESTS) $(EXAMPLES)
+
+# the C host-overhead bench through the embedding API (bench/overhead_c.c; run it on the GPU host)
+bench-c: $(BUILD)/bench/overhead_c
+$(BUILD)/bench/overhead_c: bench/overhead_c.c $(LIB)
+	$(E) CC $@
+	$(Q)mkdir -p $(dir $@)
+	$(Q)$(CC) $(CFLAGS_ALL) $< -o $@ -L$(BUILD) -lmoonstep -Wl,-rpath,'$$ORIGIN/..'
 
 # the suite on an existing build, without rebuilding (a GPU host that received a carried build/)
 check:
@@ -147,7 +183,7 @@ run: all
 
 memcheck:
 	$(Q)$(MAKE) --no-print-directory BUILD=build-asan SANITIZE=address CUDA=0 all \
-	    $(patsubst $(BUILD)/%,build-asan/%,$(CTESTS))
+	    $(patsubst $(BUILD)/%,build-asan/%,$(CTESTS) $(EXAMPLES))
 	$(Q)MOONSTEP_BUILD=build-asan MOONSTEP_ASAN=1 sh tests/run.sh
 
 # ------------------------------------------------------------------------------------------------------

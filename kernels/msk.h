@@ -217,6 +217,189 @@ typedef struct msk_adamw8 {
 ms_status msk_adamw8_run(ms_ctx *ctx, cudaStream_t s, const msk_adamw8 *o, int n, const msk_adamw8_member *m,
                          int *launches);
 
+/* --- kernels/dash.cu: Shampoo on stacked blocks (ms_blocks_gather / ms_blocks_apply / ms_dash_graft, and
+** the parts of ms_inv_root and ms_spectrum_estimate that are not cuBLAS / cuSOLVER calls) ------------------
+** Stacks are dense [N, r, c] f32.  A solver works on `batch` positions of n x n matrices: position p's matrix
+** sits at p * n * n elements of each scratch "slot"; map[p] (NULL: p) is its original position q, and
+** index[q] (NULL: q) the block id in the caller's stacks (-1: an invalid index entry, whose block is neither
+** read nor written).  Per-block scalars (scales) are indexed by q, so compacting the working set moves only
+** the slots and the map. */
+
+enum { MSK_DASH_CAP = 800 };        /* blocks per gather / apply launch (the table rides in the parameters) */
+enum { MSK_DASH_SPLIT_MAX = 4 };    /* panels of a symmetric product */
+
+/* One block of a parameter: element (i, j) of the block at p + i * rs + j * cs elements of dtype dt. */
+typedef struct msk_dash_block {
+    void    *p;
+    int64_t  rs, cs;
+    int64_t  e0;       /* row-major index of element (0, 0) in its tensor: the stochastic rounding's counter */
+    int32_t  tag;      /* the counter's member word: the block's index in the call */
+    int8_t   dt;
+} msk_dash_block;
+
+/* blocks_apply (engine/cpu/dash.c's arithmetic): p <- p * dec - f * s with dec = (float)(1 - lr wd) and
+** f = (float)(lr * scale[k]) (update), or p <- (float)scale[k] * s. */
+typedef struct msk_dash_apply {
+    msk_scalar lr, step, skip;
+    double     weight_decay;
+    int        update, stochastic;
+    uint64_t   seed;
+} msk_dash_apply;
+
+/* Every block r x c with r, c >= 1; scale may be NULL (1).  Launches: ceil(n / MSK_DASH_CAP). */
+ms_status msk_dash_gather(ms_ctx *ctx, cudaStream_t s, float *stack, int64_t r, int64_t c, int n,
+                          const msk_dash_block *b, int *launches);
+ms_status msk_dash_apply_run(ms_ctx *ctx, cudaStream_t s, const msk_dash_apply *o, const float *stack, int64_t r,
+                             int64_t c, const float *scale, int n, const msk_dash_block *b, int *launches);
+
+/* ms_dash_graft on N blocks of rc elements (f32 stacks, pgraft may be NULL); `partials` holds
+** msk_dash_graft_scratch bytes.  Two launches: the pass over the stacks and the fold of the norms. */
+typedef struct msk_dash_graft {
+    msk_scalar step, skip;
+    double     beta_grad, beta_graft, eps;
+    int        bias_correction;
+} msk_dash_graft;
+size_t msk_dash_graft_scratch(int64_t N, int64_t rc);
+ms_status msk_dash_graft_run(ms_ctx *ctx, cudaStream_t s, const msk_dash_graft *o, float *m, float *v, float *norm,
+                             float *pgraft, const float *g, int64_t N, int64_t rc, double *partials);
+
+/* --- the solvers' pieces ---------------------------------------------------------------------------- */
+
+typedef struct msk_dash_pos {
+    int64_t    n, batch;
+    const int *map;        /* position -> original position q (NULL: identity) */
+    const int *index;      /* q -> block id, -1 for none (NULL: identity) */
+} msk_dash_pos;
+
+/* index_out[q] <- index[q] when it lies in [0, nblocks), else -1 (K entries). */
+ms_status msk_dash_index(ms_ctx *ctx, cudaStream_t s, int64_t K, const int *index, int64_t nblocks, int *index_out);
+
+/* A source of n x n matrices: the caller's stack (addressed by block id) or a slot (by position), read as
+** src + (float)eps on the diagonal (an f32 add, as engine/cpu/dash.c forms A_reg). */
+typedef struct msk_dash_src {
+    const float *a;
+    int          by_id;
+    double       eps;
+} msk_dash_src;
+
+/* The panels of a symmetric product: column panels [cut[j], cut[j+1]) of the n x n result, the product
+** computed only for rows >= cut[j] (column-major; the row-major upper block triangle), the rest mirrored.
+** cut[0] = 0 < ... < cut[split] = n, inner cuts multiples of 32. */
+typedef struct msk_dash_sym {
+    int64_t n;
+    int     split;
+    int     cut[MSK_DASH_SPLIT_MAX + 1];
+} msk_dash_sym;
+
+/* After a product into x (batch positions, dtype xdt): mirror the upper panel blocks onto the lower ones
+** (split > 1), add diag to the diagonal, then optionally dev[p] <- max(dev[p], max |x - I|) (as f32 bits;
+** non-negative floats order as their bits; NaN counts as +inf) and x16 <- x in x16dt. */
+typedef struct msk_dash_finish {
+    void        *x;
+    int          xdt;
+    void        *x16;
+    int          x16dt;
+    float        diag;
+    unsigned    *dev;
+    int64_t      batch;
+} msk_dash_finish;
+ms_status msk_dash_finish_run(ms_ctx *ctx, cudaStream_t s, const msk_dash_sym *sym, const msk_dash_finish *f);
+
+/* x (dtype dt, pos->batch n x n matrices) <- x + v I. */
+ms_status msk_dash_diag(ms_ctx *ctx, cudaStream_t s, void *x, int dt, const msk_dash_pos *pos, float v);
+
+/* NDB chain start on positions (the identity here): B = (src + eps I) * (float)scale[q]^se; bs <- B / w^2 and
+** z <- w (-0.5 B + 1.5 I), w = scale[q]^we (scale NULL: 1), in f32; 16-bit copies into bs16 / z16 (dt16)
+** when not NULL. */
+ms_status msk_dash_ndb_init(ms_ctx *ctx, cudaStream_t s, const msk_dash_pos *pos, msk_dash_src src,
+                            const double *scale, double se, double we, float *bs, float *z, void *bs16, void *z16,
+                            int dt16);
+/* CN start (root p), engine/cpu/dash.c's arithmetic: z = (p + 1) / (2 scale[q]), M = (float)z A_reg,
+** N0 = -M / p off the diagonal and ((p + 1) - M) / p on it, into n32 (and n16 in dt16 when not NULL);
+** x1 <- (float)z^(1/p) N0, at block ids when x1_by_id (the result of a one-iteration solve). */
+ms_status msk_dash_cn_init(ms_ctx *ctx, cudaStream_t s, const msk_dash_pos *pos, msk_dash_src src,
+                           const double *scale, int root, float *n32, void *n16, int dt16, float *x1, int x1_by_id);
+/* Chebyshev start (degree d >= 2, coefficients c): T = a2 A_reg - sh I with a2 = (float)(2 / (s (1 - lo))),
+** sh = (float)((1 + lo) / (1 - lo)) into tm; b1 <- (2 c_d) T + c_(d-1) I, b2 <- c_d I; 16-bit copies of T and
+** b1 into tm16 / b116 (dt16) when not NULL. */
+ms_status msk_dash_cheb_init(ms_ctx *ctx, cudaStream_t s, const msk_dash_pos *pos, msk_dash_src src,
+                             const double *scale, double lo, float cd, float cd1, float *tm, float *b1, float *b2,
+                             void *tm16, void *b116, int dt16);
+
+/* Early exit.  live[p] > 0: iterating; -1: frozen at this check; 0: frozen before.  freeze: -1 becomes 0; a live
+** position with factor * dev[p] < tol becomes -1 and iters[q] += k; dev[p] <- 0. */
+ms_status msk_dash_freeze(ms_ctx *ctx, cudaStream_t s, const msk_dash_pos *pos, int *live, unsigned *dev,
+                          float factor, float tol, int *iters, int k);
+/* dst <- src * f + c0 f I for each position with live[p] == -1 (final: live NULL or live[p] > 0), f =
+** (float)pow(scale[q], fexp) (scale NULL: f = 1, no multiply); dst addressed by block id (dst_by_id) or q. */
+ms_status msk_dash_save(ms_ctx *ctx, cudaStream_t s, const msk_dash_pos *pos, const int *live, int final,
+                        const float *src, float *dst, int dst_by_id, const double *scale, double fexp, float c0);
+/* iters[q] += T for positions still live (live NULL: all). */
+ms_status msk_dash_count(ms_ctx *ctx, cudaStream_t s, const msk_dash_pos *pos, const int *live, int *iters, int T);
+/* One CTA, in place: the live positions below cnt = (number live) stay, the live positions at or above cnt
+** move into the frozen positions below cnt (pairs: from[i] -> to[i], i < npairs, both ascending), map and live
+** follow; live[p] <- 0 for p >= cnt.  counts[0] <- cnt, counts[1] <- npairs. */
+ms_status msk_dash_compact(ms_ctx *ctx, cudaStream_t s, const msk_dash_pos *pos, int *live, int *map, int *from,
+                           int *to, int *counts);
+/* For each slot (base, bytes per position): base[to[i]] <- base[from[i]], i < counts[1] (read on the device;
+** the grid covers max_pairs). */
+typedef struct msk_dash_slot { void *base; int64_t bytes; } msk_dash_slot;
+ms_status msk_dash_move(ms_ctx *ctx, cudaStream_t s, int64_t max_pairs, const int *from, const int *to,
+                        const int *counts, int nslots, const msk_dash_slot *slots);
+/* map[p] <- p for p < K. */
+ms_status msk_dash_iota(ms_ctx *ctx, cudaStream_t s, int64_t K, int *map);
+/* out[id(q)] <- acc[q] for q < pos->batch (i32). */
+ms_status msk_dash_iters_out(ms_ctx *ctx, cudaStream_t s, const msk_dash_pos *pos, const int *acc, int *out);
+
+/* --- power iteration and sketches (moonstep.h, "Random vectors" and "Power iteration") ---------------------
+** v [batch, n, m] f32 <- the normals of block id(q) with key seed and offset base + id(q). */
+ms_status msk_dash_randn(ms_ctx *ctx, cudaStream_t s, const msk_dash_pos *pos, int64_t m, float *v, uint64_t seed,
+                         uint64_t base);
+ms_status msk_dash_randn64(ms_ctx *ctx, cudaStream_t s, const msk_dash_pos *pos, int64_t m, double *v,
+                           uint64_t seed, uint64_t base);
+
+/* A thin product W = M V per position: M n x n (f32, by block id or position; M_ii + d1 + d2 as f32 adds, then
+** rounded to bf16 when bf16; the f64 form: (double)M_ii + dd), V and W [n, m] row-major.  f32 accumulation
+** (f64 in the f64 form). */
+typedef struct msk_dash_thin {
+    const float *m;
+    int          by_id;
+    float        d1, d2;
+    double       dd;
+    int          bf16;
+    int64_t      vecs;
+} msk_dash_thin;
+ms_status msk_dash_thin_f32(ms_ctx *ctx, cudaStream_t s, const msk_dash_pos *pos, const msk_dash_thin *t,
+                            const float *v, float *w);
+ms_status msk_dash_thin_f64(ms_ctx *ctx, cudaStream_t s, const msk_dash_pos *pos, const msk_dash_thin *t,
+                            const double *v, double *w);
+
+/* v [batch, n, m] <- the columns of x = w + damp * vin (vin NULL: x = w), each times (float)(1 / ||x||) from an f64
+** sum (0 for a zero column), then rounded to bf16 when bf16 (stored as f32).  May run in place (v == w). */
+ms_status msk_dash_pi_norm(ms_ctx *ctx, cudaStream_t s, const msk_dash_pos *pos, int64_t m, const float *w,
+                           const float *vin, float damp, int bf16, float *v);
+/* q = max_j sum_i v_ij (w_ij + damp v_ij) (f64 sums; NaN wins), then per mode: 0 (scale, by q): dst = max(mult q,
+** 2^-126); 1 (lam_max, by id): dst = (float)(q - sub); 2 (lam_min, by id): dst = q^(-power), +inf where q <= 0. */
+ms_status msk_dash_pi_rq(ms_ctx *ctx, cudaStream_t s, const msk_dash_pos *pos, int64_t m, const float *v,
+                         const float *w, float damp, int mode, double mult, double sub, double power, void *dst);
+/* scale[q] <- max(sqrt(sum of (src + eps I)^2), 2^-126) in f64 (positions the identity); `partials` holds
+** msk_dash_fro_scratch doubles. */
+size_t msk_dash_fro_scratch(const msk_dash_pos *pos);
+ms_status msk_dash_fro(ms_ctx *ctx, cudaStream_t s, const msk_dash_pos *pos, msk_dash_src src, double *partials,
+                       double *scale);
+/* residual[id] <- ||w - v||_F / ||v||_F (0 when v = 0) for the [n, m] f64 sketches of each position. */
+ms_status msk_dash_residual(ms_ctx *ctx, cudaStream_t s, const msk_dash_pos *pos, int64_t m, const double *v,
+                            const double *w, float *residual);
+
+/* EVD: work (positions) <- src + eps I as is (cuSOLVER reads its column-major lower triangle, as LAPACK 'L'
+** does on the CPU); bad[p] <- 1 when the block holds a non-finite value (first flat index in bad_at[p]). */
+ms_status msk_dash_evd_prep(ms_ctx *ctx, cudaStream_t s, const msk_dash_pos *pos, msk_dash_src src, float *work,
+                            int *bad);
+/* After the eigensolver: column j of position p's eigenvector matrix q (column-major) *= (float)l'^(-1/(2 root)),
+** l' = l_j + (shift ? eps - min(l_1, 0) : 0); 0 where l' <= 0. */
+ms_status msk_dash_evd_scale(ms_ctx *ctx, cudaStream_t s, const msk_dash_pos *pos, float *q, const float *w,
+                             int root, double eps, int shift);
+
 /* --- shared --------------------------------------------------------------------------------------- */
 
 /* The engine's error recorder (engine/core/error.c), for the launchers' messages. */

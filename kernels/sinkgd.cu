@@ -33,15 +33,21 @@
 #define SLOTS       4                                     /* 16-byte chunks of G per thread per group */
 #define STAGES      4                                     /* groups in the cp.async ring */
 #define STAGE_DATA  (SLOTS * T_SWEEP * 16)                /* 32 KiB of G */
-#define STAGE_BYTES (STAGE_DATA + SLOTS * T_SWEEP * 4)    /* + the rows' scales (one per slot row) */
+#define RSLOT       (SLOTS * T_SWEEP * 4)                 /* a group's row scales (at most one per slot row) */
+/* The row scales have their own ring, one slot longer than the stages': a row's scale is copied by the row's
+** first lane and read by all of its lanes after the row-sum barrier, so a slot may be refilled only after the
+** next group's barrier has passed every reader. */
+#define STAGE_BYTES STAGE_DATA
+#define RRING       ((STAGES + 1) * RSLOT)
 #define RED_FLOATS  (2 * 2 * SLOTS * WARPS)               /* row sums: 2 parities x 2 kinds */
-#define SWEEP_SMEM  (STAGES * STAGE_BYTES + RED_FLOATS * 4 + WARPS * 8)
+#define SWEEP_SMEM  (STAGES * STAGE_BYTES + RRING + RED_FLOATS * 4 + WARPS * 8)
 #define GROUP_BYTES 32768                                 /* rows per group of the generic path: ~this many */
 #define FOLD_THREADS 256
 #define FOLD_COLS   32                                    /* a lane's column; 8 warps split the bands */
 #define PREP_THREADS 256
 #define ESTAGES     3                                     /* stages of the elementwise ring (64 KiB each) */
-#define ELEM_SMEM   (ESTAGES * 8 * T_SWEEP * 16)
+#define ESTAGE_BYTES (8 * T_SWEEP * 16 + 4 * T_SWEEP * 4) /* 8 words of G and p a thread + 4 row scales */
+#define ELEM_SMEM   (ESTAGES * ESTAGE_BYTES)
 #define ESPLIT      1                                     /* CTAs of an elementwise pass per sweep range */
 #define SMALL_CAP   16                                    /* a second table size: small groups pass ~2 KB */
 #define PARAM_LIMIT 32764                                 /* bytes of kernel parameters (CUDA 12.1+) */
@@ -71,7 +77,7 @@ struct skmat {
     uint8_t     fast, pvec;
 };
 
-template <int CAP> struct skargs {
+template <int CAP> struct alignas(16) skargs {
     msk_sinkgd o;
     int        flags, nmat, grid, nfold;
     int64_t    gtot;          /* row groups in all */
@@ -274,7 +280,13 @@ __device__ __forceinline__ void row_sums(float (&ps)[R], float (&pf)[R], bool ff
             red[(SLOTS + r) * WARPS + warp] = pf[r];
         }
     }
-    __syncthreads();
+    /* only the warps of one row lane meet here (a named barrier each), so the lanes run decoupled; threads past
+    ** the last whole lane (when Cp does not divide T_SWEEP) form a lane of their own */
+    {
+        const int P = T_SWEEP / Cp;
+        const int count = rho < P ? Cp : T_SWEEP - P * Cp;
+        asm volatile("bar.sync %0, %1;\n" ::"r"(1 + rho), "r"(count) : "memory");
+    }
     const int wpr = Cp >> 5, w0 = rho * wpr;
 #pragma unroll
     for (int r = 0; r < R; r++) {
@@ -305,7 +317,7 @@ __device__ __noinline__ void fast_segment(const skargs<CAP> &A, const skmat &M, 
     const bool need_rs = KIND == K_SINK ? !first : !unit;
     const bool want_ff = KIND == K_POWER && unit;
     const float eps = (float)A.o.eps, sqn = sqrtf((float)n);
-    float *red = (float *)(smem + STAGES * STAGE_BYTES);
+    float *red = (float *)(smem + STAGES * STAGE_BYTES + RRING);
 
     /* the thread's columns: c^2 (SINK) or c u (POWER), and their accumulators */
     float cv[K][E], acc[K][E];
@@ -345,7 +357,9 @@ __device__ __noinline__ void fast_segment(const skargs<CAP> &A, const skmat &M, 
                 const bool ok = rv && ch < C;
                 cp16(st + ((r * K + k) * T_SWEEP + t) * 16, g + (ok ? row * n + (int64_t)ch * E : 0), ok ? 16 : 0);
             }
-            if (need_rs) cp4(st + STAGE_DATA + (r * T_SWEEP + t) * 4, S.r + (rv ? row : 0), rv ? 4 : 0);
+            if (need_rs && kap == 0)   /* one copy a row, by its first lane */
+                cp4(smem + STAGES * STAGE_BYTES + (int)(q % (STAGES + 1)) * RSLOT + (r * P + rho) * 4,
+                    S.r + (rv ? row : 0), rv ? 4 : 0);
         }
     };
 
@@ -359,28 +373,29 @@ __device__ __noinline__ void fast_segment(const skargs<CAP> &A, const skmat &M, 
     for (int64_t q = 0; q < ng; q++) {
         if (q + STAGES - 1 < ng) issue(q + STAGES - 1);
         cp_commit();
-        cp_wait<STAGES - 1>();   /* this thread's copies of group q have landed */
+        cp_wait<STAGES - 1>();   /* this thread's copies of group q have landed (zeros where out of range) */
         const char *st = smem + (int)(q % STAGES) * STAGE_BYTES;
         const int64_t gi = rev ? lb - 1 - q : la + q;
-        float x[R][K][E], rs[R], ps[R], pf[R];
+        auto chunk = [&](int r, int k) { return *(const uint4 *)(st + ((r * K + k) * T_SWEEP + t) * 16); };
+        /* the chunks are read from shared memory twice (for the row sums, then for the column accumulators)
+        ** rather than held in registers across the row reduction: registers bound this kernel */
+        float rs[R], ps[R], pf[R];
 #pragma unroll
         for (int r = 0; r < R; r++) {
-            rs[r] = need_rs ? *(const float *)(st + STAGE_DATA + (r * T_SWEEP + t) * 4) : 1.f;
             float pk[K], fk[K];   /* one chain per chunk: K independent FMA chains, added as a fixed tree */
 #pragma unroll
             for (int k = 0; k < K; k++) {
-                const uint4 w = *(const uint4 *)(st + ((r * K + k) * T_SWEEP + t) * 16);
-                unpack(w, x[r][k], (const T *)0);
+                float x[E];
+                unpack(chunk(r, k), x, (const T *)0);
                 pk[k] = 0;
                 fk[k] = 0;
 #pragma unroll
                 for (int e = 0; e < E; e++) {
-                    if (KIND == K_SINK) {   /* x holds G^2 from here on: (G c)^2 = G^2 c^2, (r G)^2 = r^2 G^2 */
-                        x[r][k][e] = x[r][k][e] * x[r][k][e];
-                        pk[k] = fmaf(x[r][k][e], cv[k][e], pk[k]);
+                    if (KIND == K_SINK) {   /* (G c)^2 = G^2 c^2, (r G)^2 = r^2 G^2 */
+                        pk[k] = fmaf(x[e] * x[e], cv[k][e], pk[k]);
                     } else {
-                        pk[k] = fmaf(x[r][k][e], cv[k][e], pk[k]);
-                        if (want_ff) fk[k] = fmaf(x[r][k][e], x[r][k][e], fk[k]);
+                        pk[k] = fmaf(x[e], cv[k][e], pk[k]);
+                        if (want_ff) fk[k] = fmaf(x[e], x[e], fk[k]);
                     }
                 }
             }
@@ -393,6 +408,10 @@ __device__ __noinline__ void fast_segment(const skargs<CAP> &A, const skmat &M, 
             }
         }
         row_sums<R>(ps, pf, want_ff, Cp, rho, on, red + (int)(q & 1) * 2 * SLOTS * WARPS);
+        if (Cp <= 32) __syncwarp();   /* the row's first lane's scale copy is visible to its other lanes */
+        const char *rsl = smem + STAGES * STAGE_BYTES + (int)(q % (STAGES + 1)) * RSLOT;
+#pragma unroll
+        for (int r = 0; r < R; r++) rs[r] = need_rs ? *(const float *)(rsl + (r * P + rho) * 4) : 1.f;
         float co[R];
 #pragma unroll
         for (int r = 0; r < R; r++) {
@@ -419,11 +438,13 @@ __device__ __noinline__ void fast_segment(const skargs<CAP> &A, const skmat &M, 
 #pragma unroll
         for (int r = 0; r < R; r++)
 #pragma unroll
-            for (int k = 0; k < K; k++)
+            for (int k = 0; k < K; k++) {
+                float x[E];
+                unpack(chunk(r, k), x, (const T *)0);
 #pragma unroll
-                for (int e = 0; e < E; e++) {
-                    acc[k][e] = fmaf(co[r], x[r][k][e], acc[k][e]);   /* SINK: r^2 G^2; POWER: (r v) G */
-                }
+                for (int e = 0; e < E; e++)   /* SINK: r^2 G^2; POWER: (r v) G */
+                    acc[k][e] = fmaf(co[r], KIND == K_SINK ? x[e] * x[e] : x[e], acc[k][e]);
+            }
     }
     cp_wait<0>();
 
@@ -486,7 +507,7 @@ __device__ __noinline__ void generic_segment(const skargs<CAP> &A, const skmat &
     const bool first = KIND == K_SINK && (A.flags & FL_FIRST);
     const bool want_ff = KIND == K_POWER && unit;
     const float eps = (float)A.o.eps, sqn = sqrtf((float)n);
-    float *red = (float *)(smem + STAGES * STAGE_BYTES);
+    float *red = (float *)(smem + STAGES * STAGE_BYTES + RRING);
     double *dred = (double *)(red + RED_FLOATS);
     float *prow = S.part + (int64_t)band * n;
     for (int64_t j = t; j < n; j += T_SWEEP) prow[j] = 0;
@@ -559,8 +580,9 @@ __device__ __forceinline__ void sweep_typed(const skargs<CAP> &A, const skmat &M
 }
 
 template <int CAP, int KIND>
-__global__ void __launch_bounds__(T_SWEEP, 1) sweep_kernel(const __grid_constant__ skargs<CAP> A)
+__global__ void __launch_bounds__(T_SWEEP, 1) sweep_kernel(const skargs<CAP> *__restrict__ tables, int flags)
 {
+    const skargs<CAP> &A = tables[flags];
     extern __shared__ __align__(16) char smem[];
     if (A.o.skip.ptr && msk_scalar_value(A.o.skip) != 0) return;   /* NaN skips too, as on the CPU */
     const int64_t ga = range_start(blockIdx.x, A.gtot, A.grid), gb = range_start(blockIdx.x + 1, A.gtot, A.grid);
@@ -593,8 +615,9 @@ __global__ void __launch_bounds__(T_SWEEP, 1) sweep_kernel(const __grid_constant
 **        stores u. */
 
 template <int CAP, int KIND>
-__global__ void __launch_bounds__(FOLD_THREADS) fold_kernel(const __grid_constant__ skargs<CAP> A)
+__global__ void __launch_bounds__(FOLD_THREADS) fold_kernel(const skargs<CAP> *__restrict__ tables, int flags)
 {
+    const skargs<CAP> &A = tables[flags];
     __shared__ float sm[FOLD_THREADS / 32][FOLD_COLS];
     __shared__ double dred[FOLD_THREADS / 32];
     __shared__ int is_last;
@@ -711,8 +734,9 @@ __global__ void __launch_bounds__(FOLD_THREADS) fold_kernel(const __grid_constan
 /* --- before the power steps: u from the state (its first value when it is all zeros), ||u||^2, and ||X||_F^2
 ** from the last SINK fold's block sums; one block per matrix. */
 template <int CAP>
-__global__ void __launch_bounds__(PREP_THREADS) prep_kernel(const __grid_constant__ skargs<CAP> A)
+__global__ void __launch_bounds__(PREP_THREADS) prep_kernel(const skargs<CAP> *__restrict__ tables, int flags)
 {
+    const skargs<CAP> &A = tables[flags];
     __shared__ double dred[PREP_THREADS / 32];
     if (A.o.skip.ptr && msk_scalar_value(A.o.skip) != 0) return;
     const skmat &M = A.m[blockIdx.x];
@@ -819,19 +843,37 @@ __device__ __forceinline__ void elem_segment(const skargs<CAP> &A, const skmat &
         const uint32_t cpr = (uint32_t)(n / 8), nch = (uint32_t)((r1 - r0) * cpr);
         const uint32_t per = (uint32_t)(CPS * VT), nst = (nch + per - 1) / per;
         const int64_t e_base = r0 * n;
-        char *slots = smem + threadIdx.x * 16;   /* word w of stage s: slots + (s * 8 + w) * T_SWEEP * 16 */
+        /* word w of stage s: slots + s * ESTAGE_BYTES + w * T_SWEEP * 16; the row scale of chunk u after the words,
+        ** copied with the chunk so that its latency hides in the ring as the data's does */
+        char *slots = smem + threadIdx.x * 16;
+        char *rslots = smem + 8 * T_SWEEP * 16 + threadIdx.x * 4;
+        /* when a row's chunks divide the threads evenly, a thread's chunks are always the same columns: its 8
+        ** column scales are loaded once */
+        const bool ccol = !unit && VT % cpr == 0;
+        float cfix[8];
+#pragma unroll
+        for (int k = 0; k < 8; k++) cfix[k] = 1.f;
+        if (ccol) {
+            const uint32_t vc = (uint32_t)(vt % cpr), jc = (rev ? cpr - 1 - vc : vc) * 8;
+            const float4 c0 = __ldg(reinterpret_cast<const float4 *>(S.c + jc));
+            const float4 c1 = __ldg(reinterpret_cast<const float4 *>(S.c + jc + 4));
+            cfix[0] = c0.x; cfix[1] = c0.y; cfix[2] = c0.z; cfix[3] = c0.w;
+            cfix[4] = c1.x; cfix[5] = c1.y; cfix[6] = c1.z; cfix[7] = c1.w;
+        }
         auto chunk_of = [&](uint32_t st, int u, uint32_t &ch) {
             const uint32_t q = st * per + (uint32_t)(u * VT + vt);
             ch = rev ? nch - 1 - q : q;
             return q < nch;
         };
         auto issue = [&](uint32_t st) {
-            char *sb = slots + (int)(st % ESTAGES) * 8 * T_SWEEP * 16;
+            char *sb = slots + (int)(st % ESTAGES) * ESTAGE_BYTES;
+            char *rb = rslots + (int)(st % ESTAGES) * ESTAGE_BYTES;
 #pragma unroll
             for (int u = 0; u < CPS; u++) {
                 uint32_t ch;
                 const bool ok = chunk_of(st, u, ch);
                 const int64_t e = ok ? e_base + (int64_t)ch * 8 : 0;
+                if (!unit) cp4(rb + u * T_SWEEP * 4, S.r + r0 + (ok ? ch / cpr : 0), ok ? 4 : 0);
 #pragma unroll
                 for (int w = 0; w < GW; w++)
                     cp16(sb + (u * (GW + PW) + w) * T_SWEEP * 16, g + (ok ? e + 4 * w : 0), ok ? 16 : 0);
@@ -850,7 +892,8 @@ __device__ __forceinline__ void elem_segment(const skargs<CAP> &A, const skmat &
             if (st + ESTAGES - 1 < nst) issue(st + ESTAGES - 1);
             cp_commit();
             cp_wait<ESTAGES - 1>();
-            const char *sb = slots + (int)(st % ESTAGES) * 8 * T_SWEEP * 16;
+            const char *sb = slots + (int)(st % ESTAGES) * ESTAGE_BYTES;
+            const char *rb = rslots + (int)(st % ESTAGES) * ESTAGE_BYTES;
 #pragma unroll
             for (int u = 0; u < CPS; u++) {
                 uint32_t ch;
@@ -867,13 +910,15 @@ __device__ __forceinline__ void elem_segment(const skargs<CAP> &A, const skmat &
                 unpack8(gw, gx);
                 unpack8(pw, px);
 #pragma unroll
-                for (int k = 0; k < 8; k++) cc[k] = 1.f;
+                for (int k = 0; k < 8; k++) cc[k] = cfix[k];
                 if (!unit) {
-                    rr = __ldcg(S.r + r0 + row);
-                    const float4 c0 = __ldg(reinterpret_cast<const float4 *>(S.c + j));
-                    const float4 c1 = __ldg(reinterpret_cast<const float4 *>(S.c + j + 4));
-                    cc[0] = c0.x; cc[1] = c0.y; cc[2] = c0.z; cc[3] = c0.w;
-                    cc[4] = c1.x; cc[5] = c1.y; cc[6] = c1.z; cc[7] = c1.w;
+                    rr = *(const float *)(rb + u * T_SWEEP * 4);
+                    if (!ccol) {
+                        const float4 c0 = __ldg(reinterpret_cast<const float4 *>(S.c + j));
+                        const float4 c1 = __ldg(reinterpret_cast<const float4 *>(S.c + j + 4));
+                        cc[0] = c0.x; cc[1] = c0.y; cc[2] = c0.z; cc[3] = c0.w;
+                        cc[4] = c1.x; cc[5] = c1.y; cc[6] = c1.z; cc[7] = c1.w;
+                    }
                 }
 #pragma unroll
                 for (int k = 0; k < 8; k++) out[k] = elem_op<KIND>(px[k], rr * gx[k] * cc[k], cf, a);
@@ -975,8 +1020,9 @@ __device__ __forceinline__ coefs coefs_of(const skargs<CAP> &A, const skmat &M, 
 }
 
 template <int CAP, int KIND>
-__global__ void __launch_bounds__(T_SWEEP, 1) elem_kernel(const __grid_constant__ skargs<CAP> A)
+__global__ void __launch_bounds__(T_SWEEP, 1) elem_kernel(const skargs<CAP> *__restrict__ tables, int flags)
 {
+    const skargs<CAP> &A = tables[flags];
     extern __shared__ __align__(16) char smem[];
     __shared__ double dred[WARPS];
     __shared__ int is_last;
@@ -1153,6 +1199,29 @@ static int64_t plan_chunk(int cnt, const msk_sinkgd_mat *mm, int maxgrid, char *
     return bytes;
 }
 
+/* The launch tables live in the scratch, one per flags value a launch uses (FL_* < 32), written by one kernel
+** a step: a table of many matrices is ~30 KB, and as a kernel parameter it would be copied again for each of a
+** step's ~12 launches -- in a captured graph, on every replay (~10 us each). */
+enum { TABLE_SLOTS = 32 };
+
+template <int CAP>
+__global__ void __launch_bounds__(256) table_kernel(const __grid_constant__ skargs<CAP> A, skargs<CAP> *tables,
+                                                    unsigned used)
+{
+    const int slot = blockIdx.x;
+    if (!((used >> slot) & 1u)) return;
+    const uint4 *src = reinterpret_cast<const uint4 *>(&A);
+    uint4 *dst = reinterpret_cast<uint4 *>(tables + slot);
+    for (size_t w = threadIdx.x; w < sizeof(skargs<CAP>) / 16; w += blockDim.x) dst[w] = src[w];
+    __syncthreads();
+    if (threadIdx.x == 0) tables[slot].flags = slot;
+}
+
+static_assert(sizeof(skargs<MSK_SINKGD_CAP>) % 16 == 0 && sizeof(skargs<SMALL_CAP>) % 16 == 0,
+              "launch tables are copied in 16-byte words");
+
+static size_t table_bytes() { return TABLE_SLOTS * sizeof(skargs<MSK_SINKGD_CAP>); }
+
 extern "C" size_t msk_sinkgd_scratch(int n, const msk_sinkgd_mat *m)
 {
     skmat *tmp = new (std::nothrow) skmat[MSK_SINKGD_CAP];
@@ -1166,16 +1235,15 @@ extern "C" size_t msk_sinkgd_scratch(int n, const msk_sinkgd_mat *m)
         most = b > most ? b : most;
     }
     delete[] tmp;
-    return (size_t)most;
+    return (size_t)most + table_bytes();
 }
 
-/* One launch of kernel K with the table of `a` and the given flags. */
+/* One launch of kernel K with the table of the given flags. */
 template <int CAP>
-static ms_status launch(ms_ctx *ctx, cudaStream_t s, void (*K)(const skargs<CAP>), skargs<CAP> *a, int flags,
-                        unsigned grid, unsigned threads, size_t smem, const char *what, int *launches)
+static ms_status launch(ms_ctx *ctx, cudaStream_t s, void (*K)(const skargs<CAP> *, int), const skargs<CAP> *tables,
+                        int flags, unsigned grid, unsigned threads, size_t smem, const char *what, int *launches)
 {
-    a->flags = flags;
-    K<<<grid, threads, smem, s>>>(*a);
+    K<<<grid, threads, smem, s>>>(tables, flags);
     MSK_CHECK_LAUNCH(ctx, what);
     ++*launches;
     return MS_OK;
@@ -1197,38 +1265,54 @@ static ms_status run_chunk(ms_ctx *ctx, cudaStream_t s, const msk_sinkgd *o, int
     a->o = *o;
     a->nmat = cnt;
     a->tickets = tickets;
-    plan_chunk(cnt, mm, ctas_per_pass(), scratch, a->m, &a->gtot, &a->grid, &a->nfold);
+    skargs<CAP> *tables = reinterpret_cast<skargs<CAP> *>(scratch);
+    plan_chunk(cnt, mm, ctas_per_pass(), scratch + table_bytes(), a->m, &a->gtot, &a->grid, &a->nfold);
+    a->flags = 0;
     const unsigned G = (unsigned)a->grid, F = (unsigned)a->nfold;
     const int unit = o->iters == 0 ? FL_UNIT : 0;
     bool rev = false;
     ms_status st = MS_OK;
-    typedef void (*kernel_t)(const skargs<CAP>);
+    typedef void (*kernel_t)(const skargs<CAP> *, int);
+    /* two walks over the launch sequence: the first collects the flags values (the tables to write), the second
+    ** launches */
+    unsigned used = 0;
+    bool collect = true;
     auto go = [&](kernel_t K, int flags, unsigned grid, unsigned threads, size_t smem, const char *what) {
-        if (st == MS_OK) st = launch<CAP>(ctx, s, K, a, flags, grid, threads, smem, what, launches);
+        if (collect) used |= 1u << flags;
+        else if (st == MS_OK) st = launch<CAP>(ctx, s, K, tables, flags, grid, threads, smem, what, launches);
     };
-    for (int k = 1; k <= o->iters; k++) {
-        const int fl = (k == 1 ? FL_FIRST : 0) | (k == o->iters && o->mode != MS_SINKGD_BASE ? FL_LAST : 0);
-        go(sweep_kernel<CAP, K_SINK>, fl | (rev ? FL_REV : 0), G, T_SWEEP, SWEEP_SMEM, "sinkgd sweep");
-        go(fold_kernel<CAP, K_SINK>, fl, F, FOLD_THREADS, 0, "sinkgd fold");
-        rev = !rev;
-    }
-    if (o->mode != MS_SINKGD_BASE) {
-        go(prep_kernel<CAP>, unit, (unsigned)cnt, PREP_THREADS, 0, "sinkgd power prep");
-        for (int k = 0; k < o->sn_iters; k++) {
-            const int fl = unit | (k == o->sn_iters - 1 ? FL_LAST : 0);
-            go(sweep_kernel<CAP, K_POWER>, fl | (rev ? FL_REV : 0), G, T_SWEEP, SWEEP_SMEM, "sinkgd power");
-            go(fold_kernel<CAP, K_POWER>, fl, F, FOLD_THREADS, 0, "sinkgd power fold");
-            go(sweep_kernel<CAP, K_POWER>, fl | FL_REDO | (rev ? 0 : FL_REV), G, T_SWEEP, SWEEP_SMEM,
-                         "sinkgd power restart");
-            go(fold_kernel<CAP, K_POWER>, fl | FL_REDO, F, FOLD_THREADS, 0, "sinkgd power restart fold");
+    auto sequence = [&]() {
+        for (int k = 1; k <= o->iters; k++) {
+            const int fl = (k == 1 ? FL_FIRST : 0) | (k == o->iters && o->mode != MS_SINKGD_BASE ? FL_LAST : 0);
+            go(sweep_kernel<CAP, K_SINK>, fl | (rev ? FL_REV : 0), G, T_SWEEP, SWEEP_SMEM, "sinkgd sweep");
+            go(fold_kernel<CAP, K_SINK>, fl, F, FOLD_THREADS, 0, "sinkgd fold");
             rev = !rev;
         }
-    }
-    if (o->mode == MS_SINKGD_SPHERE) {
-        go(elem_kernel<CAP, E_SUMS>, unit | (rev ? FL_REV : 0), G * ESPLIT, T_SWEEP, ELEM_SMEM, "sinkgd sphere sums");
-        rev = !rev;
-    }
-    go(elem_kernel<CAP, E_APPLY>, unit | (rev ? FL_REV : 0), G * ESPLIT, T_SWEEP, ELEM_SMEM, "sinkgd apply");
+        if (o->mode != MS_SINKGD_BASE) {
+            go(prep_kernel<CAP>, unit, (unsigned)cnt, PREP_THREADS, 0, "sinkgd power prep");
+            for (int k = 0; k < o->sn_iters; k++) {
+                const int fl = unit | (k == o->sn_iters - 1 ? FL_LAST : 0);
+                go(sweep_kernel<CAP, K_POWER>, fl | (rev ? FL_REV : 0), G, T_SWEEP, SWEEP_SMEM, "sinkgd power");
+                go(fold_kernel<CAP, K_POWER>, fl, F, FOLD_THREADS, 0, "sinkgd power fold");
+                go(sweep_kernel<CAP, K_POWER>, fl | FL_REDO | (rev ? 0 : FL_REV), G, T_SWEEP, SWEEP_SMEM,
+                             "sinkgd power restart");
+                go(fold_kernel<CAP, K_POWER>, fl | FL_REDO, F, FOLD_THREADS, 0, "sinkgd power restart fold");
+                rev = !rev;
+            }
+        }
+        if (o->mode == MS_SINKGD_SPHERE) {
+            go(elem_kernel<CAP, E_SUMS>, unit | (rev ? FL_REV : 0), G * ESPLIT, T_SWEEP, ELEM_SMEM, "sinkgd sphere sums");
+            rev = !rev;
+        }
+        go(elem_kernel<CAP, E_APPLY>, unit | (rev ? FL_REV : 0), G * ESPLIT, T_SWEEP, ELEM_SMEM, "sinkgd apply");
+    };
+    sequence();
+    table_kernel<CAP><<<TABLE_SLOTS, 256, 0, s>>>(*a, tables, used);
+    MSK_CHECK_LAUNCH(ctx, "sinkgd launch tables");
+    ++*launches;
+    collect = false;
+    rev = false;
+    sequence();
     delete a;
     return st;
 }

@@ -60,6 +60,7 @@ return {
           params = params, grads = grads, exp_avg = m1, exp_avg_sq = m2, lr = ctx.lr_t, step = ctx.step_t,
           beta1 = o.betas[1], beta2 = o.betas[2], eps = o.eps, weight_decay = o.weight_decay,
           bias_correction = o.bias_correction, stochastic_round = o.stochastic_round, seed = o.seed,
+          skip = ctx.skip_t,   -- the runtime's device-side non-finite flag (captured steps)
         }
       end,
     },

@@ -131,7 +131,7 @@ return {
         ms.adamw_step {
           params = params, grads = grads, exp_avg = m1, exp_avg_sq = m2, scales = scales,
           lr = ctx.lr_t, step = ctx.step_t, beta1 = o.adam_betas[1], beta2 = o.adam_betas[2], eps = o.adam_eps,
-          weight_decay = o.adam_weight_decay,
+          weight_decay = o.adam_weight_decay, skip = ctx.skip_t,
         }
       end,
     },

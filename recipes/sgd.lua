@@ -65,6 +65,7 @@ return {
           params = params, grads = grads, momentum_buf = bufs, lr = ctx.lr_t, step = ctx.step_t,
           momentum = o.momentum, dampening = o.dampening, weight_decay = o.weight_decay, nesterov = o.nesterov,
           stochastic_round = o.stochastic_round, seed = o.seed,
+          skip = ctx.skip_t,   -- the runtime's device-side non-finite flag (captured steps)
         }
       end,
     },

@@ -222,6 +222,7 @@ return {
           target = o.sinkgd_spectral_target, eps = o.sinkgd_eps,
           weight_decay = mode == "sphere" and 0 or o.weight_decay,
           stochastic_round = o.bf16_stochastic_round, seed = o.seed,
+          skip = ctx.skip_t,   -- the runtime's device-side non-finite flag (captured steps)
         }
       end,
     },
@@ -256,7 +257,7 @@ return {
         end
         for _, set in ipairs { q, f } do
           if #set.params > 0 then
-            set.lr, set.step = ctx.lr_t, ctx.step_t
+            set.lr, set.step, set.skip = ctx.lr_t, ctx.step_t, ctx.skip_t
             set.beta1, set.beta2, set.eps, set.weight_decay = o.betas[1], o.betas[2], o.eps, 0
             set.stochastic_round, set.seed, set.block_size = o.bf16_stochastic_round, o.seed, o.block_size
             if set == q then ms.adamw8_step(set) else set.block_size = nil ms.adamw_step(set) end

@@ -5,8 +5,8 @@
 # Usage: setup-deps.sh [--check | --fuzz]
 set -u
 # gnuplot-nox draws the PNG/SVG plots of `moonstep compare` (without it: SVG from moonstep's own renderer);
-# tmux drives the REPL through a terminal in tests/repl_spec.lua
-pkgs="luajit libluajit-5.1-dev lua-busted libopenblas-dev liblapacke-dev libdlpack-dev libreadline-dev pkg-config gnuplot-nox tmux"
+# tmux drives the REPL through a terminal in tests/repl_spec.lua; python3-numpy runs the Python bridge's tests
+pkgs="luajit libluajit-5.1-dev lua-busted libopenblas-dev liblapacke-dev libdlpack-dev libreadline-dev pkg-config gnuplot-nox tmux python3-numpy"
 # `make fuzz` (only) asks for clang and its libFuzzer/sanitizer runtimes
 [ "${1:-}" = "--fuzz" ] && pkgs="$pkgs clang libclang-rt-14-dev"
 missing=""

@@ -150,6 +150,24 @@ struct ms_backend {
                              ms_tensor *const *exp_avg, ms_tensor *const *exp_avg_scale,
                              ms_tensor *const *exp_avg_sq, ms_tensor *const *exp_avg_sq_scale,
                              const double *scales, const ms_adamw8_options *o);
+    /* Shampoo on stacked blocks (engine/core/dash_ops.c), as in moonstep.h after validation; NULL:
+    ** MS_E_UNSUPPORTED.  blocks_apply gets opts NULL for the plain scatter. */
+    ms_status (*blocks_gather)(ms_ctx *ctx, ms_tensor *stack, int n, const ms_block *blocks);
+    ms_status (*blocks_apply)(ms_ctx *ctx, int n, const ms_block *blocks, const ms_tensor *stack,
+                              const ms_tensor *scale, const ms_blocks_apply_options *o);
+    ms_status (*dash_graft)(ms_ctx *ctx, ms_tensor *grad_ema, ms_tensor *adam_v, ms_tensor *norm,
+                            ms_tensor *pgraft, const ms_tensor *grad, const ms_dash_graft_options *o);
+    ms_status (*inv_root)(ms_ctx *ctx, ms_tensor *x, ms_tensor *residual, ms_tensor *iters,
+                          const ms_tensor *a, const ms_root_options *o);
+    ms_status (*spectrum_estimate)(ms_ctx *ctx, ms_tensor *lam_max, ms_tensor *lam_min, const ms_tensor *a,
+                                   const ms_tensor *x_root, const ms_spectrum_options *o);
+    /* Capture state and joining a caller's capture (engine/core/runtime.c checks the arguments); NULL:
+    ** MS_CAPTURE_NONE and MS_E_UNSUPPORTED.  Profiler ranges; NULL: no-ops. */
+    ms_capture (*capture_state)(const ms_ctx *ctx);
+    ms_status (*graph_join)(ms_ctx *ctx);
+    ms_status (*graph_leave)(ms_ctx *ctx);
+    void      (*profile_push)(ms_ctx *ctx, const char *name);
+    void      (*profile_pop)(ms_ctx *ctx);
 };
 
 /* Backends compiled into this build (the CUDA one only with MS_WITH_CUDA). */

@@ -1,7 +1,8 @@
 /*
 ** The runtime entry points of the public ABI: the context's native stream, emptying its cache, events
-** (device timestamps, or the host's monotonic clock where the backend has none) and graph capture/replay,
-** dispatched to the backend's optional members.
+** (device timestamps, or the host's monotonic clock where the backend has none), graph capture/replay, the
+** capture state and joining a caller's capture, and profiler ranges, dispatched to the backend's optional
+** members.
 */
 #include "internal.h"
 
@@ -126,4 +127,40 @@ MS_API int64_t ms_graph_num_nodes(const ms_graph *g)
 MS_API void ms_graph_free(ms_graph *g)
 {
     if (g) g->ctx->backend->graph_free(g);
+}
+
+/* --- capture state, joining a caller's capture, profiler ranges ------------------------------------- */
+
+MS_API ms_capture ms_ctx_is_capturing(const ms_ctx *ctx)
+{
+    if (ctx == NULL || ctx->backend->capture_state == NULL) return MS_CAPTURE_NONE;
+    return ctx->backend->capture_state(ctx);
+}
+
+MS_API ms_status ms_graph_join(ms_ctx *ctx)
+{
+    if (ctx == NULL) return MS_FAIL(NULL, MS_E_ARG, "ms_graph_join: ctx is NULL");
+    if (ctx->backend->graph_join == NULL)
+        return MS_FAIL(ctx, MS_E_UNSUPPORTED, "ms_graph_join: %s has no graph capture (CUDA contexts only)",
+                       ctx->name);
+    return ctx->backend->graph_join(ctx);
+}
+
+MS_API ms_status ms_graph_leave(ms_ctx *ctx)
+{
+    if (ctx == NULL) return MS_FAIL(NULL, MS_E_ARG, "ms_graph_leave: ctx is NULL");
+    if (ctx->backend->graph_leave == NULL)
+        return MS_FAIL(ctx, MS_E_UNSUPPORTED, "ms_graph_leave: %s has no graph capture (CUDA contexts only)",
+                       ctx->name);
+    return ctx->backend->graph_leave(ctx);
+}
+
+MS_API void ms_profile_push(ms_ctx *ctx, const char *name)
+{
+    if (ctx && name && ctx->backend->profile_push) ctx->backend->profile_push(ctx, name);
+}
+
+MS_API void ms_profile_pop(ms_ctx *ctx)
+{
+    if (ctx && ctx->backend->profile_pop) ctx->backend->profile_pop(ctx);
 }

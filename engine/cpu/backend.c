@@ -95,4 +95,14 @@ const ms_backend ms_cpu_backend = {
     /* .sgd_step         = */ ms_cpu_sgd_step,
     /* .sinkgd_step      = */ ms_cpu_sinkgd_step,
     /* .adamw8_step      = */ ms_cpu_adamw8_step,
+    /* .blocks_gather    = */ ms_cpu_blocks_gather,
+    /* .blocks_apply     = */ ms_cpu_blocks_apply,
+    /* .dash_graft       = */ ms_cpu_dash_graft,
+    /* .inv_root         = */ ms_cpu_inv_root,
+    /* .spectrum_estimate = */ ms_cpu_spectrum_estimate,
+    /* .capture_state    = */ NULL,   /* never capturing; no joins, no profiler ranges */
+    /* .graph_join       = */ NULL,
+    /* .graph_leave      = */ NULL,
+    /* .profile_push     = */ NULL,
+    /* .profile_pop      = */ NULL,
 };

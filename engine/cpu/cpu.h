@@ -99,4 +99,15 @@ ms_status ms_cpu_adamw8_step(ms_ctx *ctx, int n, ms_tensor *const *params, const
                              ms_tensor *const *exp_avg_sq, ms_tensor *const *exp_avg_sq_scale,
                              const double *scales, const ms_adamw8_options *o);
 
+/* engine/cpu/dash.c: Shampoo on stacked blocks */
+ms_status ms_cpu_blocks_gather(ms_ctx *ctx, ms_tensor *stack, int n, const ms_block *blocks);
+ms_status ms_cpu_blocks_apply(ms_ctx *ctx, int n, const ms_block *blocks, const ms_tensor *stack,
+                              const ms_tensor *scale, const ms_blocks_apply_options *o);
+ms_status ms_cpu_dash_graft(ms_ctx *ctx, ms_tensor *grad_ema, ms_tensor *adam_v, ms_tensor *norm, ms_tensor *pgraft,
+                            const ms_tensor *grad, const ms_dash_graft_options *o);
+ms_status ms_cpu_inv_root(ms_ctx *ctx, ms_tensor *x, ms_tensor *residual, ms_tensor *iters, const ms_tensor *a,
+                          const ms_root_options *o);
+ms_status ms_cpu_spectrum_estimate(ms_ctx *ctx, ms_tensor *lam_max, ms_tensor *lam_min, const ms_tensor *a,
+                                   const ms_tensor *x_root, const ms_spectrum_options *o);
+
 #endif /* MS_CPU_H */

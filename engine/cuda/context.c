@@ -100,6 +100,7 @@ static void release_handles(ms_cuda_ctx *c)
     if (c->blas_workspace) cudaFree(c->blas_workspace);
     if (c->solver) cusolverDnDestroy(c->solver);
     if (c->tickets) cudaFree(c->tickets);
+    ms_cuda_dash_release(c);
     c->tickets = NULL;
     c->blas = NULL;
     c->blas_workspace = NULL;
@@ -441,4 +442,14 @@ const ms_backend ms_cuda_backend = {
     .sgd_step         = ms_cuda_sgd_step,
     .sinkgd_step      = ms_cuda_sinkgd_step,
     .adamw8_step      = ms_cuda_adamw8_step,
+    .capture_state    = ms_cuda_capture_state,
+    .graph_join       = ms_cuda_graph_join,
+    .graph_leave      = ms_cuda_graph_leave,
+    .profile_push     = ms_cuda_profile_push,
+    .profile_pop      = ms_cuda_profile_pop,
+    .blocks_gather    = ms_cuda_blocks_gather,
+    .blocks_apply     = ms_cuda_blocks_apply,
+    .dash_graft       = ms_cuda_dash_graft,
+    .inv_root         = ms_cuda_inv_root,
+    .spectrum_estimate = ms_cuda_spectrum_estimate,
 };

@@ -31,6 +31,8 @@ typedef struct ms_cuda_ctx {
     ms_cuda_graph     *capture;        /* the graph being captured on `stream`, NULL otherwise */
     ms_status          capture_status; /* the first failure while capturing */
     char               capture_error[MS_ERRMSG_SIZE];
+    bool               joined;         /* between ms_graph_join and ms_graph_leave (engine/cuda/capture.c) */
+    struct ms_cuda_dash *dash;         /* DASH's eigensolver streams and handles (engine/cuda/dash.c), lazily */
 } ms_cuda_ctx;
 
 /* A captured sequence: the core's header, the instantiated graph, and the pool blocks it keeps. */
@@ -42,6 +44,13 @@ struct ms_cuda_graph {
 };
 
 static inline ms_cuda_ctx *ms_cuda(const ms_ctx *ctx) { return (ms_cuda_ctx *)ctx->impl; }
+/* Whether ctx's ops are being recorded into a graph, its own (ms_graph_begin) or a caller's it joined
+** (ms_graph_join): ops that would read results back to the host (convergence checks) must not. */
+static inline bool ms_cuda_capturing(const ms_ctx *ctx)
+{
+    const ms_cuda_ctx *c = ms_cuda(ctx);
+    return c->capture != NULL || c->joined;
+}
 
 /* --- errors --------------------------------------------------------------------------------------- */
 
@@ -75,6 +84,19 @@ ms_status ms_cuda_note_failure(ms_ctx *ctx, ms_status st);
         if (ms_l_ != MS_OK) return ms_cuda_note_failure((ctx), ms_l_);                                 \
     } while (0)
 
+/* --- profiler ranges (NVTX v3, header-only, from the CUDA toolkit) --------------------------------------- */
+
+#ifdef MS_WITH_NVTX
+#include <nvtx3/nvToolsExt.h>
+static inline void ms_nvtx_end_(const int *unused) { (void)unused; nvtxRangePop(); }
+/* An NVTX range named `name` from this line to the end of the enclosing block: one line at the top of a
+** backend member shows its kernel family in Nsight Systems (a few ns when no profiler is attached). */
+#define MS_NVTX_RANGE(name) \
+    __attribute__((cleanup(ms_nvtx_end_), unused)) const int ms_nvtx_range_ = (nvtxRangePushA(name), 0)
+#else
+#define MS_NVTX_RANGE(name) ((void)0)
+#endif
+
 /* --- context (engine/cuda/context.c) -------------------------------------------------------------- */
 
 /* Makes ctx's device current on the calling thread. */
@@ -105,6 +127,13 @@ void ms_cuda_pool_capture_end(ms_ctx *ctx);
 void ms_cuda_pool_graph_release(ms_ctx *ctx, ms_cuda_graph *g);
 
 /* --- backend members ------------------------------------------------------------------------------ */
+
+/* engine/cuda/capture.c: the capture state, joining a caller's capture, profiler ranges */
+ms_capture ms_cuda_capture_state(const ms_ctx *ctx);
+ms_status ms_cuda_graph_join(ms_ctx *ctx);
+ms_status ms_cuda_graph_leave(ms_ctx *ctx);
+void ms_cuda_profile_push(ms_ctx *ctx, const char *name);
+void ms_cuda_profile_pop(ms_ctx *ctx);
 
 ms_status ms_cuda_copy(ms_ctx *ctx, const ms_nary *it);
 ms_status ms_cuda_fill(ms_ctx *ctx, const ms_nary *it, ms_scalar v);
@@ -141,6 +170,17 @@ ms_status ms_cuda_tickets(ms_ctx *ctx, const char *op, unsigned **out);
 ms_status ms_cuda_sinkgd_step(ms_ctx *ctx, int n, ms_tensor *const *params, const ms_tensor *const *grads,
                               ms_tensor *const *specnorm_u, ms_tensor *const *md_target_norm,
                               const double *scales, const ms_sinkgd_options *o);
+/* engine/cuda/dash.c: Shampoo on stacked blocks; ms_cuda_dash_release frees c->dash (context teardown) */
+ms_status ms_cuda_blocks_gather(ms_ctx *ctx, ms_tensor *stack, int n, const ms_block *blocks);
+ms_status ms_cuda_blocks_apply(ms_ctx *ctx, int n, const ms_block *blocks, const ms_tensor *stack,
+                               const ms_tensor *scale, const ms_blocks_apply_options *o);
+ms_status ms_cuda_dash_graft(ms_ctx *ctx, ms_tensor *grad_ema, ms_tensor *adam_v, ms_tensor *norm,
+                             ms_tensor *pgraft, const ms_tensor *grad, const ms_dash_graft_options *o);
+ms_status ms_cuda_inv_root(ms_ctx *ctx, ms_tensor *x, ms_tensor *residual, ms_tensor *iters, const ms_tensor *a,
+                           const ms_root_options *o);
+ms_status ms_cuda_spectrum_estimate(ms_ctx *ctx, ms_tensor *lam_max, ms_tensor *lam_min, const ms_tensor *a,
+                                    const ms_tensor *x_root, const ms_spectrum_options *o);
+void ms_cuda_dash_release(ms_cuda_ctx *c);
 
 /* --- shared by the op files (engine/cuda/ops.c) --------------------------------------------------- */
 

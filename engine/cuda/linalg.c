@@ -117,6 +117,7 @@ static mat transposed(mat m)
 ms_status ms_cuda_matmul(ms_ctx *ctx, ms_tensor *dst, const ms_tensor *a, const ms_tensor *b,
                          const ms_matmul_options *o)
 {
+    MS_NVTX_RANGE("ms_matmul");
     const ms_matmul_options defaults = { .alpha = 1, .beta = 0 };
     if (!o) o = &defaults;
     MS_TRY(ms_cuda_enter(ctx));
@@ -235,6 +236,7 @@ ms_status ms_cuda_matmul(ms_ctx *ctx, ms_tensor *dst, const ms_tensor *a, const 
 ** convergence check (none under graph capture), so a failure leaves them untouched, as on the CPU. */
 ms_status ms_cuda_eigh(ms_ctx *ctx, ms_tensor *w, ms_tensor *v, const ms_tensor *a, int *info)
 {
+    MS_NVTX_RANGE("ms_eigh");
     if (info) *info = 0;
     MS_TRY(ms_cuda_enter(ctx));
     const bool dbl = a->dtype == MS_DTYPE_F64;
@@ -248,7 +250,7 @@ ms_status ms_cuda_eigh(ms_ctx *ctx, ms_tensor *w, ms_tensor *v, const ms_tensor 
                        (long long)n, (long long)nbatch);
     cusolverDnHandle_t h;
     MS_TRY(ms_cuda_solver(ctx, &h));
-    const bool capturing = ms_cuda(ctx)->capture != NULL;
+    const bool capturing = ms_cuda_capturing(ctx);
     const size_t esz = dbl ? 8 : 4;
     const cusolverEigMode_t jobz = v ? CUSOLVER_EIG_MODE_VECTOR : CUSOLVER_EIG_MODE_NOVECTOR;
     const cublasFillMode_t uplo = CUBLAS_FILL_MODE_UPPER;

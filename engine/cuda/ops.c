@@ -74,6 +74,7 @@ void ms_cuda_view(ms_tensor *out, const ms_tensor *like, int ndim, const int64_t
 
 ms_status ms_cuda_copy(ms_ctx *ctx, const ms_nary *it)
 {
+    MS_NVTX_RANGE("ms_copy");
     MS_TRY(ms_cuda_enter(ctx));
     if (it->dtype[0] == it->dtype[1] && (it->contiguous || it->ndim == 0)) {
         if (it->data[0] != it->data[1])
@@ -90,6 +91,7 @@ ms_status ms_cuda_copy(ms_ctx *ctx, const ms_nary *it)
 
 ms_status ms_cuda_fill(ms_ctx *ctx, const ms_nary *it, ms_scalar v)
 {
+    MS_NVTX_RANGE("ms_fill");
     MS_TRY(ms_cuda_enter(ctx));
     msk_iter k;
     iter_of(&k, it);
@@ -102,6 +104,7 @@ ms_status ms_cuda_fill(ms_ctx *ctx, const ms_nary *it, ms_scalar v)
 
 ms_status ms_cuda_unary(ms_ctx *ctx, const ms_nary *it, ms_unary_op op)
 {
+    MS_NVTX_RANGE("ms_unary");
     MS_TRY(ms_cuda_enter(ctx));
     msk_iter k;
     iter_of(&k, it);
@@ -112,6 +115,7 @@ ms_status ms_cuda_unary(ms_ctx *ctx, const ms_nary *it, ms_unary_op op)
 
 ms_status ms_cuda_binary(ms_ctx *ctx, const ms_nary *it, ms_binary_op op)
 {
+    MS_NVTX_RANGE("ms_binary");
     MS_TRY(ms_cuda_enter(ctx));
     msk_iter k;
     iter_of(&k, it);
@@ -122,6 +126,7 @@ ms_status ms_cuda_binary(ms_ctx *ctx, const ms_nary *it, ms_binary_op op)
 
 ms_status ms_cuda_binary_scalar(ms_ctx *ctx, const ms_nary *it, ms_scalar s, ms_binary_op op, int scalar_first)
 {
+    MS_NVTX_RANGE("ms_binary_scalar");
     MS_TRY(ms_cuda_enter(ctx));
     msk_iter k;
     iter_of(&k, it);
@@ -132,6 +137,7 @@ ms_status ms_cuda_binary_scalar(ms_ctx *ctx, const ms_nary *it, ms_scalar s, ms_
 
 ms_status ms_cuda_clamp(ms_ctx *ctx, const ms_nary *it, double lo, double hi)
 {
+    MS_NVTX_RANGE("ms_clamp");
     MS_TRY(ms_cuda_enter(ctx));
     msk_iter k;
     iter_of(&k, it);
@@ -142,6 +148,7 @@ ms_status ms_cuda_clamp(ms_ctx *ctx, const ms_nary *it, double lo, double hi)
 
 ms_status ms_cuda_lerp(ms_ctx *ctx, const ms_nary *it, ms_scalar w)
 {
+    MS_NVTX_RANGE("ms_lerp");
     MS_TRY(ms_cuda_enter(ctx));
     msk_iter k;
     iter_of(&k, it);
@@ -152,6 +159,7 @@ ms_status ms_cuda_lerp(ms_ctx *ctx, const ms_nary *it, ms_scalar w)
 
 ms_status ms_cuda_addc(ms_ctx *ctx, const ms_nary *it, ms_scalar v, int divide)
 {
+    MS_NVTX_RANGE("ms_addcmul/ms_addcdiv");
     MS_TRY(ms_cuda_enter(ctx));
     msk_iter k;
     iter_of(&k, it);
@@ -182,6 +190,7 @@ ms_status ms_cuda_fill_tensor(ms_ctx *ctx, ms_tensor *t, double value)
 
 ms_status ms_cuda_rand(ms_ctx *ctx, ms_tensor *dst, const ms_rand_options *o)
 {
+    MS_NVTX_RANGE("ms_rand");
     MS_TRY(ms_cuda_enter(ctx));
     msk_rand r;
     memset(&r, 0, sizeof r);
@@ -276,6 +285,7 @@ static ms_status reduce_run(ms_ctx *ctx, ms_tensor *dst, const ms_tensor *src, m
 
 ms_status ms_cuda_reduce(ms_ctx *ctx, ms_tensor *dst, const ms_tensor *src, ms_reduce_op op, int dim)
 {
+    MS_NVTX_RANGE("ms_reduce");
     MS_TRY(ms_cuda_enter(ctx));
     int64_t len = dim == MS_DIM_ALL ? ms_tensor_numel(src) : src->shape[dim];
     if (ms_tensor_numel(dst) == 0) return MS_OK;
@@ -291,6 +301,7 @@ ms_status ms_cuda_reduce(ms_ctx *ctx, ms_tensor *dst, const ms_tensor *src, ms_r
 ** temporary, then its sum. */
 ms_status ms_cuda_dot(ms_ctx *ctx, ms_tensor *dst, const ms_tensor *a, const ms_tensor *b)
 {
+    MS_NVTX_RANGE("ms_dot");
     MS_TRY(ms_cuda_enter(ctx));
     if (ms_tensor_numel(a) == 0) return ms_cuda_fill_tensor(ctx, dst, 0.0);
     bool wide = !(a->dtype == MS_DTYPE_F32 || a->dtype == MS_DTYPE_BF16 || a->dtype == MS_DTYPE_F16) ||
@@ -329,6 +340,7 @@ static void diagonal_view(ms_tensor *out, const ms_tensor *t)
 
 ms_status ms_cuda_eye(ms_ctx *ctx, ms_tensor *dst)
 {
+    MS_NVTX_RANGE("ms_eye");
     MS_TRY(ms_cuda_enter(ctx));
     ms_tensor diagonal;
     diagonal_view(&diagonal, dst);
@@ -340,6 +352,7 @@ ms_status ms_cuda_eye(ms_ctx *ctx, ms_tensor *dst)
 
 ms_status ms_cuda_diag(ms_ctx *ctx, ms_tensor *dst, const ms_tensor *src)
 {
+    MS_NVTX_RANGE("ms_diag");
     MS_TRY(ms_cuda_enter(ctx));
     ms_tensor diagonal;
     if (dst->ndim == src->ndim + 1) {   /* embed: zeros, then the vector on the diagonal */

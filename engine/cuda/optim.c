@@ -161,6 +161,7 @@ ms_status ms_cuda_adamw_step(ms_ctx *ctx, int n, ms_tensor *const *params, const
                              ms_tensor *const *exp_avg, ms_tensor *const *exp_avg_sq, const double *scales,
                              const ms_adamw_options *o)
 {
+    MS_NVTX_RANGE("ms_adamw_step");
     MS_TRY(ms_cuda_enter(ctx));
     call c;
     MS_TRY(call_new(ctx, n, &c));
@@ -191,6 +192,7 @@ ms_status ms_cuda_adamw_step(ms_ctx *ctx, int n, ms_tensor *const *params, const
 ms_status ms_cuda_sgd_step(ms_ctx *ctx, int n, ms_tensor *const *params, const ms_tensor *const *grads,
                            ms_tensor *const *momentum_buf, const double *scales, const ms_sgd_options *o)
 {
+    MS_NVTX_RANGE("ms_sgd_step");
     MS_TRY(ms_cuda_enter(ctx));
     call c;
     MS_TRY(call_new(ctx, n, &c));
@@ -216,6 +218,7 @@ ms_status ms_cuda_sgd_step(ms_ctx *ctx, int n, ms_tensor *const *params, const m
 
 ms_status ms_cuda_foreach_scale(ms_ctx *ctx, int n, ms_tensor *const *tensors, ms_scalar s)
 {
+    MS_NVTX_RANGE("ms_foreach_scale");
     MS_TRY(ms_cuda_enter(ctx));
     call c;
     MS_TRY(call_new(ctx, n, &c));
@@ -275,6 +278,7 @@ ms_status ms_cuda_tickets(ms_ctx *ctx, const char *op, unsigned **out)
 
 ms_status ms_cuda_foreach_sumsq(ms_ctx *ctx, ms_tensor *dst, int n, const ms_tensor *const *srcs)
 {
+    MS_NVTX_RANGE("ms_foreach_sumsq");
     MS_TRY(ms_cuda_enter(ctx));
     unsigned *tickets = NULL;
     MS_TRY(ms_cuda_tickets(ctx, "ms_foreach_sumsq", &tickets));
@@ -315,6 +319,7 @@ ms_status ms_cuda_adamw8_step(ms_ctx *ctx, int n, ms_tensor *const *params, cons
                               ms_tensor *const *exp_avg_sq, ms_tensor *const *exp_avg_sq_scale,
                               const double *scales, const ms_adamw8_options *o8)
 {
+    MS_NVTX_RANGE("ms_adamw8_step");
     MS_TRY(ms_cuda_enter(ctx));
     const ms_adamw_options *o = &o8->adamw;
     call c;

@@ -24,6 +24,7 @@ ms_status ms_cuda_sinkgd_step(ms_ctx *ctx, int n, ms_tensor *const *params, cons
                               ms_tensor *const *specnorm_u, ms_tensor *const *md_target_norm,
                               const double *scales, const ms_sinkgd_options *o)
 {
+    MS_NVTX_RANGE("ms_sinkgd_step");
     MS_TRY(ms_cuda_enter(ctx));
     int64_t count = 0;
     for (int i = 0; i < n; i++) {

@@ -420,6 +420,34 @@ MS_API int64_t ms_graph_num_nodes(const ms_graph *g);
 /* Frees g; the memory it kept returns to its context's pool (stream-ordered after its replays). */
 MS_API void ms_graph_free(ms_graph *g);
 
+/* Who is capturing a context's stream now. */
+typedef enum ms_capture {
+    MS_CAPTURE_NONE    = 0,   /* nobody (always so on the CPU) */
+    MS_CAPTURE_GRAPH   = 1,   /* this context, between ms_graph_begin and ms_graph_end */
+    MS_CAPTURE_FOREIGN = 2    /* someone else: the stream's owner captures it into a graph of its own (a
+                              ** trainer's torch.cuda.graph on the stream given in ms_ctx_options), or such
+                              ** a capture was invalidated by an error and not ended yet */
+} ms_capture;
+
+/* Whether ctx's stream is being captured, and by whom (cudaStreamIsCapturing).  Never fails: NULL, a CPU
+** context or a failed query give MS_CAPTURE_NONE.  Cheap enough to ask before every step. */
+MS_API ms_capture ms_ctx_is_capturing(const ms_ctx *ctx);
+
+/* Working inside someone else's capture (MS_CAPTURE_FOREIGN).  Between ms_graph_join and ms_graph_leave the
+** ops called on ctx are recorded into the caller's graph, and the context's memory behaves as during
+** ms_graph_begin: allocations come only from the pool's cache, never from the driver (a request the cache
+** cannot serve fails with MS_E_OOM: run the same ops once uncaptured first, which also creates the cuBLAS /
+** cuSOLVER handles and the counters the fused steps use), and every block allocated or freed meanwhile is
+** kept until the context is destroyed, because the caller's graph may replay at any time: capture once, not
+** every step, and create no tensor meant to outlive the capture inside it.  ms_eigh skips its convergence
+** check, as under ms_graph_begin; other calls that wait for the device are refused by the CUDA runtime
+** (MS_E_BACKEND), which also invalidates the caller's capture.
+** Errors: MS_E_UNSUPPORTED (CPU; the stream is not being captured, or captured by this context; already
+** joined), MS_E_BACKEND (the caller's capture was invalidated). */
+MS_API ms_status ms_graph_join(ms_ctx *ctx);
+/* Ends ms_graph_join (the ops called on ctx are no longer the caller's).  Errors: MS_E_ARG (not joined). */
+MS_API ms_status ms_graph_leave(ms_ctx *ctx);
+
 /* ---------------------------------------------------------------------------------------------------
 ** DLPack (https://dmlc.github.io/dlpack/latest/): exchanging tensors with PyTorch, JAX, CuPy, ... without
 ** copies.  `managed` is a DLManagedTensor * (the unversioned struct of dlpack.h 0.6 and later, which is what
@@ -637,6 +665,351 @@ MS_API ms_status ms_adamw8_step(ms_ctx *ctx, int n, ms_tensor *const *params, co
                                 ms_tensor *const *exp_avg, ms_tensor *const *exp_avg_scale,
                                 ms_tensor *const *exp_avg_sq, ms_tensor *const *exp_avg_sq_scale,
                                 const double *scales, const ms_adamw8_options *opts);
+
+/* ---------------------------------------------------------------------------------------------------
+** Shampoo on stacked blocks (DASH)
+**
+** Modoranu, Zmushko, Schultheis, Safaryan, Alistarh, "DASH: Faster Shampoo via Batched Block
+** Preconditioning and Efficient Inverse-Root Solvers" (arXiv 2602.02016).  A parameter is viewed as a
+** matrix and cut into blocks of at most B x B; blocks of equal size are stacked into [N, r, c] f32 tensors
+** so that each per-block operation is one batched call.  The block plan (which block of which parameter goes
+** where) is the caller's (lua/moonstep/blocks.lua); these calls move data between parameters and stacks,
+** update the grafting state, and compute inverse p-th roots of the stacked factors.
+**
+** Stacks (stack, grad, grad_ema, adam_v, pgraft, a, x) are f32 and contiguous (MS_E_LAYOUT otherwise);
+** per-block vectors (scale, norm, residual, lam_max, lam_min: f32; iters, index: i32) are contiguous 1-D
+** tensors.  Every tensor of a call lives on the context's device (MS_E_DEVICE), and a tensor that is written
+** may not share memory with another tensor of the call (MS_E_LAYOUT).
+**
+** Random vectors (power-iteration starts, residual sketches) are Philox normals defined like ms_rand's:
+** "the normals of a [b, m] f32 tensor with key `seed` and offset OFF" means that element (i, j) is the f32
+** value ms_rand (MS_RAND_NORMAL, a = 0, b = 1) stores at row-major index i * m + j with that key and
+** offset, so every backend starts from the same vectors.  OFF is k (the block's index in its stack, not in
+** `index`) for a power iteration on A, 2^32 + k for one on a root (lam_min) and 2^62 + k for a sketch.
+**
+** Power iteration (ms_inv_root's PI/PIM scaling and ms_spectrum_estimate), on a symmetric matrix S with m
+** start vectors V (the normals above, each column scaled to unit norm): `steps` times W = S V, then every
+** column v_j <- w_j / ||w_j|| (a zero column stays zero); then q_j = v_j^T S v_j and the estimate is
+** max_j q_j.  In bf16 mode S and V are rounded to bf16 before each product (f32 accumulation), as DASH does.
+** ------------------------------------------------------------------------------------------------- */
+
+/* One block of a tensor viewed as a matrix: a tensor of shape [d0, d1, ..., dk] is viewed as
+** [d0, d1 * ... * dk] (a 1-D tensor of n elements as [n, 1], a 0-dim one as [1, 1]); the block starts at
+** (row0, col0) of that view and has the stack's r x c size. */
+typedef struct ms_block {
+    ms_tensor *tensor;
+    int64_t row0, col0;
+} ms_block;
+
+/* stack [N, r, c] f32 <- the n = N blocks, block k into stack[k] (values converted to f32 exactly).
+** Tensors: f32, bf16 or f16; a tensor of 0, 1 or 2 dims may have any layout, one of more dims must be
+** contiguous (MS_E_LAYOUT).  Blocks must lie inside their tensor (MS_E_SHAPE) and may overlap (they are only read).
+** One launch per call on CUDA.  Errors: MS_E_ARG (NULL, n != N), MS_E_SHAPE, MS_E_DTYPE, MS_E_LAYOUT,
+** MS_E_DEVICE. */
+MS_API ms_status ms_blocks_gather(ms_ctx *ctx, ms_tensor *stack, int n, const ms_block *blocks);
+
+typedef struct ms_blocks_apply_options {
+    double lr;                  const ms_tensor *lr_t;
+    double weight_decay;        /* >= 0; decoupled: p <- p (1 - lr wd) before the update */
+    double step;                const ms_tensor *step_t;   /* 1-based; keys the stochastic rounding */
+    int    stochastic_round;    /* bf16/f16 tensors: stochastic rounding when storing (as ms_adamw_step) */
+    uint64_t seed;
+    const ms_tensor *skip_t;    /* nonzero at execution time: nothing changes */
+} ms_blocks_apply_options;
+
+/* For each block k: p_k <- p_k (1 - lr wd) - lr * scale[k] * stack[k] (scale: f32 [N], or NULL for 1),
+** computed in f32 as  p * (1 - lr wd) - (lr * scale[k]) * s  (the two factors rounded to f32 once per block)
+** and rounded once when stored.  With opts NULL it is the plain scatter p_k <- scale[k] * stack[k].
+** Blocks must not overlap one another (MS_E_LAYOUT; the plan partitions each tensor, so weight decay reaches
+** every element of a block exactly once).  Tensors as ms_blocks_gather (never with stride-0 dims), but
+** contiguous when stochastic rounding applies: the Philox counter of ms_adamw_step with e = the element's
+** row-major index in its tensor and `member` = k, the block's index in the call, rounded to bf16/f16 as
+** ms_adamw_step rounds.
+** Errors: MS_E_ARG (NULL, n != N, lr or weight_decay out of range), MS_E_SHAPE, MS_E_DTYPE, MS_E_LAYOUT,
+** MS_E_DEVICE. */
+MS_API ms_status ms_blocks_apply(ms_ctx *ctx, int n, const ms_block *blocks, const ms_tensor *stack,
+                                 const ms_tensor *scale, const ms_blocks_apply_options *opts);
+
+typedef struct ms_dash_graft_options {
+    double beta_grad;           /* gradient EMA: m <- beta_grad m + (1 - beta_grad) g (0: m = g); [0, 1) */
+    double beta_graft;          /* Adam second moment: v <- beta_graft v + (1 - beta_graft) g^2; [0, 1) */
+    double eps;                 /* eps_grafting, > 0 */
+    double step;                const ms_tensor *step_t;   /* 1-based, for the bias corrections */
+    int    bias_correction;
+    const ms_tensor *skip_t;    /* nonzero at execution time: nothing changes */
+} ms_dash_graft_options;
+
+/* DASH's grafting state on stacks [N, r, c] (all f32): updates grad_ema (m) and adam_v (v) from grad (g),
+** then P_graft = mh / (eps + sqrt(vh)) with, when bias_correction is set, mh = m / (1 - beta_grad^t) (m itself
+** when beta_grad = 0) and vh = v / (1 - beta_graft^t) (t = the step rounded to an integer), else mh = m and
+** vh = v; norm[k] = ||P_graft of block k||_F (f32 [N]; the sum of squares accumulated in at least f32 in a
+** fixed order).  P_graft itself is written to pgraft when it is not NULL (DASH's pure-Adam direction before
+** start_prec_step).  All per element in f32; one pass over the stacks on CUDA.
+** Errors: MS_E_ARG (options out of range), MS_E_SHAPE, MS_E_DTYPE, MS_E_LAYOUT, MS_E_DEVICE. */
+MS_API ms_status ms_dash_graft(ms_ctx *ctx, ms_tensor *grad_ema, ms_tensor *adam_v, ms_tensor *norm,
+                               ms_tensor *pgraft, const ms_tensor *grad, const ms_dash_graft_options *opts);
+
+typedef enum ms_root_method {
+    MS_ROOT_EVD       = 0,   /* eigendecomposition; eigenvalues shifted as DistributedShampoo (evd_shift) */
+    MS_ROOT_CN        = 1,   /* coupled Newton (research/dash.md 2.2), per-block stopping */
+    MS_ROOT_NDB       = 2,   /* Newton-Denman-Beavers; root 4 as two chained square roots */
+    MS_ROOT_CHEBYSHEV = 3    /* Chebyshev polynomial of x^(-1/p) evaluated by Clenshaw's recurrence */
+} ms_root_method;
+
+typedef enum ms_root_scaling {
+    MS_SCALING_FRO = 0,      /* s = ||A||_F */
+    MS_SCALING_PI  = 1,      /* s = pi_const * lambda_max estimate, one power-iteration vector */
+    MS_SCALING_PIM = 2       /* the same with pi_vectors vectors, the largest Rayleigh quotient */
+} ms_root_scaling;
+
+typedef struct ms_root_options {
+    ms_root_method  method;
+    int    root;             /* p: 2 or 4 */
+    int    steps;            /* NDB: Newton steps per square root (>= 1); CN: most iterations (>= 1);
+                             ** Chebyshev: degree (8..10000); EVD: unused */
+    double eps;              /* >= 0: the root of A + eps I */
+    ms_root_scaling scaling; /* NDB, CN, Chebyshev */
+    int    pi_steps;         /* power-iteration steps (DASH: 10), >= 1 with PI/PIM scaling */
+    int    pi_vectors;       /* PIM vectors (DASH: 16), 1..64 */
+    double pi_const;         /* safety factor (DASH: 2), >= 1 */
+    double eps_power_iter;   /* >= 0, damping of the power iteration's matrix (DASH: 1e-6): no NaN on a zero block */
+    int    pi_bf16;          /* the power iteration in bf16 (DASH) instead of f32 */
+    double tolerance;        /* >= 0. CN and NDB: a block stops iterating once its iterate is this close to
+                             ** convergence (CN: max |M - I|; NDB: max |Z Y - I|); 0: every block runs all steps */
+    ms_dtype matmul_dtype;   /* MS_DTYPE_F32 (TF32 when allow_tf32), or MS_DTYPE_BF16 / MS_DTYPE_F16: 16-bit GEMM
+                             ** operands with f32 accumulation and f32 results, in the products listed below
+                             ** (EVD: f32 only, MS_E_ARG otherwise) */
+    int    allow_tf32;       /* CUDA f32 GEMMs on TF32 tensor cores; the CPU computes f32 exactly */
+    int    evd_shift;        /* EVD: nonzero = DASH's SHAMPOO heuristic (lambda <- lambda + eps - min(lambda_min, 0)) */
+    uint64_t seed;           /* Philox key of the power-iteration start vectors and residual sketches */
+    const ms_tensor *index;  /* i32 [K] on the context's device, or NULL: work only on these blocks of a and
+                             ** x (the others are left as they are), e.g. one class of the `auto` policy.
+                             ** Entries distinct and in [0, N): checked where the backend can read them
+                             ** without synchronising (the CPU: MS_E_ARG) */
+} ms_root_options;
+
+/* x [N, b, b] f32 <- (A + eps I)^(-1/p) for each symmetric block A of a [N, b, b] f32 (x must not overlap a).
+** Every method returns the root itself (scales undone), so methods can be mixed across blocks.  With
+** A_reg = A + eps I and s its scale (FRO: ||A_reg||_F; PI / PIM: pi_const times the power-iteration estimate
+** of A_reg + eps_power_iter I with 1 / pi_vectors vectors, pi_steps steps; s is raised to at least 2^-126
+** so that an all-zero block gives finite numbers, never NaN):
+**   EVD:  A_reg = Q diag(l) Q^T (LAPACK / cuSOLVER syevd in f32); with evd_shift l <- l + eps - min(l_1, 0);
+**         X = Q diag(l^(-1/p)) Q^T, where an l <= 0 contributes 0 (pseudo-inverse; only with eps = 0).
+**   CN:   z = (p + 1) / (2 s), X = z^(1/p) I, M = z A_reg; per iteration N = ((p + 1) I - M) / p,
+**         X <- X N, M <- N^p M (p = 4: N2 = N N, M <- N2 (N2 M)).  16-bit: the products of the M recursion.
+**   NDB:  one square-root chain on C with scale c: Y = C / c, Z = I; step 1 is E = 1.5 I - 0.5 Y, Y <- Y E,
+**         Z <- E (one product); steps 2..T: E = 1.5 I - 0.5 Z Y, Y <- Y E, Z <- E Z; the last step skips the
+**         product that is not returned.  p = 2: X = Z_T / sqrt(s) from the chain on A_reg with c = s.
+**         p = 4: S = Y_T sqrt(s) from the chain on A_reg with c = s, then X = Z_T / s^(1/4) from the chain on
+**         S with c = sqrt(s) (one scale estimate).  16-bit: every product.
+**   Chebyshev: the degree-d interpolant q of y^(-1/p) at d + 1 Chebyshev points of [lo, 1], lo = 25 / d^2,
+**         coefficients computed in f64 and rounded to f32 (the same on every backend); with T = (2 A_reg / s
+**         - (1 + lo) I) / (1 - lo), Clenshaw's recurrence b_k = 2 T b_(k+1) - b_(k+2) + c_k I (d - 1 products;
+**         16-bit: T and b_(k+1) rounded), X = s^(-1/p) q(A_reg / s).
+** Per-block stopping (tolerance > 0): CN tests max |M - I| after each iteration, NDB max |Z Y - I| (the
+** product every step forms) before each step; a block that meets it keeps its iterate and stops.  Whatever the
+** tolerance, a block whose iterate leaves the region of convergence stops the same way: NDB when
+** max |Z Y - I| > 2, CN when max |M - I| > p + 1 (healthy iterates stay below 1 and (p - 1) / 2).  That happens
+** when A_reg has a negative eigenvalue (rounding noise of a singular factor with eps = 0), which the iteration
+** would otherwise amplify ~2.25x per step into Inf and NaN; the root stays finite and its residual large.
+** Resolution floors: an iterative method does not resolve, by design, the eigenvalues y = lambda / s (of A_reg)
+** below its floor; above the floor the normalized root X / ||X||_F is within ~1e-4 of the exact one (f32).
+** Below it CN, Chebyshev and NDB's root 2 under-invert (their root of y is too small, never too large), while
+** NDB's root 4 feeds the first chain's too small square root into the second and over-inverts, by up to 2.2x
+** for y in [1e-6, 1e-3] (under-inverting only below ~1e-7).  Measured floors for the DASH settings are listed in
+** the comment "Resolution floors" of engine/cpu/dash.c (p = 2 / p = 4): NDB 10 steps 3.2e-3 / 2.4e-3 (each
+** further step lowers it ~2.25x), CN 10 iterations 2.1e-3 / 4.9e-4, Chebyshev degree 60 6.5e-3 / 5.6e-3 (about
+** lo = 25 / d^2), EVD 6.5e-5 (f32 eigenvalues; below it EVD's root can be too large as well as too small).
+** Optional per-block outputs (f32 / i32 [N], entries of blocks not in `index` untouched): residual[k] =
+** ||X^p A_reg V - V||_F / ||V||_F for the [b, 4] sketch V (the normals above; computed with at least f32
+** accumulation): how well block k was inverted, large where an iterative solver under-inverts by design (even
+** an exact root stored in f32 leaves about 1e-7 times the condition number of A_reg);
+** iters[k] = the iterations block k ran (NDB: Newton steps of both square roots; CN: iterations; Chebyshev:
+** d; EVD: 0).  No host synchronisation except EVD's convergence check.
+** Errors: MS_E_ARG (options out of range, bad index entries), MS_E_SHAPE, MS_E_DTYPE, MS_E_LAYOUT,
+** MS_E_DEVICE, MS_E_NUMERIC (EVD did not converge or met a non-finite entry, with the block named; x is then
+** unchanged), MS_E_UNSUPPORTED. */
+MS_API ms_status ms_inv_root(ms_ctx *ctx, ms_tensor *x, ms_tensor *residual, ms_tensor *iters,
+                             const ms_tensor *a, const ms_root_options *opts);
+
+typedef struct ms_spectrum_options {
+    int    vectors;          /* power-iteration vectors (16), 1..64 */
+    int    steps;            /* power-iteration steps (10), >= 1 */
+    double eps;              /* >= 0, damping added to A's diagonal during the iteration (1e-6) */
+    int    bf16;             /* the products in bf16 (f32 accumulation) */
+    int    root;             /* p of x_root (lam_min): 2 or 4 */
+    uint64_t seed;
+} ms_spectrum_options;
+
+/* Per-block spectrum estimates of a [N, b, b] f32 symmetric positive semi-definite: lam_max (f32 [N]) <- q - eps,
+** q the power-iteration estimate (above) of A + eps I: a lower bound of lambda_max(A), close to it;
+** lam_min (f32 [N] or NULL; then x_root may be NULL) <- mu^(-p), mu the power-iteration estimate (no damping)
+** of x_root [N, b, b], an inverse p-th root of the same blocks (lambda_max(X) = lambda_min(A)^(-1/p));
+** +inf where mu <= 0.  lam_min is exact to the extent that x_root resolved the small eigenvalues (its
+** residual from ms_inv_root says); an under-inverted root overestimates it.
+** Errors: MS_E_ARG, MS_E_SHAPE, MS_E_DTYPE, MS_E_LAYOUT, MS_E_DEVICE. */
+MS_API ms_status ms_spectrum_estimate(ms_ctx *ctx, ms_tensor *lam_max, ms_tensor *lam_min, const ms_tensor *a,
+                                      const ms_tensor *x_root, const ms_spectrum_options *opts);
+
+/* ---------------------------------------------------------------------------------------------------
+** Embedding: an optimizer for a trainer written in C (or anything that calls C: Python's ctypes, ...)
+**
+** An ms_optimizer runs a recipe on the trainer's own tensors, as ms.optim.new(recipe, params, options,
+** settings) does in Lua (lua/moonstep/optim.lua): it owns a LuaJIT state running the moonstep Lua modules,
+** found through MOONSTEP_LUA_DIR, else beside the library that holds this code (<dir>/../lua in a build
+** tree, <dir>/../share/lua/5.1 when installed).  Use it through libmoonstep.so (the Lua side loads that
+** same library).
+**  - No copies: the optimizer keeps its own handles to the parameters and gradients, sharing their
+**    storage, so the caller may free its handles once they are added.  Parameters are updated in place;
+**    wrapped foreign memory must stay valid as long as the optimizer may use it.
+**  - Parameters are added after ms_optimizer_new and are fixed once the optimizer starts: the first
+**    ms_optimizer_step, _save, _load, _info, _stats or _capture routes them and creates the recipe's state.
+**  - A gradient may be given with its parameter, later, or replaced at any time (ms_optimizer_set_grad, for
+**    a trainer whose gradient buffers move); a step leaves a parameter without a gradient alone.
+**  - Errors: a Lua error inside the recipe or the runtime never escapes; it becomes a status, and its text
+**    (with a short Lua traceback for errors raised while running Lua code) is the last-error message of the
+**    thread and of the optimizer's context.  The status is the engine's when an engine call failed,
+**    MS_E_FORMAT for malformed JSON and for checkpoints that do not fit, MS_E_IO for files that cannot be
+**    read, and MS_E_ARG otherwise: invalid options, settings or parameters, and errors raised by the
+**    recipe's own code.  The optimizer stays usable after an error (a step that failed part way may have
+**    updated some of the parameters).
+**  - Threads: an optimizer may be used from any thread, one thread at a time, and its context must not be
+**    used by another thread during its calls.  Distinct optimizers are independent.
+** ------------------------------------------------------------------------------------------------- */
+
+typedef struct ms_optimizer ms_optimizer;
+
+/* A new optimizer running `recipe` on ctx's device (it keeps its own reference to ctx).
+** recipe: a built-in name ("adamw", "sinkgd": no '/' and no ".lua"; the installed recipes, then the folders
+** of MOONSTEP_RECIPE_PATH) or the path of a recipe file, which runs sandboxed unless the settings say
+** "trusted": true.
+** options_json: the recipe's options as a JSON object, e.g. {"lr": 3e-4, "betas": [0.9, 0.95]}, checked
+** against the recipe's specs (unknown names, types, ranges, the recipe's own rules); null = the default.
+** settings_json: the runtime's settings as a JSON object: "schedule" ({"kind": "cosine", "warmup_steps":
+** 100, "total_steps": 10000}; kinds constant, linear_warmup, cosine, wsd), "clip_grad_norm",
+** "nonfinite" ("skip": a step with NaN/Inf gradients changes nothing, "raise", "apply"), "master_weights",
+** "trusted", "sandbox" ({"instructions", "memory", "quota"}), "stats", and the others lua/moonstep/optim.lua
+** documents ("timings", "device_checks", ...).  The device is ctx's ("ctx" and "device" are refused).  NULL
+** or "" for either JSON argument: none given.
+** Errors: MS_E_ARG (NULL ctx, recipe or out; an unknown recipe or one that does not load; an unknown,
+** mistyped or out-of-range option or setting), MS_E_FORMAT (malformed JSON, not an object, a key given
+** twice), MS_E_IO (a recipe file or the Lua modules cannot be read), MS_E_OOM. */
+MS_API ms_status ms_optimizer_new(ms_ctx *ctx, const char *recipe, const char *options_json,
+                                  const char *settings_json, ms_optimizer **out);
+
+/* Frees the optimizer, its state and its Lua state (NULL is fine); parameters and gradients stay. */
+MS_API void ms_optimizer_free(ms_optimizer *opt);
+
+/* Registers a parameter under a unique, non-empty name (checkpoints find its state by name).  param: a
+** float tensor on the optimizer's device; grad: NULL (none yet) or a float tensor of param's shape on the
+** same device, any layout.  tags: NULL or a comma-separated list ("no_decay,adamw") that the recipe's
+** route() sees.  A parameter whose memory is that of an earlier one (tied weights) is updated once.
+** Errors: MS_E_ARG (NULL, empty or duplicate name, the optimizer has started), MS_E_SHAPE, MS_E_DTYPE,
+** MS_E_DEVICE. */
+MS_API ms_status ms_optimizer_add_param(ms_optimizer *opt, const char *name, ms_tensor *param, ms_tensor *grad,
+                                        const char *tags);
+
+/* Gives parameter `name` another gradient tensor (NULL: none; steps then leave the parameter alone).
+** Errors: as ms_optimizer_add_param, and MS_E_ARG for a name that was never added. */
+MS_API ms_status ms_optimizer_set_grad(ms_optimizer *opt, const char *name, ms_tensor *grad);
+
+typedef struct ms_step_options {
+    double grad_scale;   /* > 0: the gradients are this many times too large (a scaled loss) and are divided
+                         ** by it, in place, before clipping and the update; 0 means 1 */
+} ms_step_options;
+
+/* One step: this step's learning rate (the schedule's, or the last ms_optimizer_set_lr), the settings'
+** non-finite check and gradient clipping, then every route of the recipe on its parameters that have a
+** gradient.  Clipping (and grad_scale) rescale the gradient tensors in place.  The work is queued on the
+** context's stream; the step waits for the device only for the non-finite check and clipping (not with
+** "nonfinite": "apply", no clipping and no grad_scale).  While the trainer captures the context's stream
+** into a graph of its own, the step is recorded into that graph: see "Inside a trainer's CUDA graph" below. */
+MS_API ms_status ms_optimizer_step(ms_optimizer *opt);
+
+/* ms_optimizer_step with options (NULL: none).  *applied (may be NULL) <- 1 when the step was applied, 0 when
+** it was skipped (non-finite gradients under "nonfinite": "skip"), -1 when the device decides it (captured
+** steps, "device_checks": ms_optimizer_stats tells afterwards).  Errors: MS_E_ARG (grad_scale < 0, NaN or
+** infinite), and those of the step. */
+MS_API ms_status ms_optimizer_step_with(ms_optimizer *opt, const ms_step_options *opts, int *applied);
+
+/* The learning rate of the following steps, replacing the schedule (a trainer that owns its schedule calls
+** it before each step).  Errors: MS_E_ARG (lr negative, NaN or infinite). */
+MS_API ms_status ms_optimizer_set_lr(ms_optimizer *opt, double lr);
+/* *lr <- the learning rate the next step will use. */
+MS_API ms_status ms_optimizer_get_lr(ms_optimizer *opt, double *lr);
+
+/* Writes the optimizer's state (its tensors by name, the step count, the options, the recipe's name and
+** content hash) to a safetensors file, atomically.  Errors: MS_E_IO. */
+MS_API ms_status ms_optimizer_save(ms_optimizer *opt, const char *path);
+/* Restores a checkpoint written by ms_optimizer_save for the same recipe (same content hash) and
+** parameters.  Everything is checked before anything changes.  Errors: MS_E_IO (the file cannot be read),
+** MS_E_FORMAT (corrupt, or not fitting this optimizer: another recipe, missing state, other shapes). */
+MS_API ms_status ms_optimizer_load(ms_optimizer *opt, const char *path);
+
+/* *json_out <- a new NUL-terminated JSON text, to be freed with ms_string_free.
+**  info:  {"recipe", "params": [{"name", "route", "group", "shape", "dtype", "state_bytes", ...}],
+**          "groups": [{"id", "route", "params", "overrides", "state_bytes"}], "total_state_bytes"}
+**  stats: {"step", "skipped_steps", "lr", "last": the last step's numbers ("skipped", "grad_norm",
+**          "launches", "reports": what the recipe reported, ...)}
+** Numbers that JSON cannot hold (NaN, infinities) are written as the strings "nan", "inf", "-inf". */
+MS_API ms_status ms_optimizer_info(ms_optimizer *opt, char **json_out);
+MS_API ms_status ms_optimizer_stats(ms_optimizer *opt, char **json_out);
+/* Frees a string returned by moonstep (NULL is fine). */
+MS_API void ms_string_free(char *s);
+
+/* Captures the step into CUDA graphs (one per plan key) that later steps replay: the Lua optimizer's
+** opt:capture().  Errors: MS_E_UNSUPPORTED (a CPU context, or a runtime without graph capture), and
+** those of the capture. */
+MS_API ms_status ms_optimizer_capture(ms_optimizer *opt);
+
+/* Inside a trainer's CUDA graph.  A trainer that captures its training step into a graph of its own
+** (cudaStreamBeginCapture on the context's stream, torch.cuda.graph, or ms_graph_begin on ctx) may call
+** ms_optimizer_step / _step_with during that capture: the step is then recorded into the trainer's graph
+** (ms_graph_join), with no host sync and no allocation from the driver, and nothing runs until a replay.
+** Conditions:
+**  - Warm-up: create the optimizer with the setting "device_checks": true (or call ms_optimizer_capture), and
+**    run one uncaptured ms_optimizer_step with the same parameters and gradients first: it creates the
+**    recipe's state, the context's handles and the cached memory that a capture cannot allocate.  A step
+**    captured before that, or without device checks, fails with MS_E_UNSUPPORTED and records nothing (a
+**    recipe plan that has not run uncaptured yet, such as DASH's refresh step, fails with MS_E_ARG).
+**  - The recorded step reads the gradients' and parameters' memory of the capture on every replay
+**    (ms_optimizer_set_grad afterwards does not change the graph), and checks and skips non-finite
+**    gradients on the device ("nonfinite": "raise" and "stats" cannot be captured); *applied is -1.
+**  - Recording counts no step and writes no learning rate: call ms_optimizer_prepare_replay before each
+**    replay of the graph.
+**  - While the stream is captured, ms_optimizer_save, _load and _capture, and _info or _stats before the
+**    first step, fail with MS_E_UNSUPPORTED (they would read the device or allocate).
+** CPU contexts have no graphs. */
+
+/* Before each replay of a graph holding a step recorded as above (outside the capture, on the context's
+** stream or ordered after its work): writes this replay's learning rate (the schedule's, or the last
+** ms_optimizer_set_lr) and step number into the device scalars that the recorded step reads, and counts
+** the step, exactly as an uncaptured ms_optimizer_step advances the step count and the schedule.  Call it
+** once per replay, in the replays' order.  A skipped replay (non-finite gradients) still counts, as the
+** host cannot know; ms_optimizer_stats reads the device's skip count.
+** Errors: MS_E_UNSUPPORTED (a CPU context; the context's stream is being captured), MS_E_ARG (no step has
+** been recorded into a graph yet), and those of the device. */
+MS_API ms_status ms_optimizer_prepare_replay(ms_optimizer *opt);
+/* ms_optimizer_prepare_replay with options (NULL: none): opts->grad_scale is this replay's loss scale, given
+** exactly when the recorded step was given one (its gradients are then unscaled by 1 / grad_scale on the
+** device).  Errors: as ms_optimizer_prepare_replay, and MS_E_ARG (grad_scale < 0, NaN or infinite; given
+** for a step recorded without one, or missing for a step recorded with one). */
+MS_API ms_status ms_optimizer_prepare_replay_with(ms_optimizer *opt, const ms_step_options *opts);
+
+/* ---------------------------------------------------------------------------------------------------
+** Profiling
+**
+** Named ranges for profilers (NVTX: Nsight Systems shows them on the timeline of the thread that opened
+** them).  The CUDA backend also opens one around each op it queues, named after the public call
+** ("ms_adamw_step", "ms_binary", ...), and the Lua optimizer one around each recipe route's step
+** ("moonstep:<route>").  Ranges mark host time: inside a captured graph they show where ops were recorded,
+** not the replays.  Ranges nest; push and pop on the same thread.
+** ------------------------------------------------------------------------------------------------- */
+
+/* Opens a range called `name` (copied).  A no-op for a CPU context, NULL arguments, or a build without NVTX. */
+MS_API void ms_profile_push(ms_ctx *ctx, const char *name);
+/* Closes the innermost range opened on this thread (a no-op where ms_profile_push is one). */
+MS_API void ms_profile_pop(ms_ctx *ctx);
 
 #ifdef __cplusplus
 }

@@ -10,6 +10,12 @@ moonstep.graph -- capture a sequence of ops on a CUDA context and replay it (ms_
 While a context captures, its allocations come only from its pool's cache, host transfers and syncs are
 refused, and a failing op makes the capture fail (moonstep.h, "Graphs").  Tensors the captured ops use
 must outlive the graph.
+
+  graph.state(ctx)              -- "none", "graph" (a moonstep capture) or "foreign" (the stream's owner
+                                --   captures it: a trainer's torch.cuda.graph)
+  graph.join(ctx, fn)           -- runs fn inside the owner's capture (ms_graph_join / ms_graph_leave)
+
+The optimizer captures its own steps (opt:capture(), moonstep.optim); this module is for sequences of ops.
 ]]
 local core = require("moonstep.core")
 local tensor = require("moonstep.tensor")
@@ -36,6 +42,26 @@ function M.capture(ctx, fn)
   end
   core.check(st, 2)
   return setmetatable({ ctx = ctx, h = ffi.gc(out_graph[0], C.ms_graph_free) }, Graph)
+end
+
+local state_names = { [0] = "none", [1] = "graph", [2] = "foreign" }
+
+--- Who captures ctx's stream now: "none", "graph" (between ms_graph_begin and ms_graph_end) or "foreign".
+function M.state(ctx)
+  return state_names[tonumber(C.ms_ctx_is_capturing(tensor.handle_ctx(tensor.device(ctx))))]
+end
+
+--- Runs fn() while ctx's stream is being captured by its owner (state "foreign"), so that the ops fn calls
+--- on ctx are recorded into the owner's graph with the memory rules of a capture (ms_graph_join); returns
+--- fn's results.  An error in fn ends the join and is raised.
+function M.join(ctx, fn)
+  local h = tensor.handle_ctx(tensor.device(ctx))
+  core.check(C.ms_graph_join(h), 2)
+  local res = { pcall(fn) }
+  local st = C.ms_graph_leave(h)
+  if not res[1] then error(res[2], 2) end
+  core.check(st, 2)
+  return unpack(res, 2, table.maxn(res))
 end
 
 --- Queues one replay on the graph's context (asynchronous, like any op).

@@ -40,6 +40,11 @@ ms.Tensor = tensor.Tensor
 local fused = require("moonstep.fused")
 for _, name in ipairs { "adamw_step", "sgd_step", "foreach_sumsq", "foreach_scale", "sinkgd_step", "adamw8_step",
                          "adamw8_qmap" } do ms[name] = fused[name] end
+-- Shampoo on stacked blocks (DASH): block lists and plans, gather/apply, grafting, inverse roots
+local dash = require("moonstep.dash")
+for _, name in ipairs { "block_list", "blocks_gather", "blocks_apply", "blocks_scatter", "dash_graft", "inv_root",
+                         "spectrum_estimate" } do ms[name] = dash[name] end
+ms.block_plan = require("moonstep.blocks").plan
 
 function ms.zeros_like(t, opts)
   return ms.zeros(t:shape(), { dtype = opts and opts.dtype or t:dtype(), ctx = opts and opts.ctx or t:context() })
@@ -114,6 +119,7 @@ function ms.load(path, opts)
 end
 
 ms.recipe = require("moonstep.recipe")
+ms.graph = require("moonstep.graph")
 ms.schedule = require("moonstep.schedule")
 package.loaded.moonstep = ms     -- moonstep.optim requires moonstep: give it this table
 ms.optim = require("moonstep.optim")

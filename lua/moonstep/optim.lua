@@ -20,6 +20,30 @@ Settings (the runtime's, kept apart from the recipe's options):
   sandbox         limits of an untrusted recipe: {instructions =, memory =, quota =} (moonstep.recipe)
   ctx / device    the context or device the optimizer runs on (default: the first parameter's)
   stats           true: opt:stats() also reports each parameter's update norm (costs a copy per step)
+  timings         true: events around each route's step (CUDA events; the host clock on the CPU), read
+                  lazily: opt:stats().timings per route, opt.last.timings once stats() has read them
+  device_checks   true: the non-finite check and clipping run on the device, as in captured steps, so a
+                  step never waits for the GPU (see "Captured steps"; without capture too)
+  capture_on_change  what a captured step does when a parameter's or gradient's memory, shape or dtype
+                  differs from the capture: "recapture" (default) or "error"
+
+Captured steps (CUDA): after opt:capture(), each step replays a CUDA graph per plan key (the plan() keys
+of the routes that run, e.g. DASH's "refresh" and "apply"), instead of running the recipe.  The first step
+with a new key runs uncaptured (it fills the memory pool's cache), the next one with that key captures and
+replays.  Replays read lr and step from the device scalars lr_t / step_t, written before each launch.  A
+captured step reads nothing back to the host, so:
+  - the non-finite check and clipping run on the device: ctx.skip_t (a device scalar, nonzero on a step with
+    NaN/Inf gradients) goes to the recipe, whose fused steps take it as `skip`; a route that does not read
+    ctx.skip_t cannot be skipped on the device, and capturing it is refused (unless nonfinite = "apply").
+    nonfinite = "raise" cannot be captured.
+  - opt:step() returns nil (not true/false), opt.last.skipped, grad_norm and clipped are nil until
+    opt:stats() reads them (it waits for the device); skipped_steps counts the device's skips too.
+  - a skipped step still advances the step count and the schedule (the host cannot know it was skipped).
+  - the recipe's step() runs only while recording: it must not change host state per step (plan() does).
+A parameter or gradient whose memory, shape or dtype changed (set_grad with another buffer) is re-captured
+(or an error, per capture_on_change); opt:uncapture() frees the graphs.  Inside a trainer's own capture of
+the context's stream (torch.cuda.graph), opt:step() only queues the capture-safe step (ms_graph_join) and
+writes no device scalars: call opt:prepare_replay() before each replay of that graph.
 ]]
 local ms = require("moonstep")
 local R = require("moonstep.recipe")
@@ -27,6 +51,9 @@ local S = require("moonstep.schedule")
 local json = require("moonstep.json")
 local core = require("moonstep.core")
 local tensor = require("moonstep.tensor")
+local fused = require("moonstep.fused")
+local graph = require("moonstep.graph")
+local ffi, C = core.ffi, core.C
 
 local M = {}
 local Optimizer = {}
@@ -37,7 +64,7 @@ M.SCHEMA = 1
 
 local setting_names = {
   schedule = true, clip_grad_norm = true, nonfinite = true, master_weights = true, trusted = true, ctx = true,
-  device = true, stats = true, sandbox = true,
+  device = true, stats = true, sandbox = true, timings = true, device_checks = true, capture_on_change = true,
 }
 
 local function check_settings(s)
@@ -63,12 +90,19 @@ local function check_settings(s)
   if out.nonfinite ~= "skip" and out.nonfinite ~= "raise" and out.nonfinite ~= "apply" then
     error("setting nonfinite must be 'skip', 'raise' or 'apply' (got " .. tostring(out.nonfinite) .. ")", 3)
   end
-  for _, b in ipairs { "master_weights", "trusted", "stats" } do
+  out.capture_on_change = out.capture_on_change or "recapture"
+  if out.capture_on_change ~= "recapture" and out.capture_on_change ~= "error" then
+    error("setting capture_on_change must be 'recapture' or 'error' (got " .. tostring(out.capture_on_change) .. ")", 3)
+  end
+  for _, b in ipairs { "master_weights", "trusted", "stats", "timings", "device_checks" } do
     if out[b] ~= nil then
       local v = R.types.boolean(out[b])
       if v == nil then error(("setting %s must be a boolean (got %s)"):format(b, tostring(out[b])), 3) end
       out[b] = v
     end
+  end
+  if out.device_checks and out.nonfinite == "raise" then
+    error("setting device_checks: nonfinite = 'raise' needs the gradients read back every step; use 'skip' or 'apply'", 3)
   end
   return out
 end
@@ -126,6 +160,21 @@ function M.new(recipe, params, options, settings)
   self.ctx = ctx
   self.lr_t = ms.zeros({ 1 }, { ctx = ctx })
   self.step_t = ms.zeros({ 1 }, { ctx = ctx })
+  self.ctx_h = tensor.handle_ctx(ctx)
+  self.device_name = ctx:name()
+  -- captured and device-checked steps (see "Captured steps"): the checks' tensors per gradient count, the
+  -- routes seen reading ctx.skip_t, the plan keys that ran uncaptured, and the graphs once opt:capture()
+  self.checks, self.skip_readers, self.warm_keys = {}, {}, {}
+  self.grads_version, self.captures, self.recaptures = 0, 0, 0
+  self.ctx_mt = {
+    __index = function(_, k)
+      if k ~= "skip_t" then return nil end
+      if self.running_route and self.skip_now then self.skip_readers[self.running_route] = true end
+      return self.skip_now
+    end,
+    __metatable = "moonstep.step_ctx",
+  }
+  if settings.timings then self.timing = { ring = {}, next = 0 } end
 
   -- parameters: names unique, tensors on the optimizer's device, tied parameters registered once
   local seen = {}
@@ -185,6 +234,9 @@ function M.new(recipe, params, options, settings)
     self.members[#self.members + 1] = m
   end
 
+  self.nvtx = {}
+  for route in pairs(recipe.routes) do self.nvtx[route] = "moonstep:" .. tostring(route) end
+
   -- state: created by each route's init, owned by the optimizer
   for _, g in ipairs(self.groups) do
     local r = recipe.routes[g.route]
@@ -226,43 +278,158 @@ function Optimizer:set_grad(name, grad)
   if not e then error("set_grad: no parameter named '" .. tostring(name) .. "'", 2) end
   if grad ~= nil then self:_check_grad(name, e.param, grad, 3) end
   e.grad, e.member.grad = grad, grad
+  self.grads_version = self.grads_version + 1
 end
 
--- the step's context, as recipes see it
+-- the step's context, as recipes see it.  skip_t (the device-side non-finite flag of captured and
+-- device-checked steps, nil otherwise) is answered by the metatable, which notes the routes that read it.
 local function step_ctx(self, step, lr)
   local report = self.reports
-  return {
-    step = step, lr = lr, lr_t = self.lr_t, step_t = self.step_t, context = self.ctx, device = self.ctx:name(),
+  self.skip_now = nil
+  return setmetatable({
+    step = step, lr = lr, lr_t = self.lr_t, step_t = self.step_t, context = self.ctx, device = self.device_name,
     world = { rank = 0, size = 1 },
     report = function(key, value) report[key] = value end,
-  }
+  }, self.ctx_mt)
+end
+
+-- launches queued on the optimizer's context so far (a reused struct: no table per call)
+local mem_stats = ffi.new("ms_mem_stats")
+local function launches(h)
+  core.check(C.ms_ctx_mem_stats(h, mem_stats))
+  return tonumber(mem_stats.launches)
+end
+
+-- the groups a step updates (each a view holding only the members that have a gradient) and those members;
+-- rebuilt only after set_grad
+function Optimizer:_runs()
+  if self.runs_version == self.grads_version then return self.runs, self.active end
+  local runs, active = {}, {}
+  for _, g in ipairs(self.groups) do
+    local n = 0
+    for _, m in ipairs(g) do if m.grad then n = n + 1 end end
+    if n > 0 then
+      local run = g
+      if n < #g then
+        run = { route = g.route, index = g.index, id = g.id, options = g.options, state = g.state }
+        for _, m in ipairs(g) do if m.grad then run[#run + 1] = m end end
+      end
+      runs[#runs + 1] = run
+    end
+  end
+  for _, m in ipairs(self.members) do if m.grad then active[#active + 1] = m end end
+  -- without a route that plans, every run's plan is "step" and so is the step's key (see _plans)
+  local plan_free, step_plans = true, {}
+  for i, run in ipairs(runs) do
+    step_plans[i] = "step"
+    if self.recipe.routes[run.route].plan then plan_free = false end
+  end
+  self.runs, self.active, self.runs_version = runs, active, self.grads_version
+  self.step_plans = plan_free and step_plans or nil
+  return runs, active
+end
+
+-- each run's plan (host policy, outside any capture) and the key of the whole step: the plans of the routes
+-- that have a plan() ("step" when none has), and whether the gradients are unscaled (a captured step
+-- records that choice)
+function Optimizer:_plans(runs, c, scaled)
+  local plans, key = {}, nil
+  for i, run in ipairs(runs) do
+    local r = self.recipe.routes[run.route]
+    local p = "step"
+    if r.plan then
+      p = R.call(self.guard, r.plan, run, run.options, c) or "step"
+      key = key and key .. "|" .. tostring(p) or tostring(p)
+    end
+    plans[i] = p
+  end
+  key = key or "step"
+  if scaled then key = key .. "|unscaled" end
+  return plans, key
+end
+
+-- every run's step, in an NVTX range "moonstep:<route>"; `rec` (timings) gets an event before each route and
+-- one at the end
+function Optimizer:_run_routes(runs, plans, c, rec)
+  local h = self.ctx_h
+  for i, run in ipairs(runs) do
+    local r = self.recipe.routes[run.route]
+    c.plan = plans[i]
+    self.running_route = run.route
+    if rec then self:_timing_mark(rec, "route", run.route) end
+    C.ms_profile_push(h, self.nvtx[run.route])
+    local ok, err = pcall(R.call, self.guard, r.step, run, run.options, c)
+    C.ms_profile_pop(h)
+    self.running_route = nil
+    if not ok then error(err, 0) end
+  end
+  if rec then self:_timing_mark(rec, nil) end
+  self.scalars_written = nil   -- recipe code ran: write every device scalar again next step
+end
+
+-- Writes this step's lr and step into the device scalars lr_t and step_t (and the unscale factor into the
+-- checks' `inv`), on the context's stream before the step's kernels.  A value equal to the one written last
+-- is not written again (a launch less per captured replay when the lr is constant): only this module writes
+-- these scalars, and recipes read ctx.lr_t / ctx.step_t without writing them (the cache is dropped whenever
+-- recipe code ran, all the same).
+function Optimizer:_write_scalars(lr, step, inv_t, inv)
+  local w = self.scalars_written
+  if not w then
+    w = {}
+    self.scalars_written = w
+  end
+  if w[self.lr_t] ~= lr then
+    w[self.lr_t] = nil
+    self.lr_t:fill_(lr)
+    w[self.lr_t] = lr
+  end
+  if w[self.step_t] ~= step then
+    w[self.step_t] = nil
+    self.step_t:fill_(step)
+    w[self.step_t] = step
+  end
+  if inv_t and w[inv_t] ~= inv then
+    w[inv_t] = nil
+    inv_t:fill_(inv)
+    w[inv_t] = inv
+  end
+end
+
+local function check_grad_scale(grad_scale, level)
+  if grad_scale ~= nil and (type(grad_scale) ~= "number" or not (grad_scale > 0) or grad_scale == math.huge) then
+    error("step: grad_scale must be a positive finite number (got " .. tostring(grad_scale) .. ")", level + 1)
+  end
 end
 
 --- One optimizer step.  args (optional): grad_scale = s (gradients are s times too large: unscaled here),
 --- grads = {name = tensor} (this step's gradients, for trainers that pass them per step).
---- Returns true when the step was applied, false when it was skipped (non-finite gradients).
+--- Returns true when the step was applied, false when it was skipped (non-finite gradients), nil when the
+--- device decided (captured or device-checked steps: opt:stats() tells).
 function Optimizer:step(args)
   args = args or {}
   if args.grads then for name, g in pairs(args.grads) do self:set_grad(name, g) end end
+  local grad_scale = args.grad_scale
+  check_grad_scale(grad_scale, 2)
+  local cap = tonumber(C.ms_ctx_is_capturing(self.ctx_h))
+  if cap ~= 0 then return self:_step_in_capture(cap, grad_scale) end
+  if self.graphs or self.settings.device_checks then return self:_step_device(grad_scale) end
+
   local step = self.step_count + 1
   local lr = self:get_lr()
-  local launches0 = self.ctx:mem_stats().launches
+  local launches0 = launches(self.ctx_h)
   self.reports = {}
   local last = { step = step, lr = lr }
   self.last = last
+  local rec = self.timing and self:_timing_slot(step)
 
   -- the gradients this step uses (parameters without one are skipped)
-  local active = {}
-  for _, m in ipairs(self.members) do if m.grad then active[#active + 1] = m end end
+  local runs, active = self:_runs()
 
   -- one reduction over every gradient: finiteness, the global norm for clipping, the loss-scale check
-  local grad_scale = args.grad_scale
-  if grad_scale ~= nil and (type(grad_scale) ~= "number" or not (grad_scale > 0) or grad_scale == math.huge) then
-    error("step: grad_scale must be a positive finite number (got " .. tostring(grad_scale) .. ")", 2)
-  end
   local inv = grad_scale and 1 / grad_scale or 1
   local clip = self.settings.clip_grad_norm
   if #active > 0 and (self.settings.nonfinite ~= "apply" or clip or inv ~= 1) then
+    if rec then self:_timing_mark(rec, "checks") end
     local grads = {}
     for i, m in ipairs(active) do grads[i] = m.grad end
     local sums = ms.foreach_sumsq(grads):tolist_flat()
@@ -277,7 +444,8 @@ function Optimizer:step(args)
         end
         self.skipped = self.skipped + 1
         last.skipped, last.nonfinite = true, bad
-        last.launches = self.ctx:mem_stats().launches - launches0
+        last.launches = launches(self.ctx_h) - launches0
+        if rec then self:_timing_mark(rec, nil) end
         return false
       end
     end
@@ -289,40 +457,418 @@ function Optimizer:step(args)
   end
 
   -- device scalars first, so captured kernels read this step's values
-  self.lr_t:fill_(lr)
-  self.step_t:fill_(step)
-  local before
-  if self.settings.stats then
-    before = {}
-    for _, m in ipairs(active) do before[m] = m.param:clone() end
-  end
+  self:_write_scalars(lr, step)
+  local before = self.settings.stats and self:_params_before(active)
   local c = step_ctx(self, step, lr)
-  for _, g in ipairs(self.groups) do
-    local run = g
-    local n_active = 0
-    for _, m in ipairs(g) do if m.grad then n_active = n_active + 1 end end
-    if n_active > 0 then
-      if n_active < #g then   -- a view of the group with only the members that have gradients
-        run = { route = g.route, index = g.index, id = g.id, options = g.options, state = g.state }
-        for _, m in ipairs(g) do if m.grad then run[#run + 1] = m end end
-      end
-      local r = self.recipe.routes[g.route]
-      c.plan = r.plan and R.call(self.guard, r.plan, run, g.options, c) or "step"
-      R.call(self.guard, r.step, run, g.options, c)
-    end
-  end
+  local plans = self:_plans(runs, c, false)
+  self:_run_routes(runs, plans, c, rec)
   for _, m in ipairs(active) do
     if m.model_param then m.model_param:copy_(m.param) end
   end
-  if before then
-    last.update_norms = {}
-    for m, old in pairs(before) do last.update_norms[m.name] = (m.param - old):norm() end
-  end
+  if before then self:_update_norms(before, last) end
   self.step_count = step
   last.skipped = false
   last.reports = self.reports
-  last.launches = self.ctx:mem_stats().launches - launches0
+  last.launches = launches(self.ctx_h) - launches0
   return true
+end
+
+function Optimizer:_params_before(active)
+  local before = {}
+  for _, m in ipairs(active) do before[m] = m.param:clone() end
+  return before
+end
+
+function Optimizer:_update_norms(before, last)
+  last.update_norms = {}
+  for m, old in pairs(before) do last.update_norms[m.name] = (m.param - old):norm() end
+end
+
+-- ---------------------------------------------------------------------------------------------------
+-- device-checked and captured steps
+-- ---------------------------------------------------------------------------------------------------
+-- The tensors of the device-side checks for n gradients, kept across steps (a captured graph writes them).
+-- The sum of squares is taken in f64 as the host path does, so the clip factor is the host's to an ulp.
+function Optimizer:_checks(n)
+  local d = self.checks[n]
+  if d then return d end
+  local function f64(v) return ms.full({ 1 }, v, { dtype = "f64", ctx = self.ctx }) end
+  d = {
+    sums = ms.zeros({ n }, { dtype = "f32", ctx = self.ctx }), sums64 = ms.zeros({ n }, { dtype = "f64", ctx = self.ctx }),
+    total = f64(0), nan = f64(0), skip = ms.zeros({ 1 }, { dtype = "f32", ctx = self.ctx }), norm = f64(0),
+    inv = f64(1), f = f64(1), gt = f64(0), keep = f64(1), scale = f64(1),
+  }
+  self.checks[n] = d
+  self.skipped_t = self.skipped_t or f64(0)
+  return d
+end
+
+-- The capture-safe step: non-finite flag, norm and clip factor computed on the device (no host reads), the
+-- routes with ctx.skip_t, the master-weight copies.  Returns the checks' tensors (nil when none ran).
+function Optimizer:_device_body(runs, active, plans, c, scaled, rec, verify)
+  local h, s = self.ctx_h, self.settings
+  local clip = s.clip_grad_norm
+  local d
+  self.skip_now = nil
+  if #active > 0 and (s.nonfinite ~= "apply" or clip or scaled) then
+    if rec then self:_timing_mark(rec, "checks") end
+    d = self:_checks(#active)
+    local grads = d.grads_of == active and d.grads or {}
+    if d.grads_of ~= active then
+      for i, m in ipairs(active) do grads[i] = m.grad end
+      d.grads, d.grads_of = grads, active
+    end
+    fused.foreach_sumsq(grads, d.sums)
+    d.sums64:copy_(d.sums)
+    core.check(C.ms_reduce(h, tensor.handle(d.total), tensor.handle(d.sums64), C.MS_REDUCE_SUM, C.MS_DIM_ALL))
+    if s.nonfinite ~= "apply" then
+      tensor.mul(d.total, 0, d.nan)                 -- 0 for a finite total, NaN for Inf or NaN
+      tensor.ne(d.nan, 0, d.skip)                   -- NaN ~= 0: the skip flag
+      tensor.add(self.skipped_t, d.skip, self.skipped_t)
+      self.skip_now = d.skip
+    end
+    core.check(C.ms_unary(h, tensor.handle(d.norm), tensor.handle(d.total), C.MS_UNARY_SQRT))
+    if scaled then tensor.mul(d.norm, d.inv, d.norm) end
+    if clip then
+      -- scale = inv * (norm > clip ? clip / (norm + 1e-6) : 1), selected exactly: keep + gt * f with gt in {0, 1}
+      tensor.add(d.norm, 1e-6, d.f)
+      tensor.div(clip, d.f, d.f)
+      tensor.gt(d.norm, clip, d.gt)
+      tensor.sub(1, d.gt, d.keep)
+      tensor.addcmul(d.keep, d.f, d.gt, 1, d.scale)
+      if scaled then tensor.mul(d.scale, d.inv, d.scale) end
+      fused.foreach_scale(grads, d.scale)
+    elseif scaled then
+      fused.foreach_scale(grads, d.inv)
+    end
+    if verify and self.skip_now and d.skip:item() ~= 0 then return d, true end
+  end
+  self:_run_routes(runs, plans, c, rec)
+  for _, m in ipairs(active) do
+    if m.model_param then m.model_param:copy_(m.param) end
+  end
+  if self.skip_now then
+    for _, run in ipairs(runs) do
+      if not self.skip_readers[run.route] then
+        self.skip_refused = run.route
+        error(("route '%s' of recipe %s does not read ctx.skip_t, so a step with non-finite gradients cannot be "
+               .. "skipped on the device (captured and device-checked steps); its fused steps must take "
+               .. "skip = ctx.skip_t, or set settings.nonfinite = 'apply'"):format(run.route, self.recipe.name), 0)
+      end
+    end
+  end
+  return d, false
+end
+
+-- true when every route of `runs` is known to read ctx.skip_t (or no skip flag is needed)
+function Optimizer:_skip_known(runs)
+  if self.settings.nonfinite == "apply" then return true end
+  for _, run in ipairs(runs) do if not self.skip_readers[run.route] then return false end end
+  return true
+end
+
+-- what a graph depends on, beyond the optimizer's own tensors: each active member's param and grad
+local function tensor_sig(t)
+  local p = ffi.cast("uintptr_t", C.ms_tensor_data_ptr(tensor.handle(t)))
+  return ("%s %s [%s] strides [%s]"):format(tostring(p):gsub("ULL$", ""), t:dtype(), table.concat(t:shape(), ","),
+                                              table.concat(t:strides(), ","))
+end
+
+local function record_members(e, active)
+  e.members, e.grads, e.params, e.gsig, e.psig = {}, {}, {}, {}, {}
+  for i, m in ipairs(active) do
+    e.members[i], e.grads[i], e.params[i] = m, m.grad, m.param
+    e.gsig[i], e.psig[i] = tensor_sig(m.grad), tensor_sig(m.param)
+  end
+end
+
+-- nil when the graph of entry e still fits the active members, else why not; a gradient replaced by another
+-- tensor over the same memory is adopted
+local function entry_change(e, active)
+  if #active ~= #e.members then
+    return ("%d parameters have gradients, %d did at the capture"):format(#active, #e.members)
+  end
+  for i, m in ipairs(active) do
+    if m ~= e.members[i] then return ("parameter '%s' now has a gradient, '%s' had one at the capture"):format(m.name, e.members[i].name) end
+    local g = m.grad
+    if g ~= e.grads[i] then
+      local sig = tensor_sig(g)
+      if sig ~= e.gsig[i] then
+        return ("the gradient of '%s' is %s, it was %s at the capture"):format(m.name, sig, e.gsig[i])
+      end
+      e.grads[i] = g
+    end
+    if m.param ~= e.params[i] then
+      local sig = tensor_sig(m.param)
+      if sig ~= e.psig[i] then return ("parameter '%s' is %s, it was %s at the capture"):format(m.name, sig, e.psig[i]) end
+      e.params[i] = m.param
+    end
+  end
+  return nil
+end
+
+-- a step with the checks on the device: uncaptured (device_checks, or the first step of a key), captured
+-- (the second step of a key), or a replay
+function Optimizer:_step_device(grad_scale)
+  local h = self.ctx_h
+  local step, lr = self.step_count + 1, self:get_lr()
+  local launches0 = launches(h)
+  self.reports = {}
+  local last = { step = step, lr = lr, device_checks = true }
+  self.last = last
+  local runs, active = self:_runs()
+  local scaled = grad_scale ~= nil
+  local c = step_ctx(self, step, lr)
+  local plans, key = self:_plans(runs, c, scaled)
+  self.lr_t:fill_(lr)
+  self.step_t:fill_(step)
+  if scaled and #active > 0 then self:_checks(#active).inv:fill_(1 / grad_scale) end
+  local before = self.settings.stats and self:_params_before(active)
+  local rec = self.timing and self:_timing_slot(step)
+
+  local e = self.graphs and #runs > 0 and self.graphs[key]
+  if e and e.graph then
+    local why = entry_change(e, active)
+    if why then
+      if self.settings.capture_on_change == "error" then
+        if rec then self:_timing_mark(rec, nil) end
+        error(("step %d: the graph captured for plan '%s' no longer fits: %s (settings.capture_on_change = 'error'; "
+               .. "opt:uncapture() or 'recapture')"):format(step, key, why), 2)
+      end
+      e.graph:free()
+      e.graph = nil
+      self.recaptures = self.recaptures + 1
+      last.recaptured = why
+      e = nil             -- this step runs uncaptured; the next one with this key captures again
+    end
+  end
+  if e and e.graph then
+    if rec then self:_timing_mark(rec, "graph") end
+    C.ms_profile_push(h, e.nvtx)
+    local st = C.ms_graph_launch(h, e.graph.h)
+    C.ms_profile_pop(h)
+    core.check(st, 2)
+    if rec then self:_timing_mark(rec, nil) end
+    last.captured = key
+    self.last_checks = e.checks
+  elseif e and e.warm and self:_skip_known(runs) then
+    -- the second step of this key: its temporaries are in the pool's cache once the collector ran
+    if rec then self:_timing_mark(rec, nil) rec = nil end
+    collectgarbage()
+    collectgarbage()
+    local checks
+    local ok, g = pcall(graph.capture, self.ctx, function() checks = self:_device_body(runs, active, plans, c, scaled) end)
+    if not ok then
+      error(("step %d: capturing plan '%s' failed (the step was not applied; opt:uncapture() runs steps "
+             .. "uncaptured): %s"):format(step, key, tostring(g)), 2)
+    end
+    e.graph, e.checks, e.nvtx = g, checks, "moonstep:graph:" .. key
+    record_members(e, active)
+    self.captures = self.captures + 1
+    C.ms_profile_push(h, e.nvtx)
+    local st = C.ms_graph_launch(h, e.graph.h)
+    C.ms_profile_pop(h)
+    core.check(st, 2)
+    last.captured, last.capture = key, true
+    self.last_checks = checks
+  else
+    -- uncaptured; the first step that needs a route's skip flag reads it back once, so that a route that
+    -- ignores ctx.skip_t is found before a non-finite step could reach it
+    local verify = not self:_skip_known(runs)
+    local ok, checks, skipped = pcall(self._device_body, self, runs, active, plans, c, scaled, rec, verify)
+    if not ok then
+      if self.skip_refused then
+        -- the step itself was finite and applied (verified); stop capturing and checking on the device
+        self.step_count = step
+        self:uncapture()
+        self.settings.device_checks = false
+        self.skip_refused = nil
+      end
+      error(checks, 0)
+    end
+    self.last_checks = checks
+    if skipped then
+      self.step_count = step
+      last.skipped = true
+      last.launches = launches(h) - launches0
+      return false
+    end
+    self.warm_keys[key] = true
+    if self.graphs and #runs > 0 then
+      self.graphs[key] = self.graphs[key] or {}
+      self.graphs[key].warm = true
+    end
+  end
+  if before then self:_update_norms(before, last) end
+  self.step_count = step
+  last.reports = self.reports
+  last.launches = launches(h) - launches0
+  -- applied for certain when there is no skip flag; otherwise the device decided (stats() reads it)
+  if self.settings.nonfinite == "apply" or #active == 0 then
+    last.skipped = false
+    return true
+  end
+  return nil
+end
+
+-- opt:step() while the context's stream is being captured: by a moonstep graph (cap 1) or by its owner (cap 2,
+-- joined): the capture-safe step is queued, nothing is written to the device scalars and the host counts no
+-- step (opt:prepare_replay() does, before each replay)
+function Optimizer:_step_in_capture(cap, grad_scale)
+  local s = self.settings
+  local where = cap == 2 and "inside a CUDA graph capture of the context's stream by its owner"
+                         or "inside a moonstep graph capture"
+  if s.nonfinite == "raise" then
+    error("step " .. where .. ": settings.nonfinite = 'raise' needs the gradients read back every step; capture with 'skip' or 'apply'", 3)
+  end
+  if s.stats then error("step " .. where .. ": settings.stats reads update norms back every step; turn it off to capture", 3) end
+  local runs, active = self:_runs()
+  local scaled = grad_scale ~= nil
+  self.reports = {}
+  local c = step_ctx(self, self.step_count + 1, self:get_lr())
+  local plans, key = self:_plans(runs, c, scaled)
+  if not (self.warm_keys[key] and self:_skip_known(runs)) then
+    error(("step %s: plan '%s' has not run uncaptured with the checks on the device yet; run opt:step() once "
+           .. "before capturing with settings.device_checks = true (or after opt:capture())"):format(where, key), 3)
+  end
+  local h = self.ctx_h
+  if cap == 2 then core.check(C.ms_graph_join(h), 3) end
+  local ok, checks = pcall(self._device_body, self, runs, active, plans, c, scaled)
+  if cap == 2 then
+    local st = C.ms_graph_leave(h)
+    if ok then core.check(st, 3) end
+  end
+  if not ok then error(checks, 0) end
+  self.last = { step = self.step_count + 1, lr = c.lr, in_capture = true, reports = self.reports }
+  self.last_checks = nil
+  return nil
+end
+
+--- For a trainer that captured opt:step() into a CUDA graph of its own (inside torch.cuda.graph on the
+--- context's stream): writes the next step's learning rate and step number (and 1 / args.grad_scale, when
+--- the captured step was given one) into the device scalars that graph reads, and counts the step.  Call it
+--- before each replay, outside the capture.
+function Optimizer:prepare_replay(args)
+  if tonumber(C.ms_ctx_is_capturing(self.ctx_h)) ~= 0 then
+    error("prepare_replay: the context's stream is being captured; call it before each replay, outside the capture", 2)
+  end
+  local grad_scale = args and args.grad_scale
+  check_grad_scale(grad_scale, 2)
+  local step, lr = self.step_count + 1, self:get_lr()
+  self.lr_t:fill_(lr)
+  self.step_t:fill_(step)
+  local _, active = self:_runs()
+  if grad_scale and #active > 0 then self:_checks(#active).inv:fill_(1 / grad_scale) end
+  self.step_count = step
+  self.last = { step = step, lr = lr, replay = true }
+end
+
+--- Captures the following steps into CUDA graphs, one per plan key (see "Captured steps" above).  Errors on a
+--- CPU context (MS_E_UNSUPPORTED) and with settings.nonfinite = "raise".
+function Optimizer:capture()
+  local st = tonumber(C.ms_ctx_device_type(self.ctx_h)) == C.MS_DEVICE_CUDA and 0 or C.ms_graph_begin(self.ctx_h)
+  if st ~= 0 then
+    local _, err = pcall(core.raise, st, 1)
+    error("capture: the optimizer runs on " .. self.ctx:name() .. ", which cannot capture graphs: " .. tostring(err), 2)
+  end
+  if self.settings.nonfinite == "raise" then
+    error("capture: settings.nonfinite = 'raise' needs the gradients read back every step; captured steps "
+          .. "support 'skip' and 'apply'", 2)
+  end
+  self.graphs = self.graphs or {}
+  return self
+end
+
+--- Frees the captured graphs; the following steps run uncaptured.  Idempotent.
+function Optimizer:uncapture()
+  for _, e in pairs(self.graphs or {}) do
+    if e.graph then e.graph:free() end
+  end
+  self.graphs = nil
+  return self
+end
+
+-- ---------------------------------------------------------------------------------------------------
+-- timings: a ring of per-step event records, read lazily (stats(), or when a slot comes round again: a
+-- step waits only when the device is TIMING_SLOTS steps behind the host).  A captured step has one interval,
+-- the replay ("graph"): events cannot be recorded inside a graph, so its routes are not timed one by one.
+-- ---------------------------------------------------------------------------------------------------
+local TIMING_SLOTS = 32
+local out_event = ffi.new("ms_event *[1]")
+local elapsed_ms = ffi.new("double[1]")
+
+local function accumulate(acc, ms_value)
+  acc.steps = acc.steps + 1
+  acc.total_ms = acc.total_ms + ms_value
+  acc.last_ms = ms_value
+  acc.min_ms = math.min(acc.min_ms, ms_value)
+  acc.max_ms = math.max(acc.max_ms, ms_value)
+  acc.mean_ms = acc.total_ms / acc.steps
+end
+local function new_acc() return { steps = 0, total_ms = 0, min_ms = math.huge, max_ms = 0, mean_ms = 0 } end
+
+function Optimizer:_timing_slot(step)
+  local t = self.timing
+  if t.step == nil then t.step, t.routes, t.checks, t.graph = new_acc(), {}, new_acc(), new_acc() end
+  t.next = t.next % TIMING_SLOTS + 1
+  local rec = t.ring[t.next]
+  if rec == nil then
+    rec = { ev = {}, kind = {}, label = {} }
+    t.ring[t.next] = rec
+  elseif rec.pending then
+    self:_timing_read(rec)
+  end
+  rec.step, rec.n, rec.pending = step, 0, true
+  return rec
+end
+
+-- records the next event of rec; kind/label name the interval that starts there (nil: the step's end)
+function Optimizer:_timing_mark(rec, kind, label)
+  local k = rec.n + 1
+  local ev = rec.ev[k]
+  if ev == nil then
+    core.check(C.ms_event_new(self.ctx_h, out_event))
+    ev = ffi.gc(out_event[0], C.ms_event_free)
+    rec.ev[k] = ev
+  end
+  core.check(C.ms_event_record(self.ctx_h, ev))
+  rec.kind[k], rec.label[k], rec.n = kind, label, k
+end
+
+-- reads a pending record (waits for its last event)
+function Optimizer:_timing_read(rec)
+  rec.pending = false
+  if rec.n < 2 then return end
+  local t = self.timing
+  local function span(a, b)
+    core.check(C.ms_event_elapsed(rec.ev[a], rec.ev[b], elapsed_ms))
+    return elapsed_ms[0]
+  end
+  local step_ms = span(1, rec.n)
+  local routes, checks, graph_ms = {}, nil, nil
+  for k = 1, rec.n - 1 do
+    local v = span(k, k + 1)
+    if rec.kind[k] == "route" then routes[rec.label[k]] = (routes[rec.label[k]] or 0) + v
+    elseif rec.kind[k] == "checks" then checks = v
+    elseif rec.kind[k] == "graph" then graph_ms = v end
+  end
+  accumulate(t.step, step_ms)
+  for route, v in pairs(routes) do
+    t.routes[route] = t.routes[route] or new_acc()
+    accumulate(t.routes[route], v)
+  end
+  if checks then accumulate(t.checks, checks) end
+  if graph_ms then accumulate(t.graph, graph_ms) end
+  t.latest = { step = rec.step, step_ms = step_ms, routes = routes, checks_ms = checks, graph_ms = graph_ms }
+end
+
+-- reads every pending record, oldest first
+function Optimizer:_timing_drain()
+  local t = self.timing
+  for i = 1, TIMING_SLOTS do
+    local rec = t.ring[(t.next + i - 1) % TIMING_SLOTS + 1]
+    if rec and rec.pending then self:_timing_read(rec) end
+  end
 end
 
 -- ---------------------------------------------------------------------------------------------------
@@ -373,9 +919,44 @@ function Optimizer:info()
   return data, table.concat(lines, "\n")
 end
 
---- Counters and the last step's numbers: skipped steps, grad norm, launches, update norms, recipe reports.
+-- steps skipped so far: counted on the host, and on the device by captured and device-checked steps (a read)
+function Optimizer:_skipped_total()
+  return self.skipped + (self.skipped_t and self.skipped_t:item() or 0)
+end
+
+--- Counters and the last step's numbers: skipped steps, grad norm, launches, update norms, recipe reports;
+--- with settings.timings, milliseconds per route (timings.routes[route]: steps, total_ms, mean_ms, last_ms,
+--- min_ms, max_ms), per step, for the checks and for graph replays; after opt:capture(), the graphs.
+--- After a captured or device-checked step this waits for the device, to read the step's flags (last.skipped,
+--- grad_norm, clipped) and the skip count; inside a capture of the context's stream it reads nothing.
 function Optimizer:stats()
-  return { step = self.step_count, skipped_steps = self.skipped, lr = self:get_lr(), last = self.last }
+  local last = self.last
+  local s = { step = self.step_count, skipped_steps = self.skipped, lr = self:get_lr(), last = last,
+              captured = self.graphs ~= nil }
+  if tonumber(C.ms_ctx_is_capturing(self.ctx_h)) ~= 0 then return s end
+  s.skipped_steps = self:_skipped_total()
+  local d = self.last_checks
+  if last.device_checks and d and last.skipped == nil then
+    last.skipped = self.settings.nonfinite ~= "apply" and d.skip:item() ~= 0
+    if not last.skipped then
+      last.grad_norm = d.norm:item()
+      if self.settings.clip_grad_norm and d.gt:item() ~= 0 then last.clipped = true end
+    end
+  end
+  if self.timing and self.timing.step then
+    self:_timing_drain()
+    local t = self.timing
+    s.timings = { step = t.step, routes = t.routes }
+    if t.checks.steps > 0 then s.timings.checks = t.checks end
+    if t.graph.steps > 0 then s.timings.graph = t.graph end
+    if t.latest and t.latest.step == last.step then last.timings = t.latest end
+  end
+  if self.graphs then
+    s.graphs = {}
+    for key, e in pairs(self.graphs) do if e.graph then s.graphs[key] = e.graph:num_nodes() end end
+    s.captures, s.recaptures = self.captures, self.recaptures
+  end
+  return s
 end
 
 -- ---------------------------------------------------------------------------------------------------
@@ -413,7 +994,7 @@ function Optimizer:save(path)
   local meta = {
     moonstep = ms.version, schema = M.SCHEMA,
     recipe = { name = self.recipe.name, version = self.recipe.version or 0, hash = self.recipe_hash },
-    options = self.options, step = self.step_count, skipped = self.skipped, lr_override = self.lr_override,
+    options = self.options, step = self.step_count, skipped = self:_skipped_total(), lr_override = self.lr_override,
     schedule = self.schedule_kind, rng = ms.rng_state(), scalars = scalars, groups = groups,
   }
   ms.save(path, tensors, { moonstep = json.encode(meta) })
@@ -480,6 +1061,7 @@ function Optimizer:load(path, opts)
   for name in pairs(scalars) do set_scalar(name, file_scalars[name]) end
   self.step_count = meta.step
   self.skipped = meta.skipped or 0
+  if self.skipped_t then self.skipped_t:fill_(0) end
   self.lr_override = meta.lr_override
   if meta.rng then ms.set_rng_state(meta.rng) end
   return { step = meta.step, recipe = rec.name }

@@ -227,6 +227,8 @@ local safe_ms = {
   "sin", "cos", "sum", "mean", "max", "min", "norm", "sumsq", "amax",
   "adamw_step", "sgd_step", "foreach_sumsq", "foreach_scale", "version",
   "sinkgd_step", "adamw8_step", "adamw8_qmap",
+  "block_list", "blocks_gather", "blocks_apply", "blocks_scatter", "dash_graft", "inv_root", "spectrum_estimate",
+  "block_plan",
 }
 
 local function readonly(t, what)

@@ -78,6 +78,8 @@ local function wrap_ctx(p)
   ctx_handle[c] = core.own_ctx(p)
   return c
 end
+-- a Context for a handle that holds its own reference (the embedding API hands the caller's context over)
+M.wrap_context = wrap_ctx
 
 --- ms.context{device = "cpu"|"cuda:0"|"auto", num_threads = n, mem_limit = bytes, stream = cdata}
 function M.context(opts)

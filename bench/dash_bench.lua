@@ -1,0 +1,552 @@
+--[[
+bench/dash_bench.lua -- DASH on the GPU host (issue 6): the inverse-root solvers alone and the whole optimizer
+step of recipes/dash.lua, on the 2-D parameters of DASH's Llama-953M with B = 1024 (research/dash.md §1.5, §8).
+
+  build/moonstep bench/dash_bench.lua [--set subset|full] [--solvers ndb_pim,ndb_fro,cn_f32,cn_f16,evd,cheb,auto]
+                                      (default: all but cheb; the full set leaves evd out unless named)
+                                      [--parts solver,step] [--tol 1e-2,1e-3] [--spectrum controlled|random]
+                                      [--trials 5] [--steps 10] [--evd-paths] [--splits] [--json PATH]
+                                      [--device cuda] [--tiny]
+  python3 bench/torch_baselines/dash.py --spectrum controlled      -- DASH's math in PyTorch, own process
+
+Sets: "subset" = the first 12 parameters in layer order (factors 228 x 1024 + 12 x 512, about one of 8 GPUs'
+share, the set of research/anchors-h200.md); "full" = all 80 (1568 x 1024 + 96 x 512).  Factors: "controlled"
+spectra as the pinned baseline makes them -- Q diag(l) Q^T, condition numbers log-uniform in [1e1, 1e7], every
+tenth block rank-deficient (half its eigenvalues 0) -- with Q from a pool of 32 random orthogonal matrices
+(eigenvectors of random symmetric matrices; the solvers' work does not depend on Q); "random": EMAs of G G^T
+over 4 Gaussian steps (condition ~10, easy).
+
+Part "solver": ms.inv_root on the two factor stacks per configuration (TF32 on, DASH's settings: 10 Newton
+steps, PIM 16 vectors x 10 steps in bf16, const 2), fixed iterations and, for CN/NDB, early exit at each --tol:
+  time      CUDA events around one call of both stacks, median of --trials after 2 warm-ups
+  first     the first call of the configuration in this process (host clock; pool allocations, handles)
+  floor     the GEMMs the solver performs (its panel products: engine/cuda/dash.c), each timed here as plain
+            batched ms.matmul calls of the same sizes and precisions, times their count; "dash floor" is DASH's
+            own count of full products (NDB 56, CN 40) at the full-GEMM time
+  err       the normalized root X / ||X||_F against the f64 root of 4 sample blocks (condition numbers at the
+            quantiles 0.1, 0.4, 0.7, 0.95, never rank-deficient; f64 eigh on the CPU): "err" with the reference
+            damped by 1e-3 lambda_max (dash.py's measure: no f32 solver resolves 1e7 undamped), "err0" undamped
+  iters     mean iterations per block (early exit)
+Part "step": recipes/dash.lua through ms.optim on the parameters (f32, random gradients of size 1e-8 so that the
+factor EMA keeps the injected factors' spectra: L_t = 0.95^t L_0 + O(1e-16)), nonfinite = "apply" (no host
+check), every step refreshing (inv_root_freq 1) except EVD (f = 10: refresh and non-refresh steps, amortized =
+(refresh + 9 non-refresh) / 10); CUDA events around each opt:step(), median after 2 warm-ups; "first" = the first
+opt:step() (state creation, allocations).  `auto` is the recipe's policy (inv_root_freq 1, its defaults).
+--evd-paths: EVD per block for MOONSTEP_DASH_EVD = streams (1, 4, 8, 16 streams, one host thread each; 8 streams
+from one thread) and batched, on 32 + 12 blocks.
+--splits: NDB-PIM solver time and its floor with MOONSTEP_DASH_SPLIT = 1, 2, 4.
+]]
+local ms = require("moonstep")
+local core = require("moonstep.core")
+local tensor = require("moonstep.tensor")
+local json = ms.json
+local ffi, C = core.ffi, core.C
+
+-- ---------------------------------------------------------------------------------------------------
+-- arguments
+-- ---------------------------------------------------------------------------------------------------
+local args = { set = "subset", parts = "solver,step",
+               tol = "1e-2,1e-3", spectrum = "controlled", trials = 5, steps = 10, device = "cuda" }
+do
+  local a = arg or {}
+  local i = 1
+  while i <= #a do
+    local k = a[i]:match("^%-%-(.+)$")
+    if not k then error("dash_bench: unexpected argument " .. a[i]) end
+    k = k:gsub("-", "_")
+    if k == "evd_paths" or k == "splits" or k == "tiny" then
+      args[k] = true
+      i = i + 1
+    else
+      if a[i + 1] == nil then error("dash_bench: --" .. k .. " needs a value") end
+      args[k] = tonumber(a[i + 1]) or a[i + 1]
+      i = i + 2
+    end
+  end
+end
+-- full-set EVD (about 17 s per refresh) only when asked for by name
+args.solvers = args.solvers or (args.set == "full" and "ndb_pim,ndb_fro,cn_f32,cn_f16,auto" or "ndb_pim,ndb_fro,cn_f32,cn_f16,evd,auto")
+local function list(s)
+  local t = {}
+  for x in tostring(s):gmatch("[^,]+") do t[#t + 1] = x end
+  return t
+end
+local function has(lst, x) for _, v in ipairs(lst) do if v == x then return true end end return false end
+local SOLVERS, PARTS, TOLS = list(args.solvers), list(args.parts), {}
+for _, t in ipairs(list(args.tol)) do TOLS[#TOLS + 1] = tonumber(t) end
+
+if args.device ~= "cpu" then assert(ms.device_count("cuda") > 0, "dash_bench: no CUDA device (--device cpu --tiny for a smoke run)") end
+local ctx = ms.device(args.device)
+local h = tensor.handle_ctx(ctx)
+local B = args.tiny and 64 or 1024
+local SCALE = args.tiny and 32 or 1        -- --tiny: every dimension / 32, B = 64
+local T_STEPS = args.steps
+
+pcall(ffi.cdef, "int setenv(const char *name, const char *value, int overwrite); int unsetenv(const char *name);")
+local function with_env(name, value, fn)
+  if value == nil then ffi.C.unsetenv(name) else ffi.C.setenv(name, tostring(value), 1) end
+  local ok, a, b = pcall(fn)
+  ffi.C.unsetenv(name)
+  if not ok then error(a, 0) end
+  return a, b
+end
+
+print(("moonstep %s dash bench on %s  [%s]"):format(ms.version, ctx:name(), ms.build_info))
+print(("set %s, B = %d, %s spectra, solvers %s, parts %s, early-exit tolerances %s"):format(args.set, B, args.spectrum,
+      args.solvers, args.parts, args.tol))
+
+-- ---------------------------------------------------------------------------------------------------
+-- clocks
+-- ---------------------------------------------------------------------------------------------------
+local ev = ffi.new("ms_event *[2]")
+core.check(C.ms_event_new(h, ev))
+core.check(C.ms_event_new(h, ev + 1))
+local elapsed = ffi.new("double[1]")
+-- ms of one fn() between events (waits for the device)
+local function timed(fn)
+  core.check(C.ms_event_record(h, ev[0]))
+  fn()
+  core.check(C.ms_event_record(h, ev[1]))
+  core.check(C.ms_event_elapsed(ev[0], ev[1], elapsed))
+  return elapsed[0]
+end
+local function median(t)
+  local s = {}
+  for i, v in ipairs(t) do s[i] = v end
+  table.sort(s)
+  return s[math.ceil(#s / 2)]
+end
+local function time_median(fn, warm, trials)
+  for _ = 1, warm do fn() end
+  ctx:sync()
+  local t = {}
+  for j = 1, trials do t[j] = timed(fn) end
+  return median(t)
+end
+-- host ms of fn() up to the device's end of its work (events of the CPU context: the host's monotonic clock)
+local cpu_h = tensor.handle_ctx(ms.device("cpu"))
+local hev = ffi.new("ms_event *[2]")
+core.check(C.ms_event_new(cpu_h, hev))
+core.check(C.ms_event_new(cpu_h, hev + 1))
+local function wall(fn)
+  ctx:sync()
+  core.check(C.ms_event_record(cpu_h, hev[0]))
+  fn()
+  ctx:sync()
+  core.check(C.ms_event_record(cpu_h, hev[1]))
+  core.check(C.ms_event_elapsed(hev[0], hev[1], elapsed))
+  return elapsed[0]
+end
+
+local function release()
+  collectgarbage()
+  collectgarbage()
+  ctx:sync()
+  if args.device ~= "cpu" then core.check(C.ms_ctx_empty_cache(h)) end
+end
+
+-- ---------------------------------------------------------------------------------------------------
+-- the parameter set and its factor stacks
+-- ---------------------------------------------------------------------------------------------------
+local LAYER = { { "c_attn", 6144, 2048 }, { "attn_c_proj", 2048, 2048 }, { "w1", 5632, 2048 }, { "w2", 5632, 2048 },
+                { "mlp_c_proj", 2048, 5632 } }
+local params = {}
+for l = 0, 15 do
+  for _, p in ipairs(LAYER) do
+    params[#params + 1] = { name = ("layers.%d.%s"):format(l, p[1]), shape = { math.floor(p[2] / SCALE), math.floor(p[3] / SCALE) } }
+  end
+end
+if args.set == "subset" then
+  local sub = {}
+  for i = 1, 12 do sub[i] = params[i] end
+  params = sub
+end
+local plan = ms.block_plan(params, { block_size = B })
+local factor_n = {}
+for _, f in ipairs(plan.factors) do factor_n[f.size] = f.n end
+local sizes = {}
+for _, f in ipairs(plan.factors) do sizes[#sizes + 1] = f.size end
+table.sort(sizes, function(a, b) return a > b end)
+io.write("factor stacks:")
+for _, s in ipairs(sizes) do io.write(("  %d x %d"):format(factor_n[s], s)) end
+print()
+
+-- Q: a pool of random orthogonal matrices of size b (eigenvectors of random symmetric ones, on the device)
+local function q_pool(b, count, seed)
+  local G = ms.randn({ count, b, b }, { ctx = ctx, seed = seed })
+  local S = G + G:transpose(1, 2)
+  local _, Q = ms.eigh(S)
+  return Q
+end
+
+-- factors [n, b, b] and each block's condition number (controlled) on the device
+local function factors(n, b, seed)
+  if args.spectrum == "random" then
+    local A = ms.zeros({ n, b, b }, { ctx = ctx })
+    for s = 1, 4 do
+      local X = ms.randn({ n, b, b }, { ctx = ctx, seed = seed + s })
+      A:lerp_(ms.matmul(X, X, { trans_b = true, tf32 = true }), 0.05)
+    end
+    return A, nil
+  end
+  local nq = math.min(n, 32)
+  local Q = q_pool(b, nq, seed)
+  local u = ms.rand({ n }, { seed = seed + 1 }):tolist_flat()
+  local kappa, lam = {}, {}
+  for k = 1, n do
+    kappa[k] = 10 ^ (1 + 6 * u[k])
+    lam[k] = {}
+    for i = 1, b do
+      local t = (i - 1) / math.max(b - 1, 1)
+      lam[k][i] = ((k - 1) % 10 == 0 and i > b / 2) and 0 or kappa[k] ^ (-t)
+    end
+  end
+  local L = ms.tensor(lam, { ctx = ctx })                    -- [n, b]
+  local A = ms.empty({ n, b, b }, { ctx = ctx })
+  local chunk = 16
+  for k0 = 0, n - 1, chunk do
+    local c = math.min(chunk, n - k0)
+    local Qs = ms.empty({ c, b, b }, { ctx = ctx })
+    for j = 0, c - 1 do Qs:select(0, j):copy_(Q:select(0, (k0 + j) % nq)) end
+    local QL = Qs * L:narrow(0, k0, c):view({ c, 1, b })
+    ms.matmul(QL, Qs, { trans_b = true, out = A:narrow(0, k0, c) })
+  end
+  for k = 1, n do if (k - 1) % 10 == 0 then kappa[k] = math.huge end end
+  return A, kappa
+end
+
+local stacks, kappas = {}, {}
+for i, s in ipairs(sizes) do stacks[s], kappas[s] = factors(factor_n[s], s, 9000 + 100 * i) end
+ctx:sync()
+
+-- f64 references on the CPU: 4 sample blocks of the largest stack
+local REF_DAMP = 1e-3
+local samples = {}
+do
+  local s = sizes[1]
+  local order = {}
+  for k = 1, factor_n[s] do
+    if not kappas[s] or kappas[s][k] ~= math.huge then order[#order + 1] = k end
+  end
+  if kappas[s] then table.sort(order, function(a, b) return kappas[s][a] < kappas[s][b] end) end
+  for _, q in ipairs { 0.1, 0.4, 0.7, 0.95 } do
+    local k = order[math.max(1, math.min(#order, math.floor(q * #order + 0.5)))] - 1
+    local A = stacks[s]:select(0, k):to("cpu"):to("f64")
+    local w, V = ms.eigh(A)
+    local wl = w:tolist_flat()
+    local function root(eps_rel, p)
+      local inv = {}
+      for j = 1, #wl do
+        local l = math.max(wl[j], 0) + eps_rel * wl[#wl]
+        inv[j] = l > 0 and l ^ (-1 / p) or 0
+      end
+      local R = ms.matmul(V * ms.tensor(inv, { dtype = "f64" }), V, { trans_b = true })
+      return R / R:norm()
+    end
+    samples[#samples + 1] = { k = k, kappa = kappas[s] and kappas[s][k + 1] or wl[#wl] / wl[1],
+                              damped = root(REF_DAMP, 4), undamped = root(0, 4) }
+  end
+end
+io.write("accuracy samples (block: kappa):")
+for _, smp in ipairs(samples) do io.write((" %d: %.2g"):format(smp.k, smp.kappa)) end
+print()
+
+-- error of the normalized roots of stack x (the largest size) on the samples: worst damped, worst undamped
+local function accuracy(x)
+  local e1, e0 = 0, 0
+  for _, smp in ipairs(samples) do
+    local X = x:select(0, smp.k):to("cpu"):to("f64")
+    local n = X:norm()
+    if not (n > 0 and n < math.huge) then return 0 / 0, 0 / 0 end
+    X = X / n
+    e1 = math.max(e1, (X - smp.damped):norm())
+    e0 = math.max(e0, (X - smp.undamped):norm())
+  end
+  return e1, e0
+end
+
+-- ---------------------------------------------------------------------------------------------------
+-- solver configurations and their products
+-- ---------------------------------------------------------------------------------------------------
+local CONFIG = {
+  ndb_pim = { method = "ndb", scaling = "pim", dash = 56, label = "NDB-PIM" },
+  ndb_fro = { method = "ndb", scaling = "fro", dash = 56, label = "NDB-Fro" },
+  cn_f32 = { method = "cn", scaling = "fro", dash = 40, label = "CN-Fro f32" },
+  cn_f16 = { method = "cn", scaling = "fro", matmul_dtype = "f16", dash = 40, label = "CN-Fro f16" },
+  evd = { method = "evd", eps = 1e-10, label = "EVD" },
+  cheb = { method = "chebyshev", scaling = "fro", steps = 60, label = "Chebyshev-60" },
+}
+
+local function root_opts(cfg, extra)
+  local o = { method = cfg.method, root = 4, steps = cfg.steps or T_STEPS, eps = cfg.eps or 0, scaling = cfg.scaling or "fro",
+              pi_steps = 10, pi_vectors = 16, pi_const = 2, eps_power_iter = 1e-6, pi_bf16 = true,
+              matmul_dtype = cfg.matmul_dtype or "f32", tf32 = true, evd_shift = true, seed = 1 }
+  for k, v in pairs(extra or {}) do o[k] = v end
+  return o
+end
+
+-- panels of the symmetric products (engine/cuda/dash.c, choose_split)
+local function panels(n)
+  local split = tonumber(os.getenv("MOONSTEP_DASH_SPLIT") or "0") or 0
+  if split == 0 then split = n >= 512 and 4 or n >= 256 and 2 or 1 end
+  local cut = { 0 }
+  if split >= 2 and n >= 64 * split then
+    for j = 1, split - 1 do
+      local c = math.floor(math.floor(j * n / split) / 32) * 32
+      if c <= cut[#cut] then cut = { 0 } break end
+      cut[#cut + 1] = c
+    end
+  end
+  if #cut == 1 then return { { 0, n } } end
+  cut[#cut + 1] = n
+  local p = {}
+  for j = 1, #cut - 1 do p[j] = { cut[j], cut[j + 1] } end
+  return p
+end
+
+-- ms of one symmetric product on a stack of n-blocks as plain matmuls of its panels: in (f32 TF32 or 16-bit),
+-- out dtype
+local product_ms_cache = {}
+local function product_ms(size, in_dt, out_dt, full)
+  local key = ("%d:%s:%s:%s:%s"):format(size, in_dt, out_dt, tostring(full), os.getenv("MOONSTEP_DASH_SPLIT") or "")
+  if product_ms_cache[key] then return product_ms_cache[key] end
+  local n = factor_n[size]
+  local A = ms.randn({ n, size, size }, { ctx = ctx, seed = 77, dtype = in_dt })
+  local Bm = ms.randn({ n, size, size }, { ctx = ctx, seed = 78, dtype = in_dt })
+  local Cm = ms.empty({ n, size, size }, { ctx = ctx, dtype = out_dt })
+  local ps = full and { { 0, size } } or panels(size)
+  local fn = function()
+    for _, pn in ipairs(ps) do
+      local c0, c1 = pn[1], pn[2]
+      if full or #ps == 1 then
+        ms.matmul(A, Bm, { out = Cm, tf32 = true })
+      else
+        ms.matmul(A:narrow(1, c0, size - c0), Bm:narrow(2, c0, c1 - c0),
+                  { out = Cm:narrow(1, c0, size - c0):narrow(2, c0, c1 - c0), tf32 = true })
+      end
+    end
+  end
+  local t = time_median(fn, 2, 7)
+  product_ms_cache[key] = t
+  return t
+end
+
+-- the GEMM floor of a configuration on every stack: counts of each product kind times their plain time
+local function floor_ms(cfg)
+  local T, total, dash_total = cfg.steps or T_STEPS, 0, 0
+  for _, s in ipairs(sizes) do
+    local f32 = product_ms(s, "f32", "f32", false)
+    local full = product_ms(s, "f32", "f32", true)
+    if cfg.method == "ndb" then
+      total = total + 2 * (3 * T - 3) * f32
+    elseif cfg.method == "cn" then
+      if cfg.matmul_dtype == "f16" then
+        total = total + (T - 1) * (f32 + 2 * product_ms(s, "f16", "f16", false) + product_ms(s, "f16", "f32", false))
+      else
+        total = total + 4 * (T - 1) * f32
+      end
+    elseif cfg.method == "chebyshev" then
+      total = total + ((cfg.steps or 60) - 1) * f32
+    else
+      total = total + f32
+    end
+    if cfg.dash then dash_total = dash_total + cfg.dash * full end
+  end
+  return total, cfg.dash and dash_total or nil
+end
+
+-- ---------------------------------------------------------------------------------------------------
+-- part "solver"
+-- ---------------------------------------------------------------------------------------------------
+local rows = {}
+local function fmt(x, f) return x == nil and "-" or (x ~= x and "nan" or (f or "%.1f"):format(x)) end
+
+local roots = {}
+for _, s in ipairs(sizes) do roots[s] = ms.empty({ factor_n[s], s, s }, { ctx = ctx }) end
+local function solve(opts, want_iters)
+  local its = {}
+  for _, s in ipairs(sizes) do
+    local o = {}
+    for k, v in pairs(opts) do o[k] = v end
+    o.out = roots[s]
+    if want_iters then o.iters = true end
+    local _, _, it = ms.inv_root(stacks[s], o)
+    its[s] = it
+  end
+  return its
+end
+
+if has(PARTS, "solver") then
+  print(("\none batched f32 (TF32) GEMM of the %d-stack: %.3f ms; one symmetric product (panels): %.3f ms"):format(
+        sizes[1], product_ms(sizes[1], "f32", "f32", true), product_ms(sizes[1], "f32", "f32", false)))
+  for _, name in ipairs(SOLVERS) do
+    local cfg = CONFIG[name]
+    if cfg then
+      local modes = { { tol = 0 } }
+      if cfg.method == "ndb" or cfg.method == "cn" then for _, t in ipairs(TOLS) do modes[#modes + 1] = { tol = t } end end
+      for _, m in ipairs(modes) do
+        local o = root_opts(cfg, { tolerance = m.tol })
+        local first = wall(function() solve(o) end)
+        local t = time_median(function() solve(o) end, 1, cfg.method == "evd" and math.min(args.trials, 3) or args.trials)
+        local its = solve(o, m.tol > 0)
+        local e1, e0 = accuracy(roots[sizes[1]])
+        local mean_it
+        if m.tol > 0 then
+          local sum, cnt = 0, 0
+          for _, s in ipairs(sizes) do for _, v in ipairs(its[s]:tolist_flat()) do sum, cnt = sum + v, cnt + 1 end end
+          mean_it = sum / cnt
+        end
+        local fl, dfl = floor_ms(cfg)
+        local row = { part = "solver", solver = cfg.label, mode = m.tol > 0 and ("early %g"):format(m.tol) or "fixed",
+                      ms = t, first_ms = first, floor_ms = fl, ratio = t / fl, dash_floor_ms = dfl, err = e1, err0 = e0,
+                      iters = mean_it }
+        rows[#rows + 1] = row
+        print(("  %-13s %-11s %9.2f ms  first %9.1f  floor %8.2f (x%.2f)  dash floor %s  err %.2e  err0 %.2e  iters %s"):format(
+              row.solver, row.mode, t, first, fl, row.ratio, fmt(dfl), e1, e0, fmt(mean_it, "%.2f")))
+      end
+      release()
+    end
+  end
+end
+
+-- ---------------------------------------------------------------------------------------------------
+-- part "step": the recipe on the parameters, the controlled factors injected
+-- ---------------------------------------------------------------------------------------------------
+local function step_run(name)
+  local cfg = CONFIG[name]
+  local opts = {
+    lr = 1e-3, weight_decay = 0, beta_G = 0.9, beta_LR = 0.95, beta_graft = 0.95, eps_grafting = 1e-8,
+    start_prec_step = -1, block_size = B, newton_steps = T_STEPS, matrix_scaling_pi_steps = 10,
+    matrix_scaling_const = 2, matrix_scaling_pi_vectors = 16, eps_power_iter = 1e-6, pi_bf16 = true,
+    allow_tf32 = true, cn_tolerance = 0, ndb_tolerance = 0, evd_heuristic = "shampoo", mu = 0,
+    use_bias_correction = true, algo_one_dim = "adamw", inv_root_freq = 1,
+  }
+  if name == "auto" then
+    opts.inv_root_method = "auto"
+    opts.eps_inv_root = 0
+    opts.matrix_scaling_type = "pim"
+  else
+    opts.inv_root_method = cfg.method
+    opts.eps_inv_root = cfg.eps or 0
+    opts.matrix_scaling_type = cfg.scaling or "fro"
+    opts.matmul_dtype = cfg.matmul_dtype or "f32"
+    if cfg.method == "evd" then opts.inv_root_freq = 10 end
+    if cfg.method == "chebyshev" then opts.cbshv_degree = cfg.steps end
+  end
+  local ps = {}
+  for i, p in ipairs(params) do
+    ps[i] = { name = p.name, param = ms.randn(p.shape, { ctx = ctx, seed = 100 + i, std = 0.02 }),
+              grad = ms.randn(p.shape, { ctx = ctx, seed = 200 + i, std = 1e-8 }) }
+  end
+  local opt = ms.optim.new("dash", ps, opts, { nonfinite = "apply", ctx = ctx })
+  local st = opt.groups[1].state
+  for _, s in ipairs(sizes) do st.factor[("%dp4"):format(s)]:copy_(stacks[s]) end
+  local first = wall(function() opt:step() end)
+  local times = {}
+  local n = cfg and cfg.method == "evd" and 21 or math.max(args.trials + 2, 4)
+  for t = 2, n do times[t] = timed(function() opt:step() end) end
+  local e1, e0 = accuracy(st.root[("%dp4"):format(sizes[1])])
+  local row = { part = "step", solver = cfg and cfg.label or "auto", first_ms = first, err = e1, err0 = e0 }
+  if cfg and cfg.method == "evd" then
+    local refresh, other = {}, {}
+    for t = 4, n do
+      if t % 10 == 0 then refresh[#refresh + 1] = times[t] else other[#other + 1] = times[t] end
+    end
+    row.refresh_ms, row.apply_ms = median(refresh), median(other)
+    row.ms = (row.refresh_ms + 9 * row.apply_ms) / 10
+    row.mode = "f=10 amortized"
+  else
+    local tail = {}
+    for t = 3, n do tail[#tail + 1] = times[t] end
+    row.ms = median(tail)
+    row.mode = "f=1"
+  end
+  if name == "auto" then
+    row.classes = opt.last and opt.last.reports and opt.last.reports["dash.auto_classes"] or nil
+  end
+  rows[#rows + 1] = row
+  print(("  %-13s %-15s %9.2f ms  first %9.1f%s  err %.2e  err0 %.2e%s"):format(row.solver, row.mode, row.ms, first,
+        row.refresh_ms and ("  refresh %.1f  non-refresh %.2f"):format(row.refresh_ms, row.apply_ms) or "", e1, e0,
+        row.classes and ("  classes: " .. tostring(row.classes)) or ""))
+  opt, ps, st = nil, nil, nil
+  release()
+end
+
+if has(PARTS, "step") then
+  print("\nthe optimizer step (recipes/dash.lua, controlled factors injected):")
+  for _, name in ipairs(SOLVERS) do
+    if CONFIG[name] or name == "auto" then
+      local ok, err = pcall(step_run, name)
+      if not ok then
+        print(("  %-13s failed: %s"):format(name, tostring(err)))
+        rows[#rows + 1] = { part = "step", solver = name, error = tostring(err) }
+        release()
+      end
+    end
+  end
+end
+
+-- ---------------------------------------------------------------------------------------------------
+-- --evd-paths, --splits
+-- ---------------------------------------------------------------------------------------------------
+if args.evd_paths then
+  print("\nEVD per block (32 blocks of the largest size, 12 of the next):")
+  for _, path in ipairs { { "streams", 1 }, { "streams", 4 }, { "streams", 8 }, { "streams", 16 }, { "streams", 8, 0 },
+                          { "batched", 0 } } do
+    ffi.C.setenv("MOONSTEP_DASH_EVD", path[1], 1)
+    if path[2] > 0 then ffi.C.setenv("MOONSTEP_DASH_EVD_STREAMS", tostring(path[2]), 1) end
+    if path[3] then ffi.C.setenv("MOONSTEP_DASH_EVD_THREADS", tostring(path[3]), 1) end
+    -- a context makes its eigensolver streams once: a fresh one per stream count
+    local c = ms.context { device = args.device }
+    for i, s in ipairs(sizes) do
+      local a = stacks[s]:narrow(0, 0, math.min(i == 1 and 32 or 12, factor_n[s])):to(c)
+      ms.inv_root(a, { method = "evd", eps = 1e-10 })
+      c:sync()
+      local t = wall(function() ms.inv_root(a, { method = "evd", eps = 1e-10 }) c:sync() end)
+      print(("  %-8s %2s streams%s  b = %4d: %8.2f ms per block"):format(path[1], path[2] > 0 and tostring(path[2]) or "-",
+            path[3] and ", one host thread" or "", s, t / a:size(0)))
+      rows[#rows + 1] = { part = "evd_path", path = path[1], streams = path[2], threads = path[3] ~= 0, b = s,
+                          ms_per_block = t / a:size(0) }
+    end
+    ffi.C.unsetenv("MOONSTEP_DASH_EVD")
+    ffi.C.unsetenv("MOONSTEP_DASH_EVD_STREAMS")
+    ffi.C.unsetenv("MOONSTEP_DASH_EVD_THREADS")
+    c = nil
+    collectgarbage()
+    collectgarbage()
+  end
+end
+
+if args.splits then
+  print("\nNDB-PIM with the products on panels or plain (MOONSTEP_DASH_SPLIT):")
+  for _, split in ipairs { 1, 2, 4 } do
+    with_env("MOONSTEP_DASH_SPLIT", split, function()
+      local o = root_opts(CONFIG.ndb_pim)
+      local t = time_median(function() solve(o) end, 1, args.trials)
+      local fl = floor_ms(CONFIG.ndb_pim)
+      print(("  split %d: %8.2f ms  floor %8.2f (x%.2f)"):format(split, t, fl, t / fl))
+      rows[#rows + 1] = { part = "split", split = split, ms = t, floor_ms = fl }
+    end)
+  end
+end
+
+-- ---------------------------------------------------------------------------------------------------
+-- the table
+-- ---------------------------------------------------------------------------------------------------
+local sets = { subset = "228 x 1024 + 12 x 512", full = "1568 x 1024 + 96 x 512" }
+print(("\n| set | part | solver | mode | ms | first ms | floor ms | ms / floor | DASH floor ms | err (1e-3 damped) | err (undamped) | iters |"))
+print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+for _, r in ipairs(rows) do
+  if r.part == "solver" or r.part == "step" then
+    print(("| %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s |"):format(
+          args.tiny and "tiny" or (sets[args.set] or args.set), r.part, r.solver, r.mode or "-", fmt(r.ms, "%.2f"),
+          fmt(r.first_ms), fmt(r.floor_ms, "%.2f"), fmt(r.ratio, "%.2f"), fmt(r.dash_floor_ms), fmt(r.err, "%.1e"),
+          fmt(r.err0, "%.1e"), fmt(r.iters, "%.2f")))
+  end
+end
+if args.json then
+  local f = assert(io.open(args.json, "w"))
+  f:write(json.encode({ device = ctx:name(), set = args.set, spectrum = args.spectrum, B = B, rows = rows }))
+  f:close()
+end
+for _, e in ipairs { ev[0], ev[1], hev[0], hev[1] } do C.ms_event_free(e) end

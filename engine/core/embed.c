@@ -1,0 +1,481 @@
+/*
+** The embedding API (moonstep.h, "Embedding"): an optimizer for a C trainer.  Each ms_optimizer owns a
+** LuaJIT state running the moonstep Lua modules and drives lua/moonstep/embed.lua, which runs the recipe
+** through ms.optim.  This is the only code below the ABI that knows Lua exists.
+** Every call into Lua is protected: a Lua error becomes a status and a message, never a longjmp out.
+*/
+#include "internal.h"
+#include "json.h"
+
+#include <dlfcn.h>
+#include <limits.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include <lauxlib.h>
+#include <lua.h>
+#include <lualib.h>
+
+struct ms_optimizer {
+    lua_State *L;
+    ms_ctx    *ctx;       /* the caller's context; the Lua side holds the optimizer's reference to it */
+    int        handler;   /* registry references: moonstep.embed's message handler, */
+    int        object;    /* and this optimizer's Lua object */
+};
+
+/* --- finding the Lua modules ------------------------------------------------------------------- */
+
+static bool readable(const char *path) { return access(path, R_OK) == 0; }
+
+/* The resolved path of the shared library holding this code: the Lua binding must load that same copy. */
+static ms_status library_path(ms_ctx *ctx, char *out, size_t n)
+{
+    Dl_info info;
+    if (dladdr((void *)ms_optimizer_new, &info) == 0 || info.dli_fname == NULL || !info.dli_fname[0])
+        return MS_FAIL(ctx, MS_E_IO, "ms_optimizer_new: cannot tell which file libmoonstep was loaded from");
+    char resolved[PATH_MAX];
+    snprintf(out, n, "%s", realpath(info.dli_fname, resolved) ? resolved : info.dli_fname);
+    return MS_OK;
+}
+
+/* The first of dir/<suffix> holding `probe`, into out; false when none does. */
+static bool find_dir(char *out, size_t n, const char *dir, const char *const *suffixes, const char *probe)
+{
+    for (int i = 0; suffixes[i]; i++) {
+        char test[PATH_MAX + 64];
+        snprintf(out, n, "%s/%s", dir, suffixes[i]);
+        snprintf(test, sizeof test, "%s%s", out, probe);
+        if (readable(test)) return true;
+    }
+    return false;
+}
+
+typedef struct lua_paths {
+    char library[PATH_MAX];
+    char lua_dir[PATH_MAX];
+    char recipe_dir[PATH_MAX];   /* "" when none was found (moonstep.recipe then searches beside its modules) */
+} lua_paths;
+
+static ms_status find_paths(ms_ctx *ctx, lua_paths *p)
+{
+    static const char *const lua_dirs[] = { "../lua", "../share/lua/5.1", NULL };
+    static const char *const recipe_dirs[] = { "../recipes", "../share/moonstep/recipes", NULL };
+    MS_TRY(library_path(ctx, p->library, sizeof p->library));
+    char dir[PATH_MAX];
+    snprintf(dir, sizeof dir, "%s", p->library);
+    char *slash = strrchr(dir, '/');
+    if (slash) *slash = '\0'; else snprintf(dir, sizeof dir, ".");
+
+    const char *env = getenv("MOONSTEP_LUA_DIR");
+    if (env && *env) {
+        char probe[PATH_MAX + 32];
+        snprintf(probe, sizeof probe, "%s/moonstep/init.lua", env);
+        if (!readable(probe))
+            return MS_FAIL(ctx, MS_E_IO, "ms_optimizer_new: MOONSTEP_LUA_DIR=%s has no moonstep/init.lua", env);
+        snprintf(p->lua_dir, sizeof p->lua_dir, "%s", env);
+    } else if (!find_dir(p->lua_dir, sizeof p->lua_dir, dir, lua_dirs, "/moonstep/init.lua")) {
+        return MS_FAIL(ctx, MS_E_IO, "ms_optimizer_new: cannot find the moonstep Lua modules (tried %s/../lua "
+                       "and %s/../share/lua/5.1 beside %s); set MOONSTEP_LUA_DIR", dir, dir, p->library);
+    }
+    if (!find_dir(p->recipe_dir, sizeof p->recipe_dir, dir, recipe_dirs, "")) p->recipe_dir[0] = '\0';
+    /* messages and tracebacks then name files without "build/../" */
+    char resolved[PATH_MAX];
+    if (realpath(p->lua_dir, resolved)) snprintf(p->lua_dir, sizeof p->lua_dir, "%s", resolved);
+    if (p->recipe_dir[0] && realpath(p->recipe_dir, resolved))
+        snprintf(p->recipe_dir, sizeof p->recipe_dir, "%s", resolved);
+    return MS_OK;
+}
+
+/* --- calling Lua --------------------------------------------------------------------------------- */
+
+/* The status and message of a failed lua_pcall (its error value on top of the stack). */
+static ms_status lua_failure(lua_State *L, ms_ctx *ctx, const char *fn, int rc, ms_status fallback)
+{
+    if (rc == LUA_ERRMEM) return MS_FAIL(ctx, MS_E_OOM, "%s: the optimizer's Lua state is out of memory", fn);
+    ms_status st = fallback;
+    if (lua_istable(L, -1)) {          /* {status =, message =} from moonstep.embed's handler */
+        lua_getfield(L, -1, "status");
+        if (lua_isnumber(L, -1) && lua_tointeger(L, -1) < 0) st = (ms_status)lua_tointeger(L, -1);
+        lua_pop(L, 1);
+        lua_getfield(L, -1, "message");
+    }
+    const char *msg = lua_tostring(L, -1);
+    return MS_FAIL(ctx, st, "%s: %s", fn, msg ? msg : "(a Lua error without a message)");
+}
+
+/* Pushes the message handler, object[method] and the object (self); returns the handler's index.  The
+** caller pushes the arguments, then calls call_end. */
+static int call_begin(ms_optimizer *opt, const char *method)
+{
+    lua_State *L = opt->L;
+    int base = lua_gettop(L) + 1;
+    lua_rawgeti(L, LUA_REGISTRYINDEX, opt->handler);
+    lua_rawgeti(L, LUA_REGISTRYINDEX, opt->object);
+    lua_getfield(L, -1, method);
+    lua_insert(L, -2);
+    return base;
+}
+
+/* Runs the call call_begin prepared.  On success its nres results lie above base, and the caller drops
+** everything with lua_settop(L, base - 1); on failure that is done here. */
+static ms_status call_end(ms_optimizer *opt, const char *fn, int base, int nargs, int nres, ms_status fallback)
+{
+    int rc = lua_pcall(opt->L, nargs + 1, nres, base);
+    if (rc == 0) return MS_OK;
+    ms_status st = lua_failure(opt->L, opt->ctx, fn, rc, fallback);
+    lua_settop(opt->L, base - 1);
+    return st;
+}
+
+/* A call with no arguments and no results. */
+static ms_status call_simple(ms_optimizer *opt, const char *fn, const char *method, ms_status fallback)
+{
+    int base = call_begin(opt, method);
+    ms_status st = call_end(opt, fn, base, 0, 0, fallback);
+    if (st == MS_OK) lua_settop(opt->L, base - 1);
+    return st;
+}
+
+/* Traceback handler for loading the Lua side, before moonstep.embed's own handler exists. */
+static int load_traceback(lua_State *L)
+{
+    const char *msg = lua_tostring(L, 1);
+    luaL_traceback(L, L, msg ? msg : "(a Lua error without a message)", 1);
+    return 1;
+}
+
+/* A new Lua state with package.path, moonstep.config and moonstep.embed loaded; the handler referenced. */
+static ms_status open_state(ms_optimizer *opt)
+{
+    lua_paths *paths = malloc(sizeof *paths);
+    if (paths == NULL) return MS_FAIL(opt->ctx, MS_E_OOM, "ms_optimizer_new: out of host memory");
+    ms_status st = find_paths(opt->ctx, paths);
+    if (st != MS_OK) { free(paths); return st; }
+    lua_State *L = opt->L = luaL_newstate();
+    if (L == NULL) {
+        free(paths);
+        return MS_FAIL(opt->ctx, MS_E_OOM, "ms_optimizer_new: cannot create a Lua state");
+    }
+    luaL_openlibs(L);
+    lua_getglobal(L, "package");
+    lua_getfield(L, -1, "path");
+    lua_pushfstring(L, "%s/?.lua;%s/?/init.lua;%s", paths->lua_dir, paths->lua_dir, lua_tostring(L, -1));
+    lua_setfield(L, -3, "path");
+    lua_pop(L, 1);
+    lua_getfield(L, -1, "loaded");
+    lua_newtable(L);                               /* moonstep.config: what the binding cannot find alone */
+    lua_pushstring(L, paths->library);
+    lua_setfield(L, -2, "library");
+    lua_pushstring(L, paths->lua_dir);
+    lua_setfield(L, -2, "lua_dir");
+    lua_pushstring(L, paths->recipe_dir);
+    lua_setfield(L, -2, "recipe_dir");
+    lua_setfield(L, -2, "moonstep.config");
+    lua_pop(L, 2);
+    free(paths);
+
+    lua_pushcfunction(L, load_traceback);
+    lua_getglobal(L, "require");
+    lua_pushstring(L, "moonstep.embed");
+    int rc = lua_pcall(L, 1, 1, -3);
+    if (rc != 0) {
+        st = lua_failure(L, opt->ctx, "ms_optimizer_new: loading the moonstep Lua modules", rc, MS_E_IO);
+        lua_settop(L, 0);
+        return st;
+    }
+    lua_getfield(L, -1, "handler");
+    opt->handler = luaL_ref(L, LUA_REGISTRYINDEX);
+    lua_settop(L, 0);
+    return MS_OK;
+}
+
+/* --- argument checks ----------------------------------------------------------------------------- */
+
+static ms_status check_json_object(ms_ctx *ctx, const char *what, const char *text)
+{
+    if (text == NULL || text[0] == '\0') return MS_OK;
+    ms_json *v;
+    char err[192];
+    ms_status st = ms_json_parse(text, strlen(text), &v, err, sizeof err);
+    if (st == MS_E_OOM) return MS_FAIL(ctx, st, "ms_optimizer_new: no memory to parse %s", what);
+    if (st != MS_OK) return MS_FAIL(ctx, MS_E_FORMAT, "ms_optimizer_new: %s is not valid JSON: %s", what, err);
+    const ms_json *dup = NULL;
+    if (v->type != MS_JSON_OBJECT) st = MS_FAIL(ctx, MS_E_FORMAT, "ms_optimizer_new: %s must be a JSON object", what);
+    else if ((st = ms_json_dup_key(v, &dup)) != MS_OK) st = MS_FAIL(ctx, st, "ms_optimizer_new: no memory to check %s", what);
+    else if (dup) st = MS_FAIL(ctx, MS_E_FORMAT, "ms_optimizer_new: %s gives \"%s\" twice", what, dup->key);
+    ms_json_free(v);
+    return st;
+}
+
+static bool same_device(const ms_ctx *a, const ms_ctx *b) { return a->type == b->type && a->index == b->index; }
+
+static ms_status check_tensor(ms_optimizer *opt, const char *fn, const char *name, const char *role,
+                              const ms_tensor *t)
+{
+    if (!same_device(t->ctx, opt->ctx))
+        return MS_FAIL(opt->ctx, MS_E_DEVICE, "%s: parameter '%s': %s is on %s but the optimizer runs on %s", fn,
+                       name, role, t->ctx->name, opt->ctx->name);
+    if (!ms_dtype_is_float(t->dtype))
+        return MS_FAIL(opt->ctx, MS_E_DTYPE, "%s: parameter '%s': %s is %s, not a float dtype (f32, f64, bf16, f16)",
+                       fn, name, role, ms_dtype_name(t->dtype));
+    return MS_OK;
+}
+
+static ms_status check_grad(ms_optimizer *opt, const char *fn, const char *name, const ms_tensor *param,
+                            const ms_tensor *grad)
+{
+    if (grad == NULL) return MS_OK;
+    MS_TRY(check_tensor(opt, fn, name, "grad", grad));
+    bool same = grad->ndim == param->ndim;
+    for (int i = 0; same && i < param->ndim; i++) same = grad->shape[i] == param->shape[i];
+    if (!same)
+        return MS_FAIL(opt->ctx, MS_E_SHAPE, "%s: parameter '%s': grad shape %s != param shape %s", fn, name,
+                       ms_tshape(grad), ms_tshape(param));
+    return MS_OK;
+}
+
+/* A new handle on t's elements (same storage, shape, strides and offset) for the optimizer to own. */
+static ms_status tensor_share(ms_ctx *ctx, const ms_tensor *t, ms_tensor **out)
+{
+    ms_tensor *s = malloc(sizeof *s);
+    if (s == NULL) return MS_FAIL(ctx, MS_E_OOM, "ms_optimizer: out of host memory");
+    *s = *t;
+    atomic_fetch_add(&s->storage->refcount, 1);
+    ms_ctx_retain(s->ctx);
+    *out = s;
+    return MS_OK;
+}
+
+/* A tensor handle for the Lua side, which takes it over (nil for NULL). */
+static void push_tensor(lua_State *L, ms_tensor *t)
+{
+    if (t) lua_pushlightuserdata(L, t); else lua_pushnil(L);
+}
+
+#define CHECK_OPT(fn) \
+    do { if (opt == NULL) return MS_FAIL(NULL, MS_E_ARG, "%s: opt is NULL", fn); } while (0)
+
+/* --- the API ------------------------------------------------------------------------------------- */
+
+MS_API ms_status ms_optimizer_new(ms_ctx *ctx, const char *recipe, const char *options_json,
+                                  const char *settings_json, ms_optimizer **out)
+{
+    static const char fn[] = "ms_optimizer_new";
+    if (out == NULL) return MS_FAIL(ctx, MS_E_ARG, "%s: out is NULL", fn);
+    *out = NULL;
+    if (ctx == NULL) return MS_FAIL(NULL, MS_E_ARG, "%s: ctx is NULL", fn);
+    if (recipe == NULL || recipe[0] == '\0') return MS_FAIL(ctx, MS_E_ARG, "%s: recipe is NULL or empty", fn);
+    MS_TRY(check_json_object(ctx, "options_json", options_json));
+    MS_TRY(check_json_object(ctx, "settings_json", settings_json));
+
+    ms_optimizer *opt = calloc(1, sizeof *opt);
+    if (opt == NULL) return MS_FAIL(ctx, MS_E_OOM, "%s: out of host memory", fn);
+    opt->ctx = ctx;
+    ms_status st = open_state(opt);
+    if (st == MS_OK) {
+        lua_State *L = opt->L;
+        lua_rawgeti(L, LUA_REGISTRYINDEX, opt->handler);
+        lua_getfield(L, LUA_REGISTRYINDEX, "_LOADED");     /* package.loaded: open_state loaded the module */
+        lua_getfield(L, -1, "moonstep.embed");
+        lua_getfield(L, -1, "new");
+        lua_replace(L, -3);
+        lua_pop(L, 1);
+        ms_ctx_retain(ctx);                        /* the Lua side's reference, owned from its first line */
+        lua_pushlightuserdata(L, ctx);
+        lua_pushstring(L, recipe);
+        if (options_json && *options_json) lua_pushstring(L, options_json); else lua_pushnil(L);
+        if (settings_json && *settings_json) lua_pushstring(L, settings_json); else lua_pushnil(L);
+        lua_pushlightuserdata(L, (void *)ms_abi_version);
+        int rc = lua_pcall(L, 5, 1, 1);
+        if (rc == 0) opt->object = luaL_ref(L, LUA_REGISTRYINDEX);
+        else st = lua_failure(L, ctx, fn, rc, MS_E_ARG);
+        lua_settop(L, 0);
+    }
+    if (st != MS_OK) {
+        if (opt->L) lua_close(opt->L);
+        free(opt);
+        return st;
+    }
+    *out = opt;
+    return MS_OK;
+}
+
+MS_API void ms_optimizer_free(ms_optimizer *opt)
+{
+    if (opt == NULL) return;
+    lua_close(opt->L);      /* finalizers free every handle, the context reference included */
+    free(opt);
+}
+
+MS_API ms_status ms_optimizer_add_param(ms_optimizer *opt, const char *name, ms_tensor *param, ms_tensor *grad,
+                                        const char *tags)
+{
+    static const char fn[] = "ms_optimizer_add_param";
+    CHECK_OPT(fn);
+    if (name == NULL || name[0] == '\0') return MS_FAIL(opt->ctx, MS_E_ARG, "%s: name is NULL or empty", fn);
+    if (param == NULL) return MS_FAIL(opt->ctx, MS_E_ARG, "%s: parameter '%s': param is NULL", fn, name);
+    MS_TRY(check_tensor(opt, fn, name, "param", param));
+    MS_TRY(check_grad(opt, fn, name, param, grad));
+    ms_tensor *p, *g = NULL;
+    MS_TRY(tensor_share(opt->ctx, param, &p));
+    ms_status st = grad ? tensor_share(opt->ctx, grad, &g) : MS_OK;
+    if (st != MS_OK) { ms_tensor_free(p); return st; }
+    int base = call_begin(opt, "add_param");
+    lua_pushstring(opt->L, name);
+    push_tensor(opt->L, p);
+    push_tensor(opt->L, g);
+    if (tags) lua_pushstring(opt->L, tags); else lua_pushnil(opt->L);
+    st = call_end(opt, fn, base, 4, 0, MS_E_ARG);
+    if (st == MS_OK) lua_settop(opt->L, base - 1);
+    return st;
+}
+
+MS_API ms_status ms_optimizer_set_grad(ms_optimizer *opt, const char *name, ms_tensor *grad)
+{
+    static const char fn[] = "ms_optimizer_set_grad";
+    CHECK_OPT(fn);
+    if (name == NULL || name[0] == '\0') return MS_FAIL(opt->ctx, MS_E_ARG, "%s: name is NULL or empty", fn);
+    ms_tensor *g = NULL;
+    if (grad) {
+        /* device and dtype here; the shape against the parameter's in moonstep.embed */
+        MS_TRY(check_tensor(opt, fn, name, "grad", grad));
+        MS_TRY(tensor_share(opt->ctx, grad, &g));
+    }
+    int base = call_begin(opt, "set_grad");
+    lua_pushstring(opt->L, name);
+    push_tensor(opt->L, g);
+    ms_status st = call_end(opt, fn, base, 2, 0, MS_E_ARG);
+    if (st == MS_OK) lua_settop(opt->L, base - 1);
+    return st;
+}
+
+/* opts->grad_scale (0 when opts is NULL), checked: 0 means none, else a positive finite number. */
+static ms_status grad_scale_of(ms_optimizer *opt, const char *fn, const ms_step_options *opts, double *scale)
+{
+    *scale = opts ? opts->grad_scale : 0;
+    if (!(*scale >= 0) || isinf(*scale))
+        return MS_FAIL(opt->ctx, MS_E_ARG, "%s: grad_scale must be a positive finite number or 0 (got %g)", fn, *scale);
+    return MS_OK;
+}
+
+MS_API ms_status ms_optimizer_step_with(ms_optimizer *opt, const ms_step_options *opts, int *applied)
+{
+    static const char fn[] = "ms_optimizer_step";
+    CHECK_OPT(fn);
+    double scale;
+    MS_TRY(grad_scale_of(opt, fn, opts, &scale));
+    int base = call_begin(opt, "step");
+    if (scale > 0) lua_pushnumber(opt->L, scale); else lua_pushnil(opt->L);
+    ms_status st = call_end(opt, fn, base, 1, 1, MS_E_ARG);
+    if (st != MS_OK) return st;
+    if (applied) *applied = lua_isnil(opt->L, -1) ? -1 : lua_toboolean(opt->L, -1);
+    lua_settop(opt->L, base - 1);
+    return MS_OK;
+}
+
+MS_API ms_status ms_optimizer_step(ms_optimizer *opt) { return ms_optimizer_step_with(opt, NULL, NULL); }
+
+MS_API ms_status ms_optimizer_set_lr(ms_optimizer *opt, double lr)
+{
+    static const char fn[] = "ms_optimizer_set_lr";
+    CHECK_OPT(fn);
+    if (!(lr >= 0) || isinf(lr))
+        return MS_FAIL(opt->ctx, MS_E_ARG, "%s: lr must be a non-negative finite number (got %g)", fn, lr);
+    int base = call_begin(opt, "set_lr");
+    lua_pushnumber(opt->L, lr);
+    ms_status st = call_end(opt, fn, base, 1, 0, MS_E_ARG);
+    if (st == MS_OK) lua_settop(opt->L, base - 1);
+    return st;
+}
+
+MS_API ms_status ms_optimizer_get_lr(ms_optimizer *opt, double *lr)
+{
+    static const char fn[] = "ms_optimizer_get_lr";
+    CHECK_OPT(fn);
+    if (lr == NULL) return MS_FAIL(opt->ctx, MS_E_ARG, "%s: lr is NULL", fn);
+    int base = call_begin(opt, "get_lr");
+    ms_status st = call_end(opt, fn, base, 0, 1, MS_E_ARG);
+    if (st != MS_OK) return st;
+    *lr = lua_tonumber(opt->L, -1);
+    lua_settop(opt->L, base - 1);
+    return MS_OK;
+}
+
+static ms_status call_path(ms_optimizer *opt, const char *fn, const char *method, const char *path,
+                           ms_status fallback)
+{
+    CHECK_OPT(fn);
+    if (path == NULL || path[0] == '\0') return MS_FAIL(opt->ctx, MS_E_ARG, "%s: path is NULL or empty", fn);
+    int base = call_begin(opt, method);
+    lua_pushstring(opt->L, path);
+    ms_status st = call_end(opt, fn, base, 1, 0, fallback);
+    if (st == MS_OK) lua_settop(opt->L, base - 1);
+    return st;
+}
+
+MS_API ms_status ms_optimizer_save(ms_optimizer *opt, const char *path)
+{
+    return call_path(opt, "ms_optimizer_save", "save", path, MS_E_IO);
+}
+
+MS_API ms_status ms_optimizer_load(ms_optimizer *opt, const char *path)
+{
+    return call_path(opt, "ms_optimizer_load", "load", path, MS_E_FORMAT);
+}
+
+static ms_status call_json(ms_optimizer *opt, const char *fn, const char *method, char **json_out)
+{
+    CHECK_OPT(fn);
+    if (json_out == NULL) return MS_FAIL(opt->ctx, MS_E_ARG, "%s: json_out is NULL", fn);
+    *json_out = NULL;
+    int base = call_begin(opt, method);
+    ms_status st = call_end(opt, fn, base, 0, 1, MS_E_ARG);
+    if (st != MS_OK) return st;
+    size_t len;
+    const char *s = lua_tolstring(opt->L, -1, &len);
+    char *copy = s ? malloc(len + 1) : NULL;
+    if (copy) {
+        memcpy(copy, s, len + 1);
+        *json_out = copy;
+    } else {
+        st = MS_FAIL(opt->ctx, MS_E_OOM, "%s: out of host memory", fn);
+    }
+    lua_settop(opt->L, base - 1);
+    return st;
+}
+
+MS_API ms_status ms_optimizer_info(ms_optimizer *opt, char **json_out)
+{
+    return call_json(opt, "ms_optimizer_info", "info", json_out);
+}
+
+MS_API ms_status ms_optimizer_stats(ms_optimizer *opt, char **json_out)
+{
+    return call_json(opt, "ms_optimizer_stats", "stats", json_out);
+}
+
+MS_API void ms_string_free(char *s) { free(s); }
+
+MS_API ms_status ms_optimizer_capture(ms_optimizer *opt)
+{
+    static const char fn[] = "ms_optimizer_capture";
+    CHECK_OPT(fn);
+    return call_simple(opt, fn, "capture", opt->ctx->type == MS_DEVICE_CPU ? MS_E_UNSUPPORTED : MS_E_ARG);
+}
+
+MS_API ms_status ms_optimizer_prepare_replay_with(ms_optimizer *opt, const ms_step_options *opts)
+{
+    static const char fn[] = "ms_optimizer_prepare_replay";
+    CHECK_OPT(fn);
+    double scale;
+    MS_TRY(grad_scale_of(opt, fn, opts, &scale));
+    int base = call_begin(opt, "prepare_replay");
+    if (scale > 0) lua_pushnumber(opt->L, scale); else lua_pushnil(opt->L);
+    ms_status st = call_end(opt, fn, base, 1, 0, MS_E_ARG);
+    if (st == MS_OK) lua_settop(opt->L, base - 1);
+    return st;
+}
+
+MS_API ms_status ms_optimizer_prepare_replay(ms_optimizer *opt) { return ms_optimizer_prepare_replay_with(opt, NULL); }

@@ -1,0 +1,212 @@
+--[[
+moonstep.dash -- the Lua face of Shampoo on stacked blocks (moonstep.h, "Shampoo on stacked blocks (DASH)"):
+moving blocks between parameters and [N, r, c] stacks, DASH's grafting state, inverse p-th roots and
+spectrum estimates.  Options are tables with DASH's defaults; scalars that change every step (lr, step) may be
+numbers or one-element device tensors.
+
+  local list = ms.block_list({{tensor = w, row0 = 0, col0 = 0}, {tensor = w, row0 = 0, col0 = 64}})
+  local G = ms.blocks_gather(ms.empty({2, 64, 64}), list)
+  local X, res = ms.inv_root(A, {method = "ndb", root = 4, steps = 10, scaling = "pim", residual = true})
+
+A block list is built once (ms.block_list) and reused every step; a plain Lua array of {tensor=, row0=, col0=}
+is accepted too (converted on each call).  Lists hide their C array: recipes never see a pointer.
+]]
+local core = require("moonstep.core")
+local tensor = require("moonstep.tensor")
+local ffi, C = core.ffi, core.C
+local check, H = core.check, tensor.handle
+
+local M = {}
+
+-- ---------------------------------------------------------------------------------------------------
+-- block lists
+-- ---------------------------------------------------------------------------------------------------
+local lists = setmetatable({}, { __mode = "k" })   -- list object -> {array = ms_block[n], tensors = {...}}
+local List = { __metatable = "moonstep.BlockList" }
+List.__index = function(self, k)
+  if k == "n" then return lists[self].n end
+  return nil
+end
+List.__newindex = function() error("a block list is read-only", 2) end
+List.__len = function(self) return lists[self].n end
+
+local function integer(v, what, level)
+  if type(v) ~= "number" or v ~= math.floor(v) or v < 0 then
+    error(("%s must be a non-negative integer (got %s)"):format(what, tostring(v)), level + 1)
+  end
+  return v
+end
+
+local function build(blocks, level)
+  if type(blocks) ~= "table" then error("blocks must be an array of {tensor=, row0=, col0=}", level + 1) end
+  local n = #blocks
+  local arr = ffi.new("ms_block[?]", n > 0 and n or 1)
+  local keep = {}
+  for i = 1, n do
+    local b = blocks[i]
+    if type(b) ~= "table" or not tensor.is_tensor(b.tensor) then
+      error(("blocks[%d] must be {tensor = <tensor>, row0 =, col0 =}"):format(i), level + 1)
+    end
+    arr[i - 1].tensor = H(b.tensor)
+    arr[i - 1].row0 = integer(b.row0 or 0, ("blocks[%d].row0"):format(i), level + 1)
+    arr[i - 1].col0 = integer(b.col0 or 0, ("blocks[%d].col0"):format(i), level + 1)
+    keep[i] = b.tensor
+  end
+  return { n = n, array = arr, tensors = keep }
+end
+
+--- ms.block_list(blocks) -> a reusable list of blocks ({tensor=, row0=, col0=} each, as moonstep.h's ms_block)
+function M.block_list(blocks)
+  local l = setmetatable({}, List)
+  lists[l] = build(blocks, 2)
+  return l
+end
+
+local function resolve(blocks, level)
+  local l = lists[blocks]
+  if l then return l end
+  return build(blocks, level + 1)
+end
+
+local function ctx_of(t) return tensor.handle_ctx(t:context()) end
+
+-- a scalar option: number -> (value, nil); device tensor -> (0, handle)
+local function scalar(v, default)
+  if v == nil then return default, nil end
+  if type(v) == "number" then return v, nil end
+  return 0, H(v)
+end
+
+local function opt_handle(t) return t ~= nil and H(t) or nil end
+
+-- ---------------------------------------------------------------------------------------------------
+-- gather, apply, scatter
+-- ---------------------------------------------------------------------------------------------------
+--- ms.blocks_gather(stack, blocks) -> stack: stack [N, r, c] f32 <- the blocks
+function M.blocks_gather(stack, blocks)
+  local l = resolve(blocks, 2)
+  check(C.ms_blocks_gather(ctx_of(stack), H(stack), l.n, l.array))
+  return stack
+end
+
+--- ms.blocks_apply{blocks=, stack=, scale=, lr=, weight_decay=0, step=1, stochastic_round=false, seed=0, skip=}
+---   p <- p (1 - lr wd) - lr scale[k] stack[k] on every block k
+function M.blocks_apply(a)
+  local l = resolve(a.blocks, 2)
+  local o = ffi.new("ms_blocks_apply_options")
+  o.lr, o.lr_t = scalar(a.lr, 1e-3)
+  o.step, o.step_t = scalar(a.step, 1)
+  o.weight_decay = a.weight_decay or 0
+  o.stochastic_round = a.stochastic_round and 1 or 0
+  o.seed = a.seed or 0
+  o.skip_t = opt_handle(a.skip)
+  check(C.ms_blocks_apply(ctx_of(a.stack), l.n, l.array, H(a.stack), opt_handle(a.scale), o))
+end
+
+--- ms.blocks_scatter(blocks, stack [, scale]): p_k <- scale[k] stack[k] (scale nil: 1)
+function M.blocks_scatter(blocks, stack, scale)
+  local l = resolve(blocks, 2)
+  check(C.ms_blocks_apply(ctx_of(stack), l.n, l.array, H(stack), opt_handle(scale), nil))
+end
+
+-- ---------------------------------------------------------------------------------------------------
+-- grafting
+-- ---------------------------------------------------------------------------------------------------
+--- ms.dash_graft{grad=, grad_ema=, adam_v=, norm=, pgraft=, beta_grad=0.9, beta_graft=0.95, eps=1e-8, step=1,
+---   bias_correction=true, skip=} -> norm ([N] f32, created when not given)
+function M.dash_graft(a)
+  local g = a.grad
+  if not tensor.is_tensor(g) then error("dash_graft: grad must be a tensor", 2) end
+  local norm = a.norm or tensor.empty({ g:size(0) }, { dtype = "f32", ctx = g:context() })
+  local o = ffi.new("ms_dash_graft_options")
+  o.beta_grad, o.beta_graft = a.beta_grad or 0.9, a.beta_graft or 0.95
+  o.eps = a.eps or 1e-8
+  o.step, o.step_t = scalar(a.step, 1)
+  o.bias_correction = a.bias_correction == false and 0 or 1
+  o.skip_t = opt_handle(a.skip)
+  check(C.ms_dash_graft(ctx_of(g), opt_handle(a.grad_ema), opt_handle(a.adam_v), H(norm), opt_handle(a.pgraft),
+                        H(g), o))
+  return norm
+end
+
+-- ---------------------------------------------------------------------------------------------------
+-- inverse roots and spectrum estimates
+-- ---------------------------------------------------------------------------------------------------
+local methods = { evd = C.MS_ROOT_EVD, cn = C.MS_ROOT_CN, ndb = C.MS_ROOT_NDB, chebyshev = C.MS_ROOT_CHEBYSHEV }
+local scalings = { fro = C.MS_SCALING_FRO, pi = C.MS_SCALING_PI, pim = C.MS_SCALING_PIM }
+local matmul_dtypes = { f32 = C.MS_DTYPE_F32, bf16 = C.MS_DTYPE_BF16, f16 = C.MS_DTYPE_F16 }
+M.root_methods = { "evd", "cn", "ndb", "chebyshev" }
+M.root_scalings = { "fro", "pi", "pim" }
+
+local function enum(map, v, what, default)
+  local x = map[v == nil and default or v]
+  if x == nil then
+    local names = {}
+    for k in pairs(map) do names[#names + 1] = k end
+    table.sort(names)
+    error(("inv_root: %s must be one of %s (got %s)"):format(what, table.concat(names, ", "), tostring(v)), 3)
+  end
+  return x
+end
+
+-- a per-block output: a tensor as given, true for a new one, nil for none
+local function per_block(v, n, dtype, like)
+  if v == nil or v == false then return nil end
+  if v == true then return tensor.empty({ n }, { dtype = dtype, ctx = like:context() }) end
+  return v
+end
+
+--- ms.inv_root(a, {method="ndb"|"cn"|"evd"|"chebyshev", root=4, steps=10, eps=0, scaling="pim", pi_steps=10,
+---   pi_vectors=16, pi_const=2, eps_power_iter=1e-6, pi_bf16=true, tolerance=0, matmul_dtype="f32", tf32=false,
+---   evd_shift=true, seed=0, index=, out=, residual=, iters=}) -> x, residual, iters
+--- x [N, b, b] <- (a + eps I)^(-1/root) per block; residual (f32 [N]) and iters (i32 [N]) when asked for
+--- (true, or tensors to write); index: an i32 tensor (or a Lua array of 0-based block numbers) to work on.
+function M.inv_root(a, opts)
+  opts = opts or {}
+  if not tensor.is_tensor(a) then error("inv_root: a must be a tensor", 2) end
+  local n = a:dim() == 3 and a:size(0) or 0
+  local o = ffi.new("ms_root_options")
+  o.method = enum(methods, opts.method, "method", "ndb")
+  o.root = opts.root or 4
+  o.steps = opts.steps or (opts.method == "chebyshev" and 60 or 10)
+  o.eps = opts.eps or 0
+  o.scaling = enum(scalings, opts.scaling, "scaling", "pim")
+  o.pi_steps, o.pi_vectors, o.pi_const = opts.pi_steps or 10, opts.pi_vectors or 16, opts.pi_const or 2
+  o.eps_power_iter = opts.eps_power_iter or 1e-6
+  o.pi_bf16 = opts.pi_bf16 == false and 0 or 1
+  o.tolerance = opts.tolerance or 0
+  o.matmul_dtype = enum(matmul_dtypes, opts.matmul_dtype, "matmul_dtype", "f32")
+  o.allow_tf32 = opts.tf32 and 1 or 0
+  o.evd_shift = opts.evd_shift == false and 0 or 1
+  o.seed = opts.seed or 0
+  local index = opts.index
+  if type(index) == "table" and not tensor.is_tensor(index) then
+    index = tensor.tensor(index, { dtype = "i32", ctx = a:context() })
+  end
+  o.index = opt_handle(index)
+  local x = opts.out or tensor.empty(a:shape(), { dtype = "f32", ctx = a:context() })
+  local residual = per_block(opts.residual, n, "f32", a)
+  local iters = per_block(opts.iters, n, "i32", a)
+  check(C.ms_inv_root(ctx_of(a), H(x), opt_handle(residual), opt_handle(iters), H(a), o))
+  return x, residual, iters
+end
+
+--- ms.spectrum_estimate(a, {vectors=16, steps=10, eps=1e-6, bf16=false, root=4, seed=0, x_root=, lam_max=,
+---   lam_min=}) -> lam_max, lam_min (lam_min only with x_root, an inverse root of a)
+function M.spectrum_estimate(a, opts)
+  opts = opts or {}
+  if not tensor.is_tensor(a) then error("spectrum_estimate: a must be a tensor", 2) end
+  local n = a:dim() == 3 and a:size(0) or 0
+  local o = ffi.new("ms_spectrum_options")
+  o.vectors, o.steps = opts.vectors or 16, opts.steps or 10
+  o.eps = opts.eps or 1e-6
+  o.bf16 = opts.bf16 and 1 or 0
+  o.root = opts.root or 4
+  o.seed = opts.seed or 0
+  local lam_max = opts.lam_max or tensor.empty({ n }, { dtype = "f32", ctx = a:context() })
+  local lam_min = opts.lam_min or (opts.x_root and tensor.empty({ n }, { dtype = "f32", ctx = a:context() })) or nil
+  check(C.ms_spectrum_estimate(ctx_of(a), H(lam_max), opt_handle(lam_min), H(a), opt_handle(opts.x_root), o))
+  return lam_max, lam_min
+end
+
+return M

@@ -1,0 +1,793 @@
+"""moonstep from Python: a ctypes bridge over the C embedding API (moonstep.h, "Embedding"); no compiled code.
+
+    import numpy as np, moonstep
+    w, gw = np.zeros(16, np.float32), np.zeros(16, np.float32)
+    opt = moonstep.Optimizer({"w": (w, gw)}, "adamw", options={"lr": 1e-2},
+                             settings={"schedule": {"kind": "cosine", "warmup_steps": 10, "total_steps": 500}})
+    for step in range(500):
+        gw[:] = ...          # gradients into the registered buffer
+        opt.step()           # w is updated in place
+
+Parameters and gradients are never copied: NumPy arrays are wrapped (ms_tensor_wrap, on a CPU context);
+PyTorch and CuPy tensors, and anything else with __dlpack__ / __dlpack_device__, are imported through DLPack
+(CUDA tensors on a CUDA context bound to the framework's current stream).  TorchOptimizer (imported on
+first use, with torch) is a torch.optim.Optimizer: step, zero_grad, state_dict / load_state_dict and
+param_groups[0]["lr"], so torch LR schedulers drive it; its load_state_dict also takes a torch.optim.AdamW
+state dict for the parameters moonstep routes to AdamW.  With capturable=True its step can be recorded inside
+torch.cuda.graph, and prepare_replay() readies each replay (see TorchOptimizer).
+
+The library: MOONSTEP_LIBRARY (or MOONSTEP_LIB), else build/libmoonstep.so of the source tree this file
+is in (MOONSTEP_BUILD names another build folder), else the system's libmoonstep.
+"""
+import ctypes
+import ctypes.util
+import json
+import os
+import tempfile
+import warnings
+
+__all__ = ["Optimizer", "Context", "MoonstepError", "TorchOptimizer", "version", "library_path"]
+
+# ---------------------------------------------------------------------------------------------------
+# The library
+# ---------------------------------------------------------------------------------------------------
+_F32, _F64, _BF16, _F16, _I32, _U8 = 0, 1, 2, 3, 4, 5
+_DTYPE_CODES = {"float32": _F32, "float64": _F64, "bfloat16": _BF16, "float16": _F16, "int32": _I32, "uint8": _U8}
+_KDL_CPU, _KDL_CUDA = 1, 2
+
+
+class _CtxOptions(ctypes.Structure):
+    _fields_ = [("mem_limit", ctypes.c_int64), ("stream", ctypes.c_void_p), ("num_threads", ctypes.c_int)]
+
+
+class _StepOptions(ctypes.Structure):
+    _fields_ = [("grad_scale", ctypes.c_double)]
+
+
+def _library_candidates():
+    for var in ("MOONSTEP_LIBRARY", "MOONSTEP_LIB"):
+        path = os.environ.get(var)
+        if path:
+            return [path]
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    build = os.environ.get("MOONSTEP_BUILD", "build")
+    folder = build if os.path.isabs(build) else os.path.join(root, build)
+    found = ctypes.util.find_library("moonstep")
+    return [os.path.join(folder, "libmoonstep.so")] + ([found] if found else []) + ["libmoonstep.so.1"]
+
+
+def _load_library():
+    tried = []
+    for path in _library_candidates():
+        if os.path.sep in path and not os.path.exists(path):
+            tried.append(path + " (missing)")
+            continue
+        try:
+            # PyDLL: calls keep the GIL.  Any call may run the optimizer's Lua garbage collector, whose
+            # finalizers call DLPack deleters, and not every producer's deleter takes the GIL itself.
+            return ctypes.PyDLL(path), path
+        except OSError as e:
+            tried.append("%s (%s)" % (path, e))
+    raise ImportError("moonstep: cannot load libmoonstep; tried " + ", ".join(tried) +
+                      " (set MOONSTEP_LIBRARY, or run `make`)")
+
+
+_lib, library_path = _load_library()
+
+_P, _PP, _S = ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p), ctypes.c_char_p
+for _name, _res, _args in [
+    ("ms_status_name", _S, [ctypes.c_int]),
+    ("ms_last_error", _S, []),
+    ("ms_version", _S, []),
+    ("ms_abi_version", ctypes.c_int, []),
+    ("ms_ctx_new", ctypes.c_int, [_S, ctypes.POINTER(_CtxOptions), _PP]),
+    ("ms_ctx_free", None, [_P]),
+    ("ms_ctx_device_name", _S, [_P]),
+    ("ms_ctx_device_type", ctypes.c_int, [_P]),
+    ("ms_ctx_device_index", ctypes.c_int, [_P]),
+    ("ms_ctx_stream", _P, [_P]),
+    ("ms_ctx_sync", ctypes.c_int, [_P]),
+    ("ms_device_count", ctypes.c_int, [ctypes.c_int]),
+    ("ms_tensor_wrap", ctypes.c_int, [_P, _P, ctypes.c_int, ctypes.c_int, ctypes.POINTER(ctypes.c_int64),
+                                      ctypes.POINTER(ctypes.c_int64), _PP]),
+    ("ms_tensor_from_dlpack", ctypes.c_int, [_P, _P, _PP]),
+    ("ms_tensor_free", None, [_P]),
+    ("ms_optimizer_new", ctypes.c_int, [_P, _S, _S, _S, _PP]),
+    ("ms_optimizer_free", None, [_P]),
+    ("ms_optimizer_add_param", ctypes.c_int, [_P, _S, _P, _P, _S]),
+    ("ms_optimizer_set_grad", ctypes.c_int, [_P, _S, _P]),
+    ("ms_optimizer_step_with", ctypes.c_int, [_P, ctypes.POINTER(_StepOptions), ctypes.POINTER(ctypes.c_int)]),
+    ("ms_optimizer_set_lr", ctypes.c_int, [_P, ctypes.c_double]),
+    ("ms_optimizer_get_lr", ctypes.c_int, [_P, ctypes.POINTER(ctypes.c_double)]),
+    ("ms_optimizer_save", ctypes.c_int, [_P, _S]),
+    ("ms_optimizer_load", ctypes.c_int, [_P, _S]),
+    ("ms_optimizer_info", ctypes.c_int, [_P, _PP]),
+    ("ms_optimizer_stats", ctypes.c_int, [_P, _PP]),
+    ("ms_optimizer_capture", ctypes.c_int, [_P]),
+    ("ms_optimizer_prepare_replay_with", ctypes.c_int, [_P, ctypes.POINTER(_StepOptions)]),
+    ("ms_string_free", None, [_P]),
+]:
+    _fn = getattr(_lib, _name)
+    _fn.restype, _fn.argtypes = _res, _args
+
+_capsule_get = ctypes.pythonapi.PyCapsule_GetPointer
+_capsule_get.restype, _capsule_get.argtypes = ctypes.c_void_p, [ctypes.py_object, ctypes.c_char_p]
+_capsule_set_name = ctypes.pythonapi.PyCapsule_SetName
+_capsule_set_name.restype, _capsule_set_name.argtypes = ctypes.c_int, [ctypes.py_object, ctypes.c_char_p]
+# the capsule keeps this pointer: the bytes object lives as long as the module
+_USED_DLTENSOR = b"used_dltensor"
+
+
+def version():
+    """The library's version string, e.g. "0.1.0"."""
+    return _lib.ms_version().decode()
+
+
+class MoonstepError(RuntimeError):
+    """A moonstep call failed: `status` is the status name ("MS_E_SHAPE", ...), the text its message."""
+
+    def __init__(self, status, message):
+        super().__init__(message)
+        self.status = status
+
+
+def _check(status):
+    if status != 0:
+        raise MoonstepError(_lib.ms_status_name(status).decode(), _lib.ms_last_error().decode(errors="replace"))
+
+
+def _json(value):
+    """JSON text of options or settings; NumPy and torch scalars and arrays become numbers and lists."""
+    def plain(x):
+        if hasattr(x, "tolist"):
+            return x.tolist()
+        raise TypeError("%s is not a JSON value" % type(x).__name__)
+    return json.dumps(value or {}, default=plain).encode()
+
+
+def _as_list(v):
+    return list(v) if isinstance(v, (list, tuple)) else [v]
+
+
+def _utf8(s, what):
+    if not isinstance(s, str):
+        raise TypeError("%s must be a string (got %s)" % (what, type(s).__name__))
+    return s.encode()
+
+
+# ---------------------------------------------------------------------------------------------------
+# Contexts and tensors
+# ---------------------------------------------------------------------------------------------------
+class Context:
+    """A moonstep context: a device ("cpu", "cuda:N") and, on CUDA, the stream its work is queued on (a
+    cudaStream_t as an int; None: a stream of its own)."""
+
+    def __init__(self, device="cpu", stream=None, num_threads=0, mem_limit=0):
+        opts = _CtxOptions(mem_limit, stream or None, num_threads)
+        handle = ctypes.c_void_p()
+        _check(_lib.ms_ctx_new(_utf8(device, "device"), ctypes.byref(opts), ctypes.byref(handle)))
+        self._h = handle
+
+    @property
+    def device(self):
+        return _lib.ms_ctx_device_name(self._h).decode()
+
+    @property
+    def is_cuda(self):
+        return _lib.ms_ctx_device_type(self._h) == 1
+
+    @property
+    def index(self):
+        return _lib.ms_ctx_device_index(self._h)
+
+    @property
+    def stream(self):
+        """The cudaStream_t (an int) this context's work runs on; None on the CPU."""
+        return _lib.ms_ctx_stream(self._h)
+
+    def sync(self):
+        _check(_lib.ms_ctx_sync(self._h))
+
+    def close(self):
+        if getattr(self, "_h", None) and _lib is not None:
+            _lib.ms_ctx_free(self._h)
+        self._h = None
+
+    __del__ = close
+
+    def __repr__(self):
+        return "moonstep.Context(%s)" % (self.device if self._h else "closed")
+
+
+def _framework(x):
+    return type(x).__module__.split(".")[0]
+
+
+def _is_numpy(x):
+    return _framework(x) == "numpy" and hasattr(x, "__array_interface__") and hasattr(x, "ctypes")
+
+
+def _device_of(x):
+    """("cpu", 0) or ("cuda", index) of an array or tensor."""
+    if _is_numpy(x):
+        return "cpu", 0
+    if not hasattr(x, "__dlpack_device__"):
+        raise TypeError("expected a NumPy array or a tensor with __dlpack__ (PyTorch, CuPy, ...), got %s"
+                        % type(x).__name__)
+    kind, index = x.__dlpack_device__()
+    kind = int(kind)
+    if kind == _KDL_CPU:
+        return "cpu", 0
+    if kind == _KDL_CUDA:
+        return "cuda", int(index)
+    raise MoonstepError("MS_E_DEVICE", "a tensor on DLPack device type %d: moonstep takes CPU (1) and CUDA (2) memory"
+                        % kind)
+
+
+def _current_stream(framework, index):
+    """The framework's current CUDA stream on device `index` as an int (0: the legacy default stream)."""
+    if framework == "torch":
+        import torch
+        return torch.cuda.current_stream(index).cuda_stream
+    if framework == "cupy":
+        import cupy
+        with cupy.cuda.Device(index):
+            return cupy.cuda.get_current_stream().ptr
+    return 0
+
+
+def _import(ctx, x, what, writable):
+    """A new ms_tensor handle viewing x's memory (the caller frees it)."""
+    handle = ctypes.c_void_p()
+    if _is_numpy(x):
+        if ctx.is_cuda:
+            raise MoonstepError("MS_E_DEVICE", "%s: a NumPy array (host memory) for an optimizer on %s" % (what, ctx.device))
+        if writable and not x.flags.writeable:
+            raise ValueError("%s: the array is read-only, and moonstep updates parameters in place" % what)
+        code = _DTYPE_CODES.get(x.dtype.name)
+        if code is None or not x.dtype.isnative:
+            raise TypeError("%s: dtype %s is not one of float32, float64, bfloat16, float16, int32, uint8 (native byte order)"
+                            % (what, x.dtype))
+        item = x.dtype.itemsize
+        if any(s % item for s in x.strides):
+            raise ValueError("%s: strides %s are not whole elements" % (what, x.strides))
+        n = max(x.ndim, 1)
+        shape = (ctypes.c_int64 * n)(*x.shape)
+        strides = (ctypes.c_int64 * n)(*[s // item for s in x.strides])
+        _check(_lib.ms_tensor_wrap(ctx._h, x.ctypes.data if x.size else None, code, x.ndim, shape, strides,
+                                   ctypes.byref(handle)))
+        return handle
+    if not hasattr(x, "__dlpack__"):
+        raise TypeError("%s: expected a NumPy array or a tensor with __dlpack__ (PyTorch, CuPy, ...), got %s"
+                        % (what, type(x).__name__))
+    if _framework(x) == "torch" and x.requires_grad:
+        x = x.detach()                   # same memory; torch refuses to export a tensor that requires grad
+    # the producer orders its pending work before ctx's stream
+    capsule = x.__dlpack__(stream=ctx.stream) if ctx.is_cuda else x.__dlpack__()
+    managed = _capsule_get(capsule, b"dltensor")
+    _check(_lib.ms_tensor_from_dlpack(ctx._h, managed, ctypes.byref(handle)))
+    _capsule_set_name(capsule, _USED_DLTENSOR)     # moonstep owns it now: the capsule must not delete it
+    return handle
+
+
+class _StreamOrder:
+    """When the framework's current stream is not the context's (its default stream, or the trainer moved to
+    another one), orders the step after the framework's queued work and the framework's later work after
+    the step, with events.  Inside a graph capture (torch.cuda.graph captures on a stream of its own) the
+    same events fork the context's stream into the capture and join it back, so the step is recorded into
+    the framework's graph between the work around it."""
+
+    def __init__(self, framework, ctx):
+        self.framework, self.index, self.ptr = framework, ctx.index, ctx.stream
+        self.ours = None
+        self.theirs = None
+
+    def before(self):
+        self.theirs = None
+        if self.framework == "torch":
+            import torch
+            cur = torch.cuda.current_stream(self.index)
+            if cur.cuda_stream == self.ptr:
+                return
+            if self.ours is None:
+                self.ours = torch.cuda.ExternalStream(self.ptr, device=self.index)
+            self.ours.wait_stream(cur)
+            self.theirs = cur
+        elif self.framework == "cupy":
+            import cupy
+            with cupy.cuda.Device(self.index):
+                cur = cupy.cuda.get_current_stream()
+                if cur.ptr == self.ptr:
+                    return
+                if self.ours is None:
+                    self.ours = cupy.cuda.ExternalStream(self.ptr)
+                self.ours.wait_event(cur.record())
+            self.theirs = cur
+
+    def after(self):
+        if self.theirs is None:
+            return
+        if self.framework == "torch":
+            self.theirs.wait_stream(self.ours)
+        else:
+            import cupy
+            with cupy.cuda.Device(self.index):
+                self.theirs.wait_event(self.ours.record())
+        self.theirs = None
+
+
+# ---------------------------------------------------------------------------------------------------
+# Checkpoint files (safetensors), for the state-dict conversions
+# ---------------------------------------------------------------------------------------------------
+def _read_safetensors(data):
+    n = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8:8 + n].decode())
+    meta = header.pop("__metadata__", {}) or {}
+    base = 8 + n
+    tensors = {}
+    for name, e in header.items():
+        begin, end = e["data_offsets"]
+        tensors[name] = [e["dtype"], list(e["shape"]), data[base + begin:base + end]]
+    return tensors, meta
+
+
+def _write_safetensors(tensors, meta):
+    header, chunks, offset = {"__metadata__": meta}, [], 0
+    for name in sorted(tensors):
+        dtype, shape, raw = tensors[name]
+        header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + len(raw)]}
+        chunks.append(raw)
+        offset += len(raw)
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    return len(text).to_bytes(8, "little") + text + b"".join(chunks)
+
+
+def _host_array(x):
+    """A NumPy float32 copy of a tensor or array (torch: on the host)."""
+    import numpy as np
+    if _framework(x) == "torch":
+        import torch
+        return x.detach().to("cpu", torch.float32).numpy()
+    if _framework(x) == "cupy":
+        return x.get().astype(np.float32)
+    return np.asarray(x, dtype=np.float32)
+
+
+def _encode(values, dtype):
+    import numpy as np
+    values = np.ascontiguousarray(values, dtype=np.float32)
+    if dtype == "F32":
+        return values.astype("<f4").tobytes()
+    if dtype == "BF16":                              # round to nearest even, as the engine stores bf16
+        bits = values.view(np.uint32).astype(np.uint64)
+        return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype("<u2").tobytes()
+    raise ValueError("no conversion to %s" % dtype)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The optimizer
+# ---------------------------------------------------------------------------------------------------
+def _entries(params):
+    """[(name, param, grad, tags)] from a dict {name: param | (param, grad) | {"param", "grad", "tags"}} or
+    an iterable of (name, param[, grad[, tags]]) or {"name", "param", "grad", "tags"}."""
+    out = []
+    items = params.items() if isinstance(params, dict) else params
+    for i, item in enumerate(items):
+        if isinstance(params, dict):
+            name, spec = item
+            if isinstance(spec, dict):
+                item = dict(spec, name=name)
+            elif isinstance(spec, (tuple, list)):
+                item = (name,) + tuple(spec)
+            else:
+                item = (name, spec)
+        if isinstance(item, dict):
+            unknown = set(item) - {"name", "param", "grad", "tags"}
+            if unknown:
+                raise ValueError("params[%d]: unknown keys %s (name, param, grad, tags)" % (i, sorted(unknown)))
+            out.append((item.get("name"), item.get("param"), item.get("grad"), item.get("tags")))
+        elif isinstance(item, (tuple, list)) and 2 <= len(item) <= 4:
+            out.append(tuple(item) + (None,) * (4 - len(item)))
+        else:
+            raise TypeError("params[%d]: expected (name, param[, grad[, tags]]) or a dict" % i)
+    return out
+
+
+class Optimizer:
+    """A moonstep optimizer over NumPy arrays or DLPack tensors (PyTorch, CuPy), updated in place.
+
+    params: {name: param | (param, grad) | {"param", "grad", "tags"}}, or a list of (name, param, grad, tags)
+    tuples or {"name", "param", "grad", "tags"} dicts.  grad may be None and given later (set_grad, or
+    step(grads=...)); tags: a list of strings (or "a,b") that the recipe's route() sees.
+    recipe: a built-in name ("adamw", "sinkgd", ...) or a recipe file (sandboxed unless settings["trusted"]).
+    options: the recipe's options; settings: the runtime's (schedule, clip_grad_norm, nonfinite, ...): see
+    moonstep.h, ms_optimizer_new.  context: a Context to run on; by default one for the first parameter's
+    device, on CUDA bound to the framework's current stream.
+    """
+
+    def __init__(self, params, recipe="adamw", options=None, settings=None, context=None):
+        entries = _entries(params)
+        self._opt = None
+        self._framework = _framework(entries[0][1]) if entries else "numpy"
+        if context is None:
+            kind, index = _device_of(entries[0][1]) if entries else ("cpu", 0)
+            if kind == "cuda":
+                stream = _current_stream(self._framework, index)
+                # the legacy default stream (0) cannot be a context's stream: it gets its own, ordered by events
+                context = Context("cuda:%d" % index, stream=stream or None)
+            else:
+                context = Context("cpu")
+        self.context = context
+        self._order = _StreamOrder(self._framework, context) if context.is_cuda else None
+        handle = ctypes.c_void_p()
+        _check(_lib.ms_optimizer_new(context._h, _utf8(os.fspath(recipe), "recipe"), _json(options), _json(settings),
+                                     ctypes.byref(handle)))
+        self._opt = handle
+        self.names = []
+        self._keep = {}            # name -> [param, grad]: wrapped NumPy memory must outlive the optimizer's use
+        for name, param, grad, tags in entries:
+            self.add_param(name, param, grad, tags)
+
+    def _handle(self):
+        if not self._opt:
+            raise ValueError("the optimizer is closed")
+        return self._opt
+
+    def add_param(self, name, param, grad=None, tags=None):
+        """Registers a parameter (before the first step, save, load, info or stats)."""
+        if isinstance(tags, (list, tuple)):
+            tags = ",".join(tags)
+        p = _import(self.context, param, "parameter %r" % (name,), True)
+        try:
+            g = _import(self.context, grad, "gradient of %r" % (name,), False) if grad is not None else None
+        except Exception:
+            _lib.ms_tensor_free(p)
+            raise
+        try:
+            _check(_lib.ms_optimizer_add_param(self._handle(), _utf8(name, "name"), p, g,
+                                               _utf8(tags, "tags") if tags else None))
+        finally:
+            _lib.ms_tensor_free(p)       # the optimizer keeps handles of its own
+            if g is not None:
+                _lib.ms_tensor_free(g)
+        self.names.append(name)
+        self._keep[name] = [param, grad]
+
+    def set_grad(self, name, grad):
+        """Gives parameter `name` another gradient (None: none; steps then leave it alone)."""
+        g = _import(self.context, grad, "gradient of %r" % (name,), False) if grad is not None else None
+        try:
+            _check(_lib.ms_optimizer_set_grad(self._handle(), _utf8(name, "name"), g))
+        finally:
+            if g is not None:
+                _lib.ms_tensor_free(g)
+        if name in self._keep:
+            self._keep[name][1] = grad
+
+    def step(self, grads=None, grad_scale=None):
+        """One step.  grads: {name: gradient} for this step; grad_scale: the gradients are this many times
+        too large (they are divided in place).  Returns True when the step was applied, False when it was
+        skipped (NaN/Inf gradients), None when the device decides (captured steps, settings["device_checks"])."""
+        for name, grad in (grads or {}).items():
+            self.set_grad(name, grad)
+        opts = _StepOptions(grad_scale or 0.0)
+        applied = ctypes.c_int(0)
+        if self._order:
+            self._order.before()
+        try:
+            _check(_lib.ms_optimizer_step_with(self._handle(), ctypes.byref(opts), ctypes.byref(applied)))
+        finally:
+            if self._order:
+                self._order.after()
+        return None if applied.value < 0 else bool(applied.value)
+
+    @property
+    def lr(self):
+        """The learning rate of the next step; setting it replaces the schedule."""
+        out = ctypes.c_double()
+        _check(_lib.ms_optimizer_get_lr(self._handle(), ctypes.byref(out)))
+        return out.value
+
+    @lr.setter
+    def lr(self, value):
+        _check(_lib.ms_optimizer_set_lr(self._handle(), float(value)))
+
+    def save(self, path):
+        _check(_lib.ms_optimizer_save(self._handle(), _utf8(os.fspath(path), "path")))
+
+    def load(self, path):
+        _check(_lib.ms_optimizer_load(self._handle(), _utf8(os.fspath(path), "path")))
+
+    def _json(self, fn):
+        out = ctypes.c_void_p()
+        _check(fn(self._handle(), ctypes.byref(out)))
+        try:
+            return json.loads(ctypes.string_at(out.value).decode())
+        finally:
+            _lib.ms_string_free(out)
+
+    def info(self):
+        """Routes, groups and state bytes per parameter (a dict)."""
+        return self._json(_lib.ms_optimizer_info)
+
+    def stats(self):
+        """Step count, skipped steps, lr and the last step's numbers (a dict)."""
+        return self._json(_lib.ms_optimizer_stats)
+
+    def capture(self):
+        """Captures the step into CUDA graphs that later steps replay (CUDA contexts)."""
+        _check(_lib.ms_optimizer_capture(self._handle()))
+
+    def prepare_replay(self, grad_scale=None):
+        """Before each replay of a CUDA graph of the caller's (torch.cuda.graph, a CuPy graph) that recorded
+        step(): writes this replay's learning rate and step number where the recorded step reads them, and
+        counts the step, as an uncaptured step() would.  grad_scale: this replay's, exactly when the recorded
+        step was given one.  Ordered after the framework's current stream and before its later work, like
+        step().  Recording needs settings["device_checks"] and one uncaptured step first (moonstep.h, "Inside a
+        trainer's CUDA graph")."""
+        opts = _StepOptions(grad_scale or 0.0)
+        if self._order:
+            self._order.before()
+        try:
+            _check(_lib.ms_optimizer_prepare_replay_with(self._handle(), ctypes.byref(opts)))
+        finally:
+            if self._order:
+                self._order.after()
+
+    # --- state dicts -------------------------------------------------------------------------------
+    def checkpoint_bytes(self):
+        """The optimizer's checkpoint (what save() writes) as bytes."""
+        with tempfile.TemporaryDirectory(prefix="moonstep-") as d:
+            path = os.path.join(d, "optim.safetensors")
+            self.save(path)
+            with open(path, "rb") as f:
+                return f.read()
+
+    def load_checkpoint_bytes(self, data):
+        with tempfile.TemporaryDirectory(prefix="moonstep-") as d:
+            path = os.path.join(d, "optim.safetensors")
+            with open(path, "wb") as f:
+                f.write(bytes(data))
+            self.load(path)
+
+    def state_dict(self):
+        return {"moonstep": self.checkpoint_bytes(), "param_names": list(self.names)}
+
+    def load_state_dict(self, state):
+        """Restores state_dict() output, or a torch.optim.AdamW (or Adam) state dict (see load_adamw_state)."""
+        if "moonstep" in state:
+            self.load_checkpoint_bytes(state["moonstep"])
+        elif "state" in state and "param_groups" in state:
+            self.load_adamw_state(state)
+        else:
+            raise ValueError("not a moonstep or torch.optim.AdamW state dict (no 'moonstep', no 'state')")
+
+    def load_adamw_state(self, state, names=None):
+        """Moves a torch.optim.AdamW (or Adam) state dict into this optimizer: for each parameter the recipe
+        routes to AdamW, exp_avg and exp_avg_sq become moonstep's moments of the same names, and the step count
+        (one for all) moonstep's.  Parameters are matched by the state dict's param_names when it has them,
+        else by position (names: this optimizer's names in the torch optimizer's order; default self.names).
+        Others keep their state.  Returns {"loaded": [...], "kept": [...]} (parameter names)."""
+        groups = state["param_groups"]
+        index_to_name = {}
+        order = [i for g in groups for i in g["params"]]
+        if all("param_names" in g for g in groups):
+            for g in groups:
+                index_to_name.update(zip(g["params"], g["param_names"]))
+        else:
+            names = list(names if names is not None else self.names)
+            if len(order) != len(names):
+                raise ValueError("the state dict has %d parameters, this optimizer %d: pass names=" % (len(order), len(names)))
+            index_to_name.update(zip(order, names))
+        tensors, meta = _read_safetensors(self.checkpoint_bytes())
+        info = json.loads(meta["moonstep"])
+        options = info.get("options", {})
+        for g in groups:
+            for key in ("betas", "eps"):
+                if key in g and key in options and _as_list(g[key]) != _as_list(options[key]):
+                    warnings.warn("moonstep: the torch optimizer's %s=%r differs from this optimizer's %r"
+                                  % (key, g[key], options[key]))
+        loaded, steps = [], set()
+        for index, st in state["state"].items():
+            name = index_to_name.get(index)
+            if name is None:
+                raise ValueError("state for parameter index %r, which the param_groups do not list" % (index,))
+            if name not in self.names:
+                raise ValueError("parameter %r of the state dict is not in this optimizer" % name)
+            if "exp_avg" not in st or "exp_avg_sq" not in st:
+                continue
+            key_m, key_v = "param/%s/exp_avg" % name, "param/%s/exp_avg_sq" % name
+            if key_m not in tensors or key_v not in tensors:
+                continue                          # routed to something other than AdamW: its state stays
+            for key, value in ((key_m, st["exp_avg"]), (key_v, st["exp_avg_sq"])):
+                dtype, shape, _ = tensors[key]
+                if dtype not in ("F32", "BF16"):
+                    raise ValueError("parameter %r: moonstep keeps its AdamW moments as %s (8-bit); create the optimizer "
+                                     "with 32-bit moments (e.g. sinkgd's adamw_state='f32') to load a torch state" % (name, dtype))
+                values = _host_array(value)
+                if list(values.shape) != list(shape):
+                    raise ValueError("parameter %r: %s has shape %s in the state dict, %s here"
+                                     % (name, key.rsplit("/", 1)[1], list(values.shape), shape))
+                tensors[key][2] = _encode(values, dtype)
+            step = st.get("step", 0)
+            steps.add(int(step.item() if hasattr(step, "item") else step))
+            loaded.append(name)
+        if len(steps) > 1:
+            raise ValueError("the parameters were at different steps %s; moonstep keeps one step count" % sorted(steps))
+        if steps:
+            info["step"] = steps.pop()
+        meta["moonstep"] = json.dumps(info)
+        self.load_checkpoint_bytes(_write_safetensors(tensors, meta))
+        return {"loaded": loaded, "kept": [n for n in self.names if n not in loaded]}
+
+    # --- lifetime ----------------------------------------------------------------------------------
+    def close(self):
+        """Frees the optimizer (its state and its Lua state); the parameters stay."""
+        if getattr(self, "_opt", None) and _lib is not None:
+            _lib.ms_optimizer_free(self._opt)
+        self._opt = None
+        self._keep = {}
+
+    __del__ = close
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+# ---------------------------------------------------------------------------------------------------
+# torch.optim.Optimizer
+# ---------------------------------------------------------------------------------------------------
+def _make_torch_optimizer():
+    import torch
+
+    class TorchOptimizer(torch.optim.Optimizer):
+        """A torch.optim.Optimizer running a moonstep recipe on the parameters, in place (DLPack, no copies), on
+        torch's current stream.
+
+            opt = moonstep.TorchOptimizer(model.named_parameters(), "sinkgd", lr=1e-3, options={...})
+            sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=1000)
+            loss.backward(); opt.step(); opt.zero_grad(); sched.step()
+
+        params: model.named_parameters() (names reach the recipe's routing and the checkpoints), tensors
+        (named "0", "1", ...), or param groups {"params": [...], "weight_decay": 0} (such a group's parameters
+        are tagged "no_decay") with an optional "tags" list.  param_groups[0]["lr"] is the learning rate of
+        every step (torch LR schedulers set it); the settings take no "schedule".
+
+        capturable=True (settings["device_checks"]: the non-finite check on the device, no host sync per step)
+        lets step() be recorded inside torch.cuda.graph after one uncaptured step; call prepare_replay() before
+        each replay of that graph:
+
+            opt = moonstep.TorchOptimizer(model.named_parameters(), "adamw", lr=1e-3, capturable=True)
+            ... warm-up steps on a side stream, as torch's CUDA graph notes show ...
+            opt.zero_grad(set_to_none=True)
+            with torch.cuda.graph(g):
+                loss = loss_fn(model(static_x), static_y); loss.backward(); opt.step()
+            for x, y in data:
+                static_x.copy_(x); static_y.copy_(y)
+                opt.prepare_replay()          # this replay's lr (param_groups[0]["lr"]) and step number
+                g.replay()
+                sched.step()
+        """
+
+        def __init__(self, params, recipe="adamw", lr=1e-3, options=None, settings=None, capturable=False):
+            named, tags = self._named(params)
+            options = dict(options or {})
+            if "lr" in options and options["lr"] != lr:
+                raise ValueError("give the learning rate as lr=, not in options")
+            options["lr"] = lr
+            if settings and "schedule" in settings:
+                raise ValueError("a TorchOptimizer's learning rate is param_groups[0]['lr']: use a torch LR scheduler")
+            if capturable:
+                if settings and settings.get("device_checks") is False:
+                    raise ValueError("capturable=True needs settings['device_checks']: captured steps check the "
+                                     "gradients on the device")
+                settings = dict(settings or {}, device_checks=True)
+            self._building = True
+            super().__init__([p for _, p in named], {"lr": lr})
+            self._building = False
+            self.param_names = [n for n, _ in named]
+            self.moonstep = Optimizer([(n, p, p.grad, tags.get(n)) for n, p in named], recipe, options, settings)
+            self._grad_keys = {n: self._grad_key(p.grad) for n, p in named}
+            self._pushed_lr = lr
+
+        @staticmethod
+        def _named(params):
+            named, tags = [], {}
+
+            def add(item, group_tags):
+                name, p = item if isinstance(item, (tuple, list)) else (str(len(named)), item)
+                named.append((name, p))
+                if group_tags:
+                    tags[name] = group_tags
+
+            for item in list(params):
+                if not isinstance(item, dict):
+                    add(item, None)
+                    continue
+                extra = set(item) - {"params", "weight_decay", "tags"}
+                if extra:
+                    raise ValueError("param group keys %s: moonstep takes a per-group weight_decay=0 and tags only "
+                                     "(the recipe's options apply to every parameter)" % sorted(extra))
+                group_tags = list(item.get("tags", []))
+                if "weight_decay" in item:
+                    if item["weight_decay"] != 0:
+                        raise ValueError("a param group's weight_decay must be 0 (its parameters are tagged no_decay)")
+                    group_tags.append("no_decay")
+                for sub in list(item["params"]):
+                    add(sub, group_tags)
+            return named, tags
+
+        @staticmethod
+        def _grad_key(g):
+            return None if g is None else (g.data_ptr(), tuple(g.shape), g.dtype, g.device)
+
+        def add_param_group(self, group):
+            if not getattr(self, "_building", False):
+                raise NotImplementedError("moonstep's parameters are fixed once the optimizer is made")
+            super().add_param_group(group)
+
+        def _push_lr(self):
+            lr = self.param_groups[0]["lr"]
+            if lr != self._pushed_lr:
+                self.moonstep.lr = lr
+                self._pushed_lr = lr
+
+        @torch.no_grad()
+        def step(self, closure=None):
+            """One step on the parameters' current gradients; inside torch.cuda.graph it is recorded into the
+            graph (capturable=True, after one uncaptured step), and prepare_replay() readies each replay."""
+            loss = None
+            if closure is not None:
+                with torch.enable_grad():
+                    loss = closure()
+            self._push_lr()
+            for name, p in zip(self.param_names, self.param_groups[0]["params"]):
+                key = self._grad_key(p.grad)
+                if key != self._grad_keys[name]:          # a new gradient tensor (zero_grad set it to None)
+                    self.moonstep.set_grad(name, p.grad)
+                    self._grad_keys[name] = key
+            self.moonstep.step()
+            return loss
+
+        def prepare_replay(self):
+            """Before each g.replay() of a torch.cuda.graph that recorded step(): this replay's learning rate
+            (param_groups[0]["lr"], as a scheduler left it) and step number go where the recorded step reads
+            them, and the step is counted, as an uncaptured step() would.  Call it outside the capture, once per
+            replay, in the replays' order; it is ordered after torch's current stream and before its later
+            work, like step()."""
+            self._push_lr()
+            self.moonstep.prepare_replay()
+
+        def state_dict(self):
+            group = {k: v for k, v in self.param_groups[0].items() if k != "params"}
+            group["params"] = list(range(len(self.param_names)))
+            group["param_names"] = list(self.param_names)
+            return {"state": {}, "param_groups": [group], "moonstep": self.moonstep.checkpoint_bytes()}
+
+        def load_state_dict(self, state_dict):
+            """A state_dict() of a TorchOptimizer, or of torch.optim.AdamW / Adam over the same parameters (in
+            the same order, or named through param_names) for the parameters routed to AdamW."""
+            if "moonstep" in state_dict:
+                self.moonstep.load_checkpoint_bytes(state_dict["moonstep"])
+                report = None
+            else:
+                report = self.moonstep.load_adamw_state(state_dict, names=self.param_names)
+            for key, value in state_dict["param_groups"][0].items():
+                if key not in ("params", "param_names"):
+                    self.param_groups[0][key] = value
+            self._pushed_lr = None        # the next step sets the group's lr
+            return report
+
+    return TorchOptimizer
+
+
+def __getattr__(name):
+    if name == "TorchOptimizer":
+        cls = _make_torch_optimizer()
+        globals()[name] = cls
+        return cls
+    raise AttributeError("module 'moonstep' has no attribute %r" % name)

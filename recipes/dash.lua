@@ -1,0 +1,625 @@
+--[[
+dash -- DASH: block Shampoo on stacked blocks, grafted to Adam per block, for matrices; AdamW for the rest.
+
+Each matrix parameter W (more dims: viewed as [d0, rest]) is cut into blocks of at most block_size^2 (any
+shape: the remainders give smaller blocks); blocks of equal size are stacked and every per-block operation is
+one batched call (ms.block_plan, ms.blocks_gather, ...).  For a block G with factors L (r x r), R (c x c),
+gradient EMA Gt, Adam second moment A, at step t (research/dash.md §1.2):
+    W <- W (1 - lr wd)                                                       (decoupled; matrices only)
+    L <- beta_LR L + (1 - beta_LR) G G^T      R <- beta_LR R + (1 - beta_LR) G^T G      (beta_LR = 1: sums)
+    A <- beta_graft A + (1 - beta_graft) G^2
+    refresh steps: Lbar = (L + eps_inv_root I)^(-1/4), Rbar likewise (inv_root_method)
+    Gt <- beta_G Gt + (1 - beta_G) G
+    P_graft = Gt^ / (eps_grafting + sqrt(A^))        (^: bias-corrected when use_bias_correction)
+    U = Lbar Gt Rbar,   P = U ||P_graft||_F / (||U||_F + 1e-16)   (per block: only U's direction is used)
+    before start_prec_step: P = P_graft (Adam)
+    mu > 0:  M <- mu M + P,  P = P + mu M (use_nesterov) or M
+    W <- W - lr P
+Refresh steps are t >= start_prec_step and (t == 1 or t % inv_root_freq == 0), and the first step at or past
+start_prec_step (so roots are never used before they exist).  plan() returns "refresh" on them and "apply"
+otherwise.  1-D parameters go to AdamW (algo_one_dim = "adamw") or DASH's Shampoo-as-AdaGrad path
+("shampoo"): pieces of (b, 1) with only a left factor, root 2, no weight decay.
+
+Sources: Modoranu, Zmushko, Schultheis, Safaryan, Alistarh, "DASH: Faster Shampoo via Batched Block
+Preconditioning and Efficient Inverse-Root Solvers" (arXiv 2602.02016) and its code (IST-DASLab, DashGpu
+v1.1.15 numerics); Gupta, Koren, Singer, "Shampoo" (2018); DistributedShampoo (Shi et al., 2023) for the
+blocking of any shape.  Digest: research/dash.md.
+
+Routing, first rule that applies (tags are given with the parameter: {name=, param=, grad=, tags={"adamw"}}):
+  1. tag "adamw" or "dash"
+  2. 0 dims -> adamw; 1 dim -> "dash" with algo_one_dim = "shampoo", else adamw
+  3. name matches one of dash_patterns -> dash;  one of adamw_patterns -> adamw
+  4. a dim equal to one of adamw_dims (e.g. the vocab) -> adamw
+  5. name contains embed_tokens, lm_head, wte, word_embeddings or modules_to_save -> adamw
+  6. otherwise -> dash
+
+Options (DASH's names; defaults from its paper grid, research/dash.md §4; every knob explicit):
+  lr                         base learning rate (the runtime's schedule scales it)                 1e-3
+  weight_decay               decoupled, matrices only                                              0
+  beta_G                     gradient EMA ("beta1"; 0: the raw gradient)                          0.9
+  beta_LR                    factor EMA ("beta2"; 1: plain sums, AdaGrad-style)                    0.95
+  beta_graft                 Adam grafting second moment                                           0.95
+  eps_grafting               Adam grafting denominator term                                        1e-8
+  eps_inv_root               the roots are of L + eps I (grid: EVD 1e-10, CN/NDB 0)               1e-10
+  inv_root_method            evd | cn | ndb | chebyshev | auto                                     "evd"
+  inv_root_freq              f: roots recomputed every f steps (grid: EVD 1 or 10, others 1)      10
+  start_prec_step            first step of Shampoo (before: Adam); -1 = from step 1                -1
+  block_size                 B                                                                     1024
+  newton_steps               CN iterations / NDB steps per square root                             10
+  matrix_scaling_type        fro | pi | pim (multi-vector power iteration)                         "pim"
+  matrix_scaling_pi_steps    power-iteration steps                                                  10
+  matrix_scaling_const       safety factor on the power-iteration estimate                         2
+  matrix_scaling_pi_vectors  vectors of pim (DASH: 16)                                              16
+  eps_power_iter             damping of the power iteration (no NaN on zero blocks)                1e-6
+  pi_bf16                    power iteration in bf16, as DASH                                       true
+  matmul_dtype               f32 | bf16 | f16: operands of the solvers' products (not EVD)        "f32"
+  allow_tf32                 TF32 GEMMs on the GPU (DASH's "FP32" results had it on)              true
+  cbshv_degree               Chebyshev degree                                                       60
+  cn_tolerance               CN: a block stops once max |M - I| is below it                        1e-6
+  ndb_tolerance              NDB: a block stops once max |Z Y - I| is below it (DASH: none, 0)     0
+  evd_heuristic              shampoo (lambda + eps - min(lambda_min, 0)) | none                   "shampoo"
+  mu                         momentum on the update (the paper: 0; 0.9 diverged)                   0
+  use_nesterov               Nesterov form of that momentum                                         false
+  use_bias_correction        Adam grafting bias corrections                                         true
+  algo_one_dim               adamw | shampoo (the paper's runs: shampoo)                           "adamw"
+  adamw_betas / adamw_eps / adamw_weight_decay   the AdamW route (DashLayerwise's)     {0.9, 0.95} / 1e-8 / 0
+  bf16_stochastic_round      stochastic rounding when storing bf16/f16 params                       false
+  seed                       Philox key: power iterations, residual sketches, stochastic rounding   0
+  adamw_patterns, dash_patterns, adamw_dims      routing (Lua patterns; dim sizes)                 {}
+`auto` (moonstep's own; research/dash.md §7): each factor block gets the cheapest solver and step count
+whose resolution floor lies below its normalized smallest eigenvalue, from the estimates of the previous
+refresh (power iteration for lambda_max, the root for lambda_min, the residual to know when to trust it):
+  auto_methods               iterative methods to choose from ("cn,ndb")                            {"cn", "ndb"}
+  auto_tolerance             accuracy of each resolved eigenvalue's root the floors are set for    1e-4
+  auto_max_steps             the most steps an iterative class may take                             20
+  auto_margin                y_min must exceed the floor by this factor                             2
+  auto_fallback              evd | damp: blocks no iterative class resolves                         "evd"
+  auto_damping               damp: + auto_damping * lambda_max I, then the deepest iterative class   1e-6
+  auto_reclassify_every      refreshes between reclassifications                                    10
+  auto_residual              a residual above max(this, 1e-6 kappa) escalates the block's class     1e-2
+The policy (auto_classes, auto_classify) is plain Lua below: read it, change it.
+
+State: per stack of blocks (key "r x c") grad_ema, adam_v (and momentum); per factor stack (key
+"<size>p<root>") factor and root, and for auto class (i32), lam_max, lam_min, residual, fro; the block layout
+(a string checked against the parameters at every refresh) and the refresh count.  AdamW: exp_avg, exp_avg_sq.
+Device-side skipping (captured steps) is not offered by the dash route: its factor products have no skip
+flag, so a captured DASH step needs settings.nonfinite = "apply".  With auto, a reclassification changes the
+refresh step's calls (capture again).
+]]
+
+local DEFAULT_ADAMW_NAMES = { "embed_tokens", "lm_head", "wte", "word_embeddings", "modules_to_save" }
+
+-- ---------------------------------------------------------------------------------------------------
+-- options
+-- ---------------------------------------------------------------------------------------------------
+local function list_option(o, name, what)
+  local v = o[name]
+  if type(v) == "string" then
+    local t = {}
+    for part in v:gmatch("[^,]+") do
+      local s = part:match("^%s*(.-)%s*$")
+      if s ~= "" then t[#t + 1] = s end
+    end
+    v = t
+  end
+  if type(v) ~= "table" then error(("dash: option '%s' must be a list of %s"):format(name, what), 0) end
+  for i, s in ipairs(v) do
+    if type(s) ~= "string" or s == "" then error(("dash: option '%s'[%d] must be a non-empty string"):format(name, i), 0) end
+  end
+  o[name] = v
+end
+
+local function patterns(o, name)
+  list_option(o, name, "name patterns")
+  for i, s in ipairs(o[name]) do
+    local ok, err = pcall(string.find, "", s)
+    if not ok then error(("dash: option '%s'[%d] = %q is not a valid Lua pattern: %s"):format(name, i, s, err), 0) end
+  end
+end
+
+local function matches(name, list)
+  for _, pat in ipairs(list) do if name:find(pat) then return true end end
+  return false
+end
+
+local function contains_any(name, list)
+  for _, s in ipairs(list) do if name:find(s, 1, true) then return true end end
+  return false
+end
+
+-- ---------------------------------------------------------------------------------------------------
+-- the auto policy: resolution floors of the scalar iterations, classes ordered by cost
+-- ---------------------------------------------------------------------------------------------------
+-- What a method makes of one eigenvalue y (normalized: A / s) after T steps, in f64, relative to the exact
+-- y^(-1/p): moonstep.h's iterations applied to a 1 x 1 matrix, with DASH's scales (NDB: y in (0, 1];
+-- CN: z = (p + 1) / 2).
+local function ndb_inv_sqrt(y, T)
+  local e = 1.5 - 0.5 * y
+  local Y, Z = y * e, e
+  for _ = 2, T do
+    e = 1.5 - 0.5 * Z * Y
+    Y, Z = Y * e, e * Z
+  end
+  return Y, Z
+end
+
+local function scalar_root(method, y, T, p)
+  if method == "ndb" then
+    if p == 2 then return select(2, ndb_inv_sqrt(y, T)) end
+    local S = ndb_inv_sqrt(y, T)
+    return select(2, ndb_inv_sqrt(S, T))
+  end
+  local z = (p + 1) / 2
+  local X, M = z ^ (1 / p), z * y
+  for _ = 1, T do
+    local N = ((p + 1) - M) / p
+    X, M = X * N, M * N ^ p
+  end
+  return X
+end
+
+-- the smallest y down to which every root is within tol: a scan down from 1 finds the first y that misses
+-- (NDB's root 4 is not monotone below its floor: its error falls again where it turns from over- to
+-- under-inverting), then bisection on log y inside that step
+local floors = {}
+local function floor_of(method, T, p, tol)
+  local key = ("%s:%d:%d:%g"):format(method, T, p, tol)
+  if floors[key] then return floors[key] end
+  local function bad(y) return not (math.abs(scalar_root(method, y, T, p) * y ^ (1 / p) - 1) <= tol) end
+  local hi, lo = 1.0, nil
+  for e = 1, 16 * 16 do
+    local y = 10 ^ (-e / 16)
+    if bad(y) then lo = y break end
+    hi = y
+  end
+  if lo == nil then floors[key] = hi return hi end
+  for _ = 1, 60 do
+    local mid = math.sqrt(lo * hi)
+    if bad(mid) then lo = mid else hi = mid end
+  end
+  floors[key] = hi
+  return hi
+end
+
+-- products of b x b matrices one block costs (moonstep.h's iterations)
+local function cost_of(method, T, p)
+  if method == "ndb" then
+    local chain = T == 1 and 1 or 3 * T - 3
+    return p == 4 and 2 * chain or chain
+  end
+  return (p == 4 and 4 or 3) * T
+end
+
+--- The classes for root p: iterative (method, steps) pairs ordered by cost, each kept only when it resolves
+--- deeper than every cheaper one, then the fallback.  classes[i] = {method, steps, cost, floor} (1-based ids).
+local function auto_classes(o, p)
+  local cands = {}
+  for _, m in ipairs(o.auto_methods) do
+    for T = 1, o.auto_max_steps do
+      cands[#cands + 1] = { method = m, steps = T, cost = cost_of(m, T, p), floor = floor_of(m, T, p, o.auto_tolerance) }
+    end
+  end
+  table.sort(cands, function(a, b)
+    if a.cost ~= b.cost then return a.cost < b.cost end
+    return a.floor < b.floor
+  end)
+  local classes, best = {}, math.huge
+  for _, c in ipairs(cands) do
+    if c.floor < best then classes[#classes + 1] = c best = c.floor end
+  end
+  classes[#classes + 1] = { method = o.auto_fallback, steps = 0, cost = math.huge, floor = 0 }
+  return classes
+end
+
+--- A block's class from its estimates: the cheapest class whose floor lies auto_margin below the block's
+--- normalized smallest eigenvalue y = (lambda_min + eps) / s; a block whose last root was not as accurate as
+--- its class promised (residual above the f32 noise of its conditioning) moves at least one class up.
+local function auto_classify(classes, o, e)
+  local id = #classes
+  if e.y == e.y then
+    for i = 1, #classes - 1 do
+      if classes[i].floor * o.auto_margin <= e.y then id = i break end
+    end
+  end
+  local noise = 1e-6 * (e.kappa == e.kappa and e.kappa or math.huge)
+  if e.previous > 0 and not (e.residual <= math.max(o.auto_residual, noise)) then
+    id = math.max(id, math.min(e.previous + 1, #classes))
+  end
+  return id
+end
+
+-- ---------------------------------------------------------------------------------------------------
+-- the dash route
+-- ---------------------------------------------------------------------------------------------------
+local work = setmetatable and setmetatable({}, { __mode = "k" }) or {}   -- group.state -> transient tensors
+local member_names = setmetatable and setmetatable({}, { __mode = "k" }) or {}   -- group.state -> names (init's)
+
+local function f32(shape, ctx) return ms.zeros(shape, { dtype = "f32", ctx = ctx }) end
+
+local function root_options(o, method, steps, p, seed)
+  return {
+    method = method, root = p, steps = steps, eps = o.eps_inv_root, scaling = o.matrix_scaling_type,
+    pi_steps = o.matrix_scaling_pi_steps, pi_vectors = o.matrix_scaling_pi_vectors, pi_const = o.matrix_scaling_const,
+    eps_power_iter = o.eps_power_iter, pi_bf16 = o.pi_bf16,
+    tolerance = method == "cn" and o.cn_tolerance or method == "ndb" and o.ndb_tolerance or 0,
+    matmul_dtype = method == "evd" and "f32" or o.matmul_dtype, tf32 = o.allow_tf32,
+    evd_shift = o.evd_heuristic == "shampoo", seed = seed,
+  }
+end
+
+local function plan_of(group, o)
+  local params = {}
+  for i, m in ipairs(group) do params[i] = { name = m.name, shape = m.info.shape } end
+  return ms.block_plan(params, { block_size = o.block_size })
+end
+
+-- the transient tensors and block lists of a group (rebuilt lazily: they are not state)
+local function work_of(group, o)
+  local st = group.state
+  local w = work[st]
+  if w then return w end
+  local ctx = group[1].param:context()
+  local plan = plan_of(group, o)
+  w = { plan = plan, G = {}, T = {}, U = {}, P = {}, norm = {}, left = {}, right = {}, lroot = {}, rroot = {},
+        grads = {}, grad_list = {}, param_list = {} }
+  for _, s in ipairs(plan.stacks) do
+    local k, shape = s.key, { s.n, s.r, s.c }
+    w.G[k], w.U[k], w.norm[k] = f32(shape, ctx), f32(shape, ctx), f32({ s.n }, ctx)
+    w.P[k] = f32(shape, ctx)
+    if s.right then w.T[k] = f32(shape, ctx) end
+    local lf = st.factor[s.left.factor]
+    w.left[k] = lf:slice(0, s.left.offset, s.left.offset + s.n)
+    w.lroot[k] = st.root[s.left.factor]:slice(0, s.left.offset, s.left.offset + s.n)
+    if s.right then
+      w.right[k] = st.factor[s.right.factor]:slice(0, s.right.offset, s.right.offset + s.n)
+      w.rroot[k] = st.root[s.right.factor]:slice(0, s.right.offset, s.right.offset + s.n)
+    end
+    local pb = {}
+    for j, blk in ipairs(s.blocks) do pb[j] = { tensor = group[blk.param].param, row0 = blk.row0, col0 = blk.col0 } end
+    w.param_list[k] = ms.block_list(pb)
+  end
+  work[st] = w
+  return w
+end
+
+-- every member must have its gradient: the stacks mix parameters (the runtime hands over only those with one)
+local function check_members(group)
+  local names = member_names[group.state]
+  if #group == #names then return end
+  local have = {}
+  for _, m in ipairs(group) do have[m.name] = true end
+  local missing = {}
+  for _, n in ipairs(names) do if not have[n] then missing[#missing + 1] = n end end
+  error(("dash: %s have no gradient this step; DASH stacks the blocks of all parameters of a group, so give "
+         .. "them a (zero) gradient or tag them adamw"):format(table.concat(missing, ", ")), 0)
+end
+
+-- gather lists follow the grads' tensors (a trainer may hand over new ones)
+local function bind_grads(group, w)
+  local changed = false
+  for i, m in ipairs(group) do
+    if w.grads[i] ~= m.grad then changed = true w.grads[i] = m.grad end
+  end
+  if not changed then return end
+  for _, s in ipairs(w.plan.stacks) do
+    local gb = {}
+    for j, blk in ipairs(s.blocks) do gb[j] = { tensor = group[blk.param].grad, row0 = blk.row0, col0 = blk.col0 } end
+    w.grad_list[s.key] = ms.block_list(gb)
+  end
+end
+
+local function preconditioning(o, t) return o.start_prec_step <= 1 or t >= o.start_prec_step end
+
+-- auto (host side, in plan): classify when due, then the index of each class and the damped blocks
+local function auto_plan(group, o, w)
+  local st = group.state
+  local due = st.refreshes <= 1 or st.refreshes % o.auto_reclassify_every == 0
+  w.auto = {}
+  for _, f in ipairs(w.plan.factors) do
+    local classes = auto_classes(o, f.root)
+    local cls = st.class[f.key]
+    local ids = cls:tolist_flat()
+    local lam_max = st.lam_max[f.key]:tolist_flat()
+    if st.refreshes == 0 then
+      for k = 1, f.n do ids[k] = #classes - 1 end   -- probe: the deepest iterative class (stops per block)
+    elseif due then
+      local lam_min, res, fro = st.lam_min[f.key]:tolist_flat(), st.residual[f.key]:tolist_flat(), st.fro[f.key]:tolist_flat()
+      for k = 1, f.n do
+        local s = o.matrix_scaling_type == "fro" and fro[k]
+                  or o.matrix_scaling_const * (lam_max[k] + o.eps_inv_root + o.eps_power_iter)
+        if lam_max[k] <= o.eps_power_iter then
+          ids[k] = 1    -- (nearly) all zero: below the power iteration's damping there is nothing to resolve
+        else
+          ids[k] = auto_classify(classes, o, {
+            y = lam_min[k] / s, kappa = (lam_max[k] + o.eps_inv_root) / lam_min[k], residual = res[k],
+            previous = ids[k],
+          })
+        end
+      end
+    end
+    if st.refreshes == 0 or due then cls:copy_(ms.tensor(ids, { dtype = "i32", ctx = cls:context() })) end
+    -- the calls of this refresh: one per class that has blocks
+    local members = {}
+    for k = 1, f.n do
+      local id = ids[k]
+      members[id] = members[id] or {}
+      members[id][#members[id] + 1] = k - 1
+    end
+    local calls, hist = {}, {}
+    for id = 1, #classes do
+      if members[id] then
+        local c = classes[id]
+        local call = { class = c, blocks = members[id] }
+        if c.method == "damp" then
+          call.damping = {}
+          for j, k in ipairs(members[id]) do call.damping[j] = o.auto_damping * math.max(lam_max[k + 1], 0) end
+        else
+          call.index = ms.tensor(members[id], { dtype = "i32", ctx = cls:context() })
+        end
+        calls[#calls + 1] = call
+        hist[#hist + 1] = ("%s%s:%d"):format(c.method, c.steps > 0 and ("-" .. c.steps) or "", #members[id])
+      end
+    end
+    w.auto[f.key] = { calls = calls, classes = classes, summary = table.concat(hist, " ") }
+  end
+end
+
+-- auto (device side, in step): each class's call, then the estimates the next classification reads
+local function auto_refresh(o, st, w, f, seed)
+  local A, X, res = st.factor[f.key], st.root[f.key], st.residual[f.key]
+  local a = w.auto[f.key]
+  local deepest = a.classes[#a.classes - 1]
+  for _, call in ipairs(a.calls) do
+    local c = call.class
+    if c.method == "damp" then
+      -- explicit relative damping, block by block into a small stack, then the deepest iterative class
+      local b, K = f.size, #call.blocks
+      local tmp = ms.empty({ K, b, b }, { dtype = "f32", ctx = A:context() })
+      for j, k in ipairs(call.blocks) do tmp:select(0, j - 1):copy_(A:select(0, k)) end
+      local d = ms.tensor(call.damping, { dtype = "f32", ctx = A:context() }):view({ K, 1, 1 })
+      ms.add(tmp, ms.eye(b, { dtype = "f32", ctx = A:context() }) * d, tmp)
+      local ro = root_options(o, deepest.method, deepest.steps, f.root, seed)
+      ro.residual = true
+      local x, r = ms.inv_root(tmp, ro)
+      local rv = r:tolist_flat()
+      for j, k in ipairs(call.blocks) do
+        X:select(0, k):copy_(x:select(0, j - 1))
+        res:select(0, k):fill_(rv[j])
+      end
+    else
+      local ro = root_options(o, c.method, c.steps, f.root, seed)
+      ro.index, ro.out, ro.residual = call.index, X, res
+      ms.inv_root(A, ro)
+    end
+  end
+  ms.spectrum_estimate(A, {
+    vectors = o.matrix_scaling_pi_vectors, steps = o.matrix_scaling_pi_steps, eps = o.eps_power_iter,
+    bf16 = o.pi_bf16, root = f.root, seed = seed, x_root = X, lam_max = st.lam_max[f.key], lam_min = st.lam_min[f.key],
+  })
+  -- the Frobenius scale of A + eps I, bounded above by ||A||_F + eps sqrt(b)
+  st.fro[f.key]:copy_(A:reshape({ f.n, f.size * f.size }):norm(1)):add_(o.eps_inv_root * math.sqrt(f.size))
+end
+
+local dash_route = {
+  -- (1) the plan, and state: per stack grad EMA, Adam second moment (momentum); per factor stack factors, roots
+  init = function(group, o)
+    local st = group.state
+    local ctx = group[1].param:context()
+    local plan = plan_of(group, o)
+    local names = {}
+    for i, m in ipairs(group) do names[i] = m.name end
+    member_names[st] = names
+    st.layout, st.refreshes, st.roots_ready = plan.layout, 0, false
+    st.grad_ema, st.adam_v, st.factor, st.root = {}, {}, {}, {}
+    if o.mu > 0 then st.momentum = {} end
+    for _, s in ipairs(plan.stacks) do
+      st.grad_ema[s.key], st.adam_v[s.key] = f32({ s.n, s.r, s.c }, ctx), f32({ s.n, s.r, s.c }, ctx)
+      if st.momentum then st.momentum[s.key] = f32({ s.n, s.r, s.c }, ctx) end
+    end
+    for _, f in ipairs(plan.factors) do
+      st.factor[f.key], st.root[f.key] = f32({ f.n, f.size, f.size }, ctx), f32({ f.n, f.size, f.size }, ctx)
+    end
+    if o.inv_root_method == "auto" then
+      st.class, st.lam_max, st.lam_min, st.residual, st.fro = {}, {}, {}, {}, {}
+      for _, f in ipairs(plan.factors) do
+        st.class[f.key] = ms.zeros({ f.n }, { dtype = "i32", ctx = ctx })
+        st.lam_max[f.key], st.lam_min[f.key] = f32({ f.n }, ctx), f32({ f.n }, ctx)
+        st.residual[f.key], st.fro[f.key] = f32({ f.n }, ctx), f32({ f.n }, ctx)
+      end
+    end
+  end,
+
+  -- (2) refresh or apply; host-side bookkeeping and the auto policy live here (step() may be replayed)
+  plan = function(group, o, ctx)
+    local st = group.state
+    check_members(group)
+    local w = work_of(group, o)
+    if st.layout ~= w.plan.layout then
+      error("dash: the block layout in the optimizer's state does not match its parameters (a checkpoint of "
+            .. "another model or block_size?)", 0)
+    end
+    local t = ctx.step
+    if not preconditioning(o, t) then return "apply" end
+    if not (t == 1 or t % o.inv_root_freq == 0 or not st.roots_ready) then return "apply" end
+    if o.inv_root_method == "auto" then
+      auto_plan(group, o, w)
+      local parts = {}
+      for _, f in ipairs(w.plan.factors) do parts[#parts + 1] = f.key .. " " .. w.auto[f.key].summary end
+      ctx.report("dash.auto_classes", table.concat(parts, "; "))
+    end
+    w.refresh_seed = o.seed + st.refreshes
+    st.refreshes, st.roots_ready = st.refreshes + 1, true
+    return "refresh"
+  end,
+
+  -- (3) the step of research/dash.md §1.2 on every stack
+  step = function(group, o, ctx)
+    local st = group.state
+    check_members(group)
+    local w = work_of(group, o)
+    bind_grads(group, w)
+    local pre = preconditioning(o, ctx.step)
+    local sum = o.beta_LR >= 1
+    local alpha, beta = sum and 1 or 1 - o.beta_LR, sum and 1 or o.beta_LR
+    for _, s in ipairs(w.plan.stacks) do
+      local k, G = s.key, w.G[s.key]
+      ms.blocks_gather(G, w.grad_list[k])
+      ms.matmul(G, G, { trans_b = true, alpha = alpha, beta = beta, out = w.left[k], tf32 = o.allow_tf32 })
+      if s.right then ms.matmul(G, G, { trans_a = true, alpha = alpha, beta = beta, out = w.right[k], tf32 = o.allow_tf32 }) end
+      ms.dash_graft {
+        grad = G, grad_ema = st.grad_ema[k], adam_v = st.adam_v[k], norm = w.norm[k], pgraft = not pre and w.P[k] or nil,
+        beta_grad = o.beta_G, beta_graft = o.beta_graft, eps = o.eps_grafting, step = ctx.step_t,
+        bias_correction = o.use_bias_correction,
+      }
+    end
+    if ctx.plan == "refresh" then
+      local seed = w.refresh_seed or o.seed
+      for _, f in ipairs(w.plan.factors) do
+        if o.inv_root_method == "auto" then
+          auto_refresh(o, st, w, f, seed)
+        else
+          local steps = o.inv_root_method == "chebyshev" and o.cbshv_degree or o.newton_steps
+          local ro = root_options(o, o.inv_root_method, steps, f.root, seed)
+          ro.out = st.root[f.key]
+          ms.inv_root(st.factor[f.key], ro)
+        end
+      end
+    end
+    for _, s in ipairs(w.plan.stacks) do
+      local k = s.key
+      local P, scale = w.P[k], nil
+      if pre then
+        P = w.U[k]
+        if s.right then
+          ms.matmul(w.lroot[k], st.grad_ema[k], { out = w.T[k], tf32 = o.allow_tf32 })
+          ms.matmul(w.T[k], w.rroot[k], { out = P, tf32 = o.allow_tf32 })
+        else
+          ms.matmul(w.lroot[k], st.grad_ema[k], { out = P, tf32 = o.allow_tf32 })
+        end
+        scale = w.norm[k] / (P:reshape({ s.n, s.r * s.c }):norm(1) + 1e-16)
+      end
+      if o.mu > 0 then
+        local M = st.momentum[k]
+        if scale then ms.mul(P, scale:view({ s.n, 1, 1 }), w.P[k]) P, scale = w.P[k], nil end
+        M:mul_(o.mu):add_(P)
+        if o.use_nesterov then ms.add(P, M * o.mu, w.P[k]) P = w.P[k] else P = M end
+      end
+      ms.blocks_apply {
+        blocks = w.param_list[k], stack = P, scale = scale, lr = ctx.lr_t, step = ctx.step_t,
+        weight_decay = s.one_dim and 0 or o.weight_decay, stochastic_round = o.bf16_stochastic_round, seed = o.seed,
+      }
+    end
+  end,
+}
+
+return {
+  name = "dash",
+  version = 1,
+  -- the auto policy's parts, for tests and for recipes that build on this one
+  auto = { floor = floor_of, cost = cost_of, classes = auto_classes, classify = auto_classify },
+  options = {
+    lr = { default = 1e-3, type = "number", min = 0, doc = "base learning rate (the schedule scales it)" },
+    weight_decay = { default = 0.0, type = "number", min = 0, doc = "decoupled weight decay (matrices)" },
+    beta_G = { default = 0.9, type = "number", min = 0, below = 1, doc = "gradient EMA (0: the raw gradient)" },
+    beta_LR = { default = 0.95, type = "number", min = 0, max = 1, doc = "factor EMA (1: plain sums)" },
+    beta_graft = { default = 0.95, type = "number", min = 0, below = 1, doc = "Adam grafting second moment" },
+    eps_grafting = { default = 1e-8, type = "number", above = 0, doc = "Adam grafting denominator term" },
+    eps_inv_root = { default = 1e-10, type = "number", min = 0, doc = "roots of L + eps I" },
+    inv_root_method = { default = "evd", type = "string", values = { "evd", "cn", "ndb", "chebyshev", "auto" },
+                        doc = "inverse-root solver" },
+    inv_root_freq = { default = 10, type = "integer", min = 1, doc = "refresh the roots every f steps" },
+    start_prec_step = { default = -1, type = "integer", min = -1, doc = "first Shampoo step (-1: step 1)" },
+    block_size = { default = 1024, type = "integer", min = 1, max = 32000, doc = "largest block side B" },
+    newton_steps = { default = 10, type = "integer", min = 1, max = 1000, doc = "CN iterations / NDB steps" },
+    matrix_scaling_type = { default = "pim", type = "string", values = { "fro", "pi", "pim" }, doc = "solver scaling" },
+    matrix_scaling_pi_steps = { default = 10, type = "integer", min = 1, max = 1000, doc = "power-iteration steps" },
+    matrix_scaling_const = { default = 2, type = "number", min = 1, doc = "power-iteration safety factor" },
+    matrix_scaling_pi_vectors = { default = 16, type = "integer", min = 1, max = 64, doc = "pim vectors" },
+    eps_power_iter = { default = 1e-6, type = "number", min = 0, doc = "power-iteration damping" },
+    pi_bf16 = { default = true, type = "boolean", doc = "power iteration in bf16" },
+    matmul_dtype = { default = "f32", type = "string", values = { "f32", "bf16", "f16" }, doc = "solver product operands" },
+    allow_tf32 = { default = true, type = "boolean", doc = "TF32 GEMMs on the GPU" },
+    cbshv_degree = { default = 60, type = "integer", min = 8, max = 10000, doc = "Chebyshev degree" },
+    cn_tolerance = { default = 1e-6, type = "number", min = 0, doc = "CN per-block stopping tolerance" },
+    ndb_tolerance = { default = 0.0, type = "number", min = 0, doc = "NDB per-block stopping tolerance (0: none)" },
+    evd_heuristic = { default = "shampoo", type = "string", values = { "shampoo", "none" }, doc = "EVD eigenvalue shift" },
+    mu = { default = 0.0, type = "number", min = 0, below = 1, doc = "momentum on the update" },
+    use_nesterov = { default = false, type = "boolean", doc = "Nesterov form of the momentum" },
+    use_bias_correction = { default = true, type = "boolean", doc = "Adam grafting bias corrections" },
+    algo_one_dim = { default = "adamw", type = "string", values = { "adamw", "shampoo" }, doc = "1-D parameters" },
+    adamw_betas = { default = { 0.9, 0.95 }, type = "numbers", length = 2, min = 0, below = 1, doc = "AdamW {beta1, beta2}" },
+    adamw_eps = { default = 1e-8, type = "number", above = 0, doc = "AdamW eps" },
+    adamw_weight_decay = { default = 0.0, type = "number", min = 0, doc = "AdamW weight decay" },
+    bf16_stochastic_round = { default = false, type = "boolean", doc = "stochastic rounding of bf16/f16 params" },
+    seed = { default = 0, type = "integer", min = 0, doc = "Philox key" },
+    adamw_patterns = { default = {}, type = "any", doc = "name patterns routed to AdamW" },
+    dash_patterns = { default = {}, type = "any", doc = "name patterns routed to DASH" },
+    adamw_dims = { default = {}, type = "numbers", min = 1, doc = "dim sizes routed to AdamW" },
+    auto_methods = { default = { "cn", "ndb" }, type = "any", doc = "auto: iterative methods" },
+    auto_tolerance = { default = 1e-4, type = "number", above = 0, below = 1, doc = "auto: accuracy of resolved roots" },
+    auto_max_steps = { default = 20, type = "integer", min = 1, max = 100, doc = "auto: most steps of a class" },
+    auto_margin = { default = 2, type = "number", min = 1, doc = "auto: y_min over the floor" },
+    auto_fallback = { default = "evd", type = "string", values = { "evd", "damp" }, doc = "auto: unresolved blocks" },
+    auto_damping = { default = 1e-6, type = "number", above = 0, below = 1, doc = "auto: relative damping (damp)" },
+    auto_reclassify_every = { default = 10, type = "integer", min = 1, doc = "auto: refreshes per classification" },
+    auto_residual = { default = 1e-2, type = "number", above = 0, doc = "auto: residual that escalates a block" },
+  },
+
+  validate = function(o)
+    patterns(o, "adamw_patterns")
+    patterns(o, "dash_patterns")
+    list_option(o, "auto_methods", "methods")
+    if #o.auto_methods == 0 then error("dash: option 'auto_methods' needs at least one of cn, ndb", 0) end
+    for i, m in ipairs(o.auto_methods) do
+      if m ~= "cn" and m ~= "ndb" then
+        error(("dash: option 'auto_methods'[%d] = %q: the auto policy chooses among cn and ndb"):format(i, m), 0)
+      end
+    end
+    if o.start_prec_step == 0 then
+      error("dash: option 'start_prec_step' = 0: steps count from 1 (use -1 or 1 for Shampoo from the start)", 0)
+    end
+    if o.use_nesterov and o.mu == 0 then error("dash: option 'use_nesterov' needs mu > 0", 0) end
+    if o.inv_root_method == "evd" and o.matmul_dtype ~= "f32" then
+      error("dash: option 'matmul_dtype' = " .. o.matmul_dtype .. ": EVD computes in f32 (use cn, ndb or chebyshev)", 0)
+    end
+  end,
+
+  route = function(p, o)
+    local tagged_a, tagged_d = p.tags.adamw, p.tags.dash
+    if tagged_a and tagged_d then error(("dash: parameter '%s' is tagged both adamw and dash"):format(p.name), 0) end
+    if tagged_a then return "adamw" end
+    if p.ndim == 0 then return "adamw" end
+    if tagged_d then return "dash" end
+    if p.ndim == 1 then return o.algo_one_dim == "shampoo" and "dash" or "adamw" end
+    if matches(p.name, o.dash_patterns) then return "dash" end
+    if matches(p.name, o.adamw_patterns) then return "adamw" end
+    for _, d in ipairs(p.shape) do
+      for _, a in ipairs(o.adamw_dims) do if d == a then return "adamw" end end
+    end
+    if contains_any(p.name, DEFAULT_ADAMW_NAMES) then return "adamw" end
+    return "dash"
+  end,
+
+  routes = {
+    dash = dash_route,
+    adamw = {
+      init = function(group, o)
+        for _, m in ipairs(group) do
+          m.state.exp_avg = ms.zeros(m.param:shape(), { dtype = "f32", ctx = m.param:context() })
+          m.state.exp_avg_sq = ms.zeros(m.param:shape(), { dtype = "f32", ctx = m.param:context() })
+        end
+      end,
+      step = function(group, o, ctx)
+        local params, grads, m1, m2 = {}, {}, {}, {}
+        for i, m in ipairs(group) do
+          params[i], grads[i], m1[i], m2[i] = m.param, m.grad, m.state.exp_avg, m.state.exp_avg_sq
+        end
+        ms.adamw_step {
+          params = params, grads = grads, exp_avg = m1, exp_avg_sq = m2, lr = ctx.lr_t, step = ctx.step_t,
+          beta1 = o.adamw_betas[1], beta2 = o.adamw_betas[2], eps = o.adamw_eps, weight_decay = o.adamw_weight_decay,
+          stochastic_round = o.bf16_stochastic_round, seed = o.seed, skip = ctx.skip_t,
+        }
+      end,
+    },
+  },
+}

@@ -1,0 +1,967 @@
+/*
+** The embedding API (ms_optimizer_*) as a C trainer uses it, on wrapped host memory: its error paths (NULL
+** arguments, malformed JSON, unknown and mistyped options and settings, unknown recipes, parameters that do
+** not fit, a recipe that fails mid-step, corrupt checkpoints), the AdamW recipe against an f64 AdamW written
+** here, a least-squares problem trained to a small loss, schedules and grad_scale, and checkpoints that
+** resume bit for bit.  Linked to libmoonstep.so like a trainer (the Lua side loads that same library).
+*/
+#include <dlfcn.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "check.h"
+#include "moonstep.h"
+
+static ms_ctx *cpu;
+static char dir[64];    /* a fresh temporary folder for recipe files and checkpoints */
+
+static int contains(const char *s, const char *sub) { return s && strstr(s, sub) != NULL; }
+
+/* A fixed-seed generator of values in [-1, 1), never all zeros. */
+static uint64_t rng_state = 0x2545F4914F6CDD1DULL;
+static double uniform(void)
+{
+    rng_state ^= rng_state << 13;
+    rng_state ^= rng_state >> 7;
+    rng_state ^= rng_state << 17;
+    return (double)(rng_state >> 11) * 0x1p-53 * 2.0 - 1.0;
+}
+
+static void fill_random(float *x, int n, double scale)
+{
+    for (int i = 0; i < n; i++) x[i] = (float)(scale * uniform());
+}
+
+static ms_tensor *wrap(float *data, int ndim, const int64_t *shape)
+{
+    ms_tensor *t = NULL;
+    ms_status st = ms_tensor_wrap(cpu, data, MS_DTYPE_F32, ndim, shape, NULL, &t);
+    CHECK(st == MS_OK, "wrap: %s", ms_last_error());
+    return t;
+}
+
+static const char *path_in_dir(char *buf, size_t n, const char *name)
+{
+    snprintf(buf, n, "%s/%s", dir, name);
+    return buf;
+}
+
+static void write_file(const char *path, const char *text)
+{
+    FILE *f = fopen(path, "w");
+    CHECK(f != NULL, "cannot write %s", path);
+    if (f) { fputs(text, f); fclose(f); }
+}
+
+/* An optimizer over one wrapped parameter (and gradient), added under `name`; NULL on failure. */
+static ms_optimizer *make_opt(const char *recipe, const char *options, const char *settings, const char *name,
+                              float *p, float *g, int n)
+{
+    ms_optimizer *opt = NULL;
+    ms_status st = ms_optimizer_new(cpu, recipe, options, settings, &opt);
+    CHECK(st == MS_OK, "ms_optimizer_new(%s, %s, %s): %s", recipe, options, settings, ms_last_error());
+    if (st != MS_OK) return NULL;
+    int64_t shape[1] = { n };
+    ms_tensor *tp = wrap(p, 1, shape), *tg = wrap(g, 1, shape);
+    st = ms_optimizer_add_param(opt, name, tp, tg, NULL);
+    CHECK(st == MS_OK, "add_param: %s", ms_last_error());
+    ms_tensor_free(tp);      /* the optimizer keeps its own handles */
+    ms_tensor_free(tg);
+    return opt;
+}
+
+/* --- error paths ----------------------------------------------------------------------------------- */
+
+static void test_null_arguments(void)
+{
+    ms_optimizer *opt = (ms_optimizer *)0x1;
+    CHECK(ms_optimizer_new(NULL, "adamw", NULL, NULL, &opt) == MS_E_ARG && opt == NULL, "NULL ctx");
+    CHECK(contains(ms_last_error(), "ctx is NULL"), "message: %s", ms_last_error());
+    CHECK(ms_optimizer_new(cpu, "adamw", NULL, NULL, NULL) == MS_E_ARG, "NULL out");
+    CHECK(ms_optimizer_new(cpu, NULL, NULL, NULL, &opt) == MS_E_ARG && opt == NULL, "NULL recipe");
+    CHECK(ms_optimizer_new(cpu, "", NULL, NULL, &opt) == MS_E_ARG, "empty recipe");
+
+    double lr;
+    char *json = (char *)0x1;
+    CHECK(ms_optimizer_add_param(NULL, "w", NULL, NULL, NULL) == MS_E_ARG, "add_param(NULL)");
+    CHECK(contains(ms_last_error(), "opt is NULL"), "message: %s", ms_last_error());
+    CHECK(ms_optimizer_set_grad(NULL, "w", NULL) == MS_E_ARG, "set_grad(NULL)");
+    CHECK(ms_optimizer_step(NULL) == MS_E_ARG, "step(NULL)");
+    CHECK(ms_optimizer_step_with(NULL, NULL, NULL) == MS_E_ARG, "step_with(NULL)");
+    CHECK(ms_optimizer_set_lr(NULL, 0.1) == MS_E_ARG, "set_lr(NULL)");
+    CHECK(ms_optimizer_get_lr(NULL, &lr) == MS_E_ARG, "get_lr(NULL)");
+    CHECK(ms_optimizer_save(NULL, "x") == MS_E_ARG, "save(NULL)");
+    CHECK(ms_optimizer_load(NULL, "x") == MS_E_ARG, "load(NULL)");
+    CHECK(ms_optimizer_info(NULL, &json) == MS_E_ARG, "info(NULL)");
+    CHECK(ms_optimizer_stats(NULL, &json) == MS_E_ARG, "stats(NULL)");
+    CHECK(ms_optimizer_capture(NULL) == MS_E_ARG, "capture(NULL)");
+    ms_optimizer_free(NULL);
+    ms_string_free(NULL);
+
+    CHECK(ms_optimizer_new(cpu, "adamw", NULL, NULL, &opt) == MS_OK, "adamw: %s", ms_last_error());
+    float p[3] = { 1, 2, 3 };
+    int64_t shape[1] = { 3 };
+    ms_tensor *tp = wrap(p, 1, shape);
+    CHECK(ms_optimizer_add_param(opt, NULL, tp, NULL, NULL) == MS_E_ARG, "NULL name");
+    CHECK(ms_optimizer_add_param(opt, "", tp, NULL, NULL) == MS_E_ARG, "empty name");
+    CHECK(ms_optimizer_add_param(opt, "w", NULL, NULL, NULL) == MS_E_ARG, "NULL param");
+    CHECK(contains(ms_last_error(), "'w': param is NULL"), "message: %s", ms_last_error());
+    CHECK(ms_optimizer_set_grad(opt, NULL, NULL) == MS_E_ARG, "set_grad NULL name");
+    CHECK(ms_optimizer_get_lr(opt, NULL) == MS_E_ARG, "get_lr NULL out");
+    CHECK(ms_optimizer_info(opt, NULL) == MS_E_ARG, "info NULL out");
+    CHECK(ms_optimizer_save(opt, NULL) == MS_E_ARG && ms_optimizer_load(opt, "") == MS_E_ARG, "NULL/empty path");
+    CHECK(ms_optimizer_set_lr(opt, -1) == MS_E_ARG && ms_optimizer_set_lr(opt, NAN) == MS_E_ARG &&
+          ms_optimizer_set_lr(opt, INFINITY) == MS_E_ARG, "set_lr refuses negative, NaN, inf");
+    ms_step_options so = { .grad_scale = -2 };
+    CHECK(ms_optimizer_step_with(opt, &so, NULL) == MS_E_ARG, "negative grad_scale");
+    so.grad_scale = NAN;
+    CHECK(ms_optimizer_step_with(opt, &so, NULL) == MS_E_ARG, "NaN grad_scale");
+    CHECK(contains(ms_last_error(), "grad_scale"), "message: %s", ms_last_error());
+    ms_tensor_free(tp);
+    ms_optimizer_free(opt);
+}
+
+static void expect_new_fails(const char *recipe, const char *options, const char *settings, ms_status want,
+                             const char *needle)
+{
+    ms_optimizer *opt = (ms_optimizer *)0x1;
+    ms_status st = ms_optimizer_new(cpu, recipe, options, settings, &opt);
+    CHECK(st == want && opt == NULL, "new(%s, %s, %s): %s, want %s", recipe, options ? options : "NULL",
+          settings ? settings : "NULL", ms_status_name(st), ms_status_name(want));
+    CHECK(contains(ms_last_error(), needle), "message lacks \"%s\": %s", needle, ms_last_error());
+    CHECK(contains(ms_ctx_last_error(cpu), needle), "context message: %s", ms_ctx_last_error(cpu));
+    if (st == MS_OK) ms_optimizer_free(opt);
+}
+
+static void test_bad_json(void)
+{
+    expect_new_fails("adamw", "{lr: 1}", NULL, MS_E_FORMAT, "options_json is not valid JSON");
+    expect_new_fails("adamw", "{\"lr\": 1e-3,}", NULL, MS_E_FORMAT, "options_json is not valid JSON");
+    expect_new_fails("adamw", "{\"lr\": 1} x", NULL, MS_E_FORMAT, "options_json is not valid JSON");
+    expect_new_fails("adamw", "[0.1]", NULL, MS_E_FORMAT, "options_json must be a JSON object");
+    expect_new_fails("adamw", "{\"lr\": 0.1, \"lr\": 0.2}", NULL, MS_E_FORMAT, "gives \"lr\" twice");
+    expect_new_fails("adamw", NULL, "{\"schedule\": ", MS_E_FORMAT, "settings_json is not valid JSON");
+    expect_new_fails("adamw", NULL, "\"cosine\"", MS_E_FORMAT, "settings_json must be a JSON object");
+}
+
+static void test_bad_options_and_settings(void)
+{
+    expect_new_fails("adamw", "{\"lrr\": 0.1}", NULL, MS_E_ARG, "unknown option 'lrr'");
+    expect_new_fails("adamw", "{\"lr\": \"fast\"}", NULL, MS_E_ARG, "option 'lr'");
+    expect_new_fails("adamw", "{\"lr\": true}", NULL, MS_E_ARG, "option 'lr'");
+    expect_new_fails("adamw", "{\"eps\": 0}", NULL, MS_E_ARG, "option 'eps'");
+    expect_new_fails("adamw", "{\"betas\": [0.9]}", NULL, MS_E_ARG, "option 'betas' needs 2 numbers");
+    expect_new_fails("adamw", "{\"state_dtype\": \"f8\"}", NULL, MS_E_ARG, "must be one of f32, bf16");
+    expect_new_fails("adamw", NULL, "{\"schedul\": {}}", MS_E_ARG, "unknown setting 'schedul'");
+    expect_new_fails("adamw", NULL, "{\"nonfinite\": \"maybe\"}", MS_E_ARG, "setting nonfinite");
+    expect_new_fails("adamw", NULL, "{\"clip_grad_norm\": -1}", MS_E_ARG, "clip_grad_norm");
+    expect_new_fails("adamw", NULL, "{\"schedule\": {\"kind\": \"sawtooth\"}}", MS_E_ARG, "unknown kind sawtooth");
+    expect_new_fails("adamw", NULL, "{\"schedule\": {\"kind\": \"cosine\", \"total_steps\": 10, \"warmup_steps\": 20}}",
+                     MS_E_ARG, "total_steps 10 must exceed warmup_steps 20");
+    expect_new_fails("adamw", NULL, "{\"device\": \"cpu\"}", MS_E_ARG, "setting 'device'");
+    /* JSON null: the option's default */
+    ms_optimizer *opt = NULL;
+    CHECK(ms_optimizer_new(cpu, "adamw", "{\"lr\": null}", "{\"schedule\": null}", &opt) == MS_OK, "null options: %s",
+          ms_last_error());
+    double lr = 0;
+    CHECK(ms_optimizer_get_lr(opt, &lr) == MS_OK && lr == 1e-3, "default lr %g", lr);
+    ms_optimizer_free(opt);
+}
+
+static void test_unknown_recipes(void)
+{
+    char path[128];
+    expect_new_fails("no_such_recipe", NULL, NULL, MS_E_ARG, "no recipe named \"no_such_recipe\"");
+    expect_new_fails("/nonexistent/recipe.lua", NULL, NULL, MS_E_IO, "cannot read recipe /nonexistent/recipe.lua");
+    write_file(path_in_dir(path, sizeof path, "syntax.lua"), "return { name = \"broken\", \n");
+    expect_new_fails(path, NULL, NULL, MS_E_ARG, "syntax.lua");
+    write_file(path_in_dir(path, sizeof path, "number.lua"), "return 42\n");
+    expect_new_fails(path, NULL, NULL, MS_E_ARG, "must return a table");
+    /* untrusted by default: the sandbox has no io */
+    write_file(path_in_dir(path, sizeof path, "escape.lua"), "local f = io.open('/etc/passwd')\nreturn {}\n");
+    expect_new_fails(path, NULL, NULL, MS_E_ARG, "io");
+    /* MOONSTEP_LUA_DIR that holds no modules */
+    setenv("MOONSTEP_LUA_DIR", dir, 1);
+    expect_new_fails("adamw", NULL, NULL, MS_E_IO, "MOONSTEP_LUA_DIR");
+    unsetenv("MOONSTEP_LUA_DIR");
+}
+
+static void test_parameter_errors(void)
+{
+    float p[6], g[6], g5[5];
+    fill_random(p, 6, 1);
+    fill_random(g, 6, 1);
+    fill_random(g5, 5, 1);
+    int32_t ip[6] = { 1, 2, 3, 4, 5, 6 };
+    int64_t s6[1] = { 6 }, s23[2] = { 2, 3 }, s5[1] = { 5 };
+    ms_tensor *tp = wrap(p, 1, s6), *tg = wrap(g, 1, s6), *tg23 = wrap(g, 2, s23), *tg5 = wrap(g5, 1, s5), *ti;
+    CHECK(ms_tensor_wrap(cpu, ip, MS_DTYPE_I32, 1, s6, NULL, &ti) == MS_OK, "wrap i32");
+    ms_optimizer *opt = NULL;
+    CHECK(ms_optimizer_new(cpu, "adamw", NULL, NULL, &opt) == MS_OK, "adamw: %s", ms_last_error());
+
+    CHECK(ms_optimizer_add_param(opt, "w", tp, tg23, NULL) == MS_E_SHAPE, "grad [2,3] for param [6]");
+    CHECK(contains(ms_last_error(), "grad shape [2,3] != param shape [6]"), "message: %s", ms_last_error());
+    CHECK(ms_optimizer_add_param(opt, "w", ti, NULL, NULL) == MS_E_DTYPE, "i32 param");
+    CHECK(contains(ms_last_error(), "i32"), "message: %s", ms_last_error());
+    CHECK(ms_optimizer_add_param(opt, "w", tp, ti, NULL) == MS_E_DTYPE, "i32 grad");
+    CHECK(ms_optimizer_add_param(opt, "w", tp, tg, "no_decay, extra") == MS_OK, "add: %s", ms_last_error());
+    CHECK(ms_optimizer_add_param(opt, "w", tp, tg, NULL) == MS_E_ARG, "duplicate name");
+    CHECK(contains(ms_last_error(), "duplicate parameter name 'w'"), "message: %s", ms_last_error());
+    CHECK(ms_optimizer_set_grad(opt, "v", tg) == MS_E_ARG, "set_grad of an unknown name");
+    CHECK(contains(ms_last_error(), "no parameter named 'v'"), "message: %s", ms_last_error());
+    CHECK(ms_optimizer_set_grad(opt, "w", tg5) == MS_E_SHAPE, "set_grad [5] before the start");
+    CHECK(contains(ms_last_error(), "grad shape [5] != param shape [6]"), "message: %s", ms_last_error());
+    CHECK(ms_optimizer_set_grad(opt, "w", ti) == MS_E_DTYPE, "set_grad i32");
+
+    float before[6];
+    memcpy(before, p, sizeof p);
+    CHECK(ms_optimizer_step(opt) == MS_OK, "step: %s", ms_last_error());
+    int moved = 0;
+    for (int i = 0; i < 6; i++) moved += p[i] != before[i];
+    CHECK(moved == 6, "the step updated the wrapped memory in place (%d of 6 moved)", moved);
+    char *info = NULL;
+    CHECK(ms_optimizer_info(opt, &info) == MS_OK, "info: %s", ms_last_error());
+    /* the tag routed w to AdamW without weight decay */
+    CHECK(contains(info, "\"weight_decay\":0"), "tags reach route(): %s", info);
+    ms_string_free(info);
+
+    float q[6];
+    fill_random(q, 6, 1);
+    ms_tensor *tq = wrap(q, 1, s6);
+    CHECK(ms_optimizer_add_param(opt, "q", tq, NULL, NULL) == MS_E_ARG, "add after the start");
+    CHECK(contains(ms_last_error(), "has started"), "message: %s", ms_last_error());
+    CHECK(ms_optimizer_set_grad(opt, "w", tg5) == MS_E_SHAPE, "set_grad [5] after the start");
+    /* no gradient: the step leaves w alone */
+    CHECK(ms_optimizer_set_grad(opt, "w", NULL) == MS_OK, "set_grad NULL: %s", ms_last_error());
+    memcpy(before, p, sizeof p);
+    CHECK(ms_optimizer_step(opt) == MS_OK && memcmp(before, p, sizeof p) == 0, "no grad, no change");
+    CHECK(ms_optimizer_set_grad(opt, "w", tg) == MS_OK, "grad back: %s", ms_last_error());
+    CHECK(ms_optimizer_step(opt) == MS_OK && memcmp(before, p, sizeof p) != 0, "grad again, a change");
+
+    ms_tensor_free(tq);
+    ms_tensor_free(tp);
+    ms_tensor_free(tg);
+    ms_tensor_free(tg23);
+    ms_tensor_free(tg5);
+    ms_tensor_free(ti);
+    ms_optimizer_free(opt);
+}
+
+static const char *failing_recipe =
+    "-- a recipe whose step fails: its own error at step 3, an engine error at step `bad_step`\n"
+    "return {\n"
+    "  name = \"fails\", version = 1,\n"
+    "  options = { lr = { default = 0.1, type = \"number\", min = 0 },\n"
+    "              engine_error_at = { default = 0, type = \"integer\" } },\n"
+    "  route = function(p, o) return \"plain\" end,\n"
+    "  routes = { plain = { step = function(group, o, ctx)\n"
+    "    if ctx.step == 3 then error(\"deliberate failure at step 3\") end\n"
+    "    if ctx.step == o.engine_error_at then ms.matmul(ms.zeros({2, 3}), ms.zeros({4, 5})) end\n"
+    "    for _, m in ipairs(group) do ms.addcmul(m.param, m.grad, ctx.lr_t, -1, m.param) end\n"
+    "  end } },\n"
+    "}\n";
+
+static void test_recipe_error_mid_step(void)
+{
+    char path[128];
+    write_file(path_in_dir(path, sizeof path, "fails.lua"), failing_recipe);
+    for (int trusted = 0; trusted <= 1; trusted++) {
+        float p[4], g[4], p0[4];
+        fill_random(p, 4, 1);
+        fill_random(g, 4, 1);
+        memcpy(p0, p, sizeof p);
+        ms_optimizer *opt = make_opt(path, "{\"lr\": 0.5}", trusted ? "{\"trusted\": true}" : NULL, "w", p, g, 4);
+        if (!opt) continue;
+        CHECK(ms_optimizer_step(opt) == MS_OK && ms_optimizer_step(opt) == MS_OK, "steps 1-2: %s", ms_last_error());
+        for (int i = 0; i < 4; i++)
+            CHECK(fabsf(p[i] - (p0[i] - 2 * 0.5f * g[i])) <= 1e-6f, "two SGD steps on element %d", i);
+        ms_status st = ms_optimizer_step(opt);
+        CHECK(st == MS_E_ARG, "step 3 fails (trusted %d): %s", trusted, ms_status_name(st));
+        CHECK(contains(ms_last_error(), "ms_optimizer_step: ") && contains(ms_last_error(), "fails.lua:8:") &&
+              contains(ms_last_error(), "deliberate failure at step 3"), "message: %s", ms_last_error());
+        CHECK(contains(ms_last_error(), "stack traceback"), "with a traceback: %s", ms_last_error());
+        /* still usable: the failed step was not counted */
+        char *stats = NULL;
+        CHECK(ms_optimizer_stats(opt, &stats) == MS_OK && contains(stats, "\"step\":2"), "stats: %s", stats);
+        ms_string_free(stats);
+        double lr = 0;
+        CHECK(ms_optimizer_get_lr(opt, &lr) == MS_OK && lr == 0.5, "lr %g", lr);
+        ms_optimizer_free(opt);
+    }
+
+    /* an engine error inside the recipe keeps the engine's status and message */
+    float p[4], g[4];
+    fill_random(p, 4, 1);
+    fill_random(g, 4, 1);
+    ms_optimizer *opt = make_opt(path, "{\"engine_error_at\": 2}", NULL, "w", p, g, 4);
+    if (opt) {
+        CHECK(ms_optimizer_step(opt) == MS_OK, "step 1: %s", ms_last_error());
+        ms_status st = ms_optimizer_step(opt);
+        CHECK(st == MS_E_SHAPE, "engine error status: %s", ms_status_name(st));
+        CHECK(contains(ms_last_error(), "ms_matmul") && contains(ms_last_error(), "fails.lua:9"), "message: %s",
+              ms_last_error());
+        ms_optimizer_free(opt);
+    }
+}
+
+static void test_nonfinite(void)
+{
+    float p[4], g[4], before[4];
+    fill_random(p, 4, 1);
+    fill_random(g, 4, 1);
+    g[2] = NAN;
+    memcpy(before, p, sizeof p);
+    ms_optimizer *opt = make_opt("adamw", NULL, NULL, "w", p, g, 4);
+    if (opt) {
+        int applied = -1;
+        CHECK(ms_optimizer_step_with(opt, NULL, &applied) == MS_OK && applied == 0, "skipped: applied %d", applied);
+        CHECK(memcmp(before, p, sizeof p) == 0, "a skipped step changes nothing");
+        char *stats = NULL;
+        CHECK(ms_optimizer_stats(opt, &stats) == MS_OK && contains(stats, "\"skipped_steps\":1"), "stats: %s", stats);
+        ms_string_free(stats);
+        ms_optimizer_free(opt);
+    }
+    opt = make_opt("adamw", NULL, "{\"nonfinite\": \"raise\"}", "w", p, g, 4);
+    if (opt) {
+        ms_status st = ms_optimizer_step(opt);
+        CHECK(st == MS_E_ARG && contains(ms_last_error(), "non-finite gradients in w"), "raise: %s %s",
+              ms_status_name(st), ms_last_error());
+        ms_optimizer_free(opt);
+    }
+    /* checks on the device: the host learns of a skip from the stats */
+    g[2] = 0.25f;
+    opt = make_opt("adamw", NULL, "{\"device_checks\": true}", "w", p, g, 4);
+    if (opt) {
+        int applied = 2;
+        CHECK(ms_optimizer_step_with(opt, NULL, &applied) == MS_OK && applied != 0, "device checks, finite: %d (%s)",
+              applied, ms_last_error());
+        g[2] = NAN;
+        memcpy(before, p, sizeof p);
+        CHECK(ms_optimizer_step_with(opt, NULL, &applied) == MS_OK && applied == -1, "device checks: applied %d (%s)",
+              applied, ms_last_error());
+        CHECK(memcmp(before, p, sizeof p) == 0, "a step skipped on the device changes nothing");
+        char *stats = NULL;
+        CHECK(ms_optimizer_stats(opt, &stats) == MS_OK && contains(stats, "\"skipped_steps\":1"), "stats: %s", stats);
+        ms_string_free(stats);
+        ms_optimizer_free(opt);
+    }
+}
+
+static void test_capture_on_cpu(void)
+{
+    float p[4], g[4];
+    fill_random(p, 4, 1);
+    fill_random(g, 4, 1);
+    ms_optimizer *opt = make_opt("adamw", NULL, NULL, "w", p, g, 4);
+    if (!opt) return;
+    ms_status st = ms_optimizer_capture(opt);
+    CHECK(st == MS_E_UNSUPPORTED, "capture on the CPU: %s (%s)", ms_status_name(st), ms_last_error());
+    CHECK(ms_optimizer_step(opt) == MS_OK, "steps go on: %s", ms_last_error());
+    ms_optimizer_free(opt);
+}
+
+/* ms_optimizer_prepare_replay's refusals that a CPU context reaches: NULL, bad grad_scale, and no graphs on
+** the CPU at all; none of them changes the optimizer, which keeps stepping. */
+static void test_prepare_replay_on_cpu(void)
+{
+    CHECK(ms_optimizer_prepare_replay(NULL) == MS_E_ARG, "prepare_replay(NULL)");
+    CHECK(contains(ms_last_error(), "opt is NULL"), "message: %s", ms_last_error());
+    CHECK(ms_optimizer_prepare_replay_with(NULL, NULL) == MS_E_ARG, "prepare_replay_with(NULL)");
+
+    float p[5], g[5], before[5];
+    fill_random(p, 5, 1);
+    fill_random(g, 5, 1);
+    ms_optimizer *opt = make_opt("adamw", "{\"lr\": 0.05}", "{\"device_checks\": true}", "w", p, g, 5);
+    if (!opt) return;
+    memcpy(before, p, sizeof p);
+    double lr0 = 0, lr = 0;
+    CHECK(ms_optimizer_get_lr(opt, &lr0) == MS_OK && lr0 == 0.05, "lr %g", lr0);
+
+    const double bad[] = { -1, NAN, INFINITY };
+    for (int i = 0; i < 3; i++) {
+        ms_step_options so = { .grad_scale = bad[i] };
+        ms_status st = ms_optimizer_prepare_replay_with(opt, &so);
+        CHECK(st == MS_E_ARG, "grad_scale %g: %s", bad[i], ms_status_name(st));
+        CHECK(contains(ms_last_error(), "ms_optimizer_prepare_replay: grad_scale must be a positive finite number"),
+              "message: %s", ms_last_error());
+    }
+    /* before the first step and after one: a CPU optimizer has no replays */
+    for (int round = 0; round < 2; round++) {
+        ms_status st = ms_optimizer_prepare_replay(opt);
+        CHECK(st == MS_E_UNSUPPORTED, "round %d: %s", round, ms_status_name(st));
+        CHECK(contains(ms_last_error(), "ms_optimizer_prepare_replay: the optimizer runs on cpu") &&
+              contains(ms_last_error(), "never captured into a CUDA graph"), "message: %s", ms_last_error());
+        CHECK(contains(ms_ctx_last_error(cpu), "never captured"), "context message: %s", ms_ctx_last_error(cpu));
+        ms_step_options so = { .grad_scale = 4 };
+        CHECK(ms_optimizer_prepare_replay_with(opt, &so) == MS_E_UNSUPPORTED, "round %d, with grad_scale", round);
+        /* nothing changed: no step counted, same lr, same parameters */
+        char *stats = NULL;
+        CHECK(ms_optimizer_stats(opt, &stats) == MS_OK && contains(stats, round ? "\"step\":1" : "\"step\":0"),
+              "round %d: stats %s", round, stats);
+        ms_string_free(stats);
+        CHECK(ms_optimizer_get_lr(opt, &lr) == MS_OK && lr == lr0, "round %d: lr %g", round, lr);
+        CHECK(memcmp(before, p, sizeof p) == 0, "round %d: parameters unchanged", round);
+        if (round == 0) {
+            CHECK(ms_optimizer_step(opt) == MS_OK, "the step after the refusals: %s", ms_last_error());
+            int moved = 0;
+            for (int i = 0; i < 5; i++) moved += p[i] != before[i] && isfinite(p[i]);
+            CHECK(moved == 5, "the step updated every element (%d of 5)", moved);
+            memcpy(before, p, sizeof p);
+        }
+    }
+    ms_optimizer_free(opt);
+}
+
+/* --- inside a trainer's CUDA graph (a GPU host; skipped elsewhere) ------------------------------------- */
+
+/* The CUDA runtime calls a trainer captures with, found in the process (libmoonstep links libcudart), as
+** torch.cuda.graph would make them: cudaStreamBeginCapture in global mode on the context's stream. */
+typedef struct cudart {
+    int (*stream_create)(void **stream, unsigned flags);
+    int (*stream_destroy)(void *stream);
+    int (*begin_capture)(void *stream, int mode);
+    int (*end_capture)(void *stream, void **graph);
+    int (*instantiate)(void **exec, void *graph, unsigned long long flags);
+    int (*launch)(void *exec, void *stream);
+    int (*exec_destroy)(void *exec);
+    int (*graph_destroy)(void *graph);
+} cudart;
+
+static int load_cudart(cudart *rt)
+{
+    struct { void *slot; const char *name; } want[] = {
+        { &rt->stream_create, "cudaStreamCreateWithFlags" }, { &rt->stream_destroy, "cudaStreamDestroy" },
+        { &rt->begin_capture, "cudaStreamBeginCapture" }, { &rt->end_capture, "cudaStreamEndCapture" },
+        { &rt->instantiate, "cudaGraphInstantiate" }, { &rt->launch, "cudaGraphLaunch" },
+        { &rt->exec_destroy, "cudaGraphExecDestroy" }, { &rt->graph_destroy, "cudaGraphDestroy" },
+    };
+    for (size_t i = 0; i < sizeof want / sizeof want[0]; i++) {
+        void *f = dlsym(RTLD_DEFAULT, want[i].name);
+        if (f == NULL) return 0;
+        memcpy(want[i].slot, &f, sizeof f);
+    }
+    return 1;
+}
+
+enum { CAPTURE_GLOBAL = 0, STREAM_NON_BLOCKING = 1 };
+enum { G_ROWS = 24, G_COLS = 16, G_STEPS = 9, G_NAN_STEP = 5, G_SET_LR_STEP = 7 };
+
+typedef struct gset {
+    ms_tensor *w, *b, *gw, *gb;
+    ms_optimizer *opt;
+} gset;
+
+static ms_tensor *gpu_tensor(ms_ctx *ctx, int ndim, const int64_t *shape, const float *values, size_t n)
+{
+    ms_tensor *t = NULL;
+    CHECK(ms_tensor_new(ctx, MS_DTYPE_F32, ndim, shape, &t) == MS_OK, "tensor: %s", ms_last_error());
+    if (t) CHECK(ms_tensor_write(ctx, t, values, n * sizeof(float)) == MS_OK, "write: %s", ms_last_error());
+    return t;
+}
+
+/* Step t's gradients (fresh random values; a NaN at G_NAN_STEP) into both sets. */
+static void write_grads(ms_ctx *ctx, gset *sets, int t)
+{
+    float gw[G_ROWS * G_COLS], gb[G_ROWS];
+    fill_random(gw, G_ROWS * G_COLS, 1);
+    fill_random(gb, G_ROWS, 0.5);
+    if (t == G_NAN_STEP) gw[17] = NAN;
+    for (int i = 0; i < 2; i++) {
+        CHECK(ms_tensor_write(ctx, sets[i].gw, gw, sizeof gw) == MS_OK, "grads: %s", ms_last_error());
+        CHECK(ms_tensor_write(ctx, sets[i].gb, gb, sizeof gb) == MS_OK, "grads: %s", ms_last_error());
+    }
+}
+
+/* Records ms_optimizer_step_with(opt), and the calls refused inside the capture, into a graph of the caller's
+** own; *exec <- the instantiated graph when the step was recorded (NULL otherwise), message <- the step's
+** error message. */
+static ms_status record_step(const cudart *rt, void *stream, ms_optimizer *opt, void **exec, char *message,
+                             size_t n, const char *what)
+{
+    *exec = NULL;
+    void *graph = NULL;
+    CHECK(rt->begin_capture(stream, CAPTURE_GLOBAL) == 0, "%s: begin capture", what);
+    int applied = 7;
+    ms_status st = ms_optimizer_step_with(opt, NULL, &applied);
+    snprintf(message, n, "%s", st == MS_OK ? "" : ms_last_error());
+    if (st == MS_OK) {
+        CHECK(applied == -1, "%s: a recorded step's applied is -1 (got %d)", what, applied);
+        /* inside the capture: no replay to prepare, nothing that reads the device */
+        ms_status in = ms_optimizer_prepare_replay(opt);
+        CHECK(in == MS_E_UNSUPPORTED && contains(ms_last_error(), "being captured"), "%s: prepare_replay inside: %s %s",
+              what, ms_status_name(in), ms_last_error());
+        char path[128];
+        in = ms_optimizer_save(opt, path_in_dir(path, sizeof path, "never.safetensors"));
+        CHECK(in == MS_E_UNSUPPORTED && contains(ms_last_error(), "refused while the context's stream is being captured"),
+              "%s: save inside: %s %s", what, ms_status_name(in), ms_last_error());
+        CHECK(access(path, F_OK) != 0, "%s: nothing saved", what);
+    }
+    int ended = rt->end_capture(stream, &graph);
+    CHECK(ended == 0, "%s: the capture ended (error %d): moonstep's calls kept it valid", what, ended);
+    if (st == MS_OK && ended == 0) CHECK(rt->instantiate(exec, graph, 0) == 0, "%s: instantiate", what);
+    if (graph) rt->graph_destroy(graph);
+    return st;
+}
+
+/* Reads a set's parameters into w (G_ROWS * G_COLS) and b (G_ROWS). */
+static void read_params(ms_ctx *ctx, const gset *g, float *w, float *b)
+{
+    CHECK(ms_tensor_read(ctx, g->w, w, sizeof(float) * G_ROWS * G_COLS) == MS_OK, "read: %s", ms_last_error());
+    CHECK(ms_tensor_read(ctx, g->b, b, sizeof(float) * G_ROWS) == MS_OK, "read: %s", ms_last_error());
+}
+
+/* Parameters w (G_ROWS x G_COLS) and b (G_ROWS) from w0, b0, gradient buffers, and an optimizer over them. */
+static int new_set(ms_ctx *ctx, gset *g, const char *recipe, const char *settings, const float *w0, const float *b0)
+{
+    const int64_t ws[2] = { G_ROWS, G_COLS }, bs[1] = { G_ROWS };
+    g->w = gpu_tensor(ctx, 2, ws, w0, G_ROWS * G_COLS);
+    g->gw = gpu_tensor(ctx, 2, ws, w0, G_ROWS * G_COLS);
+    g->b = gpu_tensor(ctx, 1, bs, b0, G_ROWS);
+    g->gb = gpu_tensor(ctx, 1, bs, b0, G_ROWS);
+    g->opt = NULL;
+    if (!g->w || !g->gw || !g->b || !g->gb) return 0;
+    ms_status st = ms_optimizer_new(ctx, recipe, "{\"lr\": 0.02}", settings, &g->opt);
+    CHECK(st == MS_OK, "%s optimizer: %s", recipe, ms_last_error());
+    if (st != MS_OK) return 0;
+    CHECK(ms_optimizer_add_param(g->opt, "layers.0.weight", g->w, g->gw, NULL) == MS_OK, "add: %s", ms_last_error());
+    CHECK(ms_optimizer_add_param(g->opt, "layers.0.bias", g->b, g->gb, NULL) == MS_OK, "add: %s", ms_last_error());
+    return 1;
+}
+
+static void free_set(gset *g)
+{
+    ms_optimizer_free(g->opt);
+    ms_tensor_free(g->w);
+    ms_tensor_free(g->gw);
+    ms_tensor_free(g->b);
+    ms_tensor_free(g->gb);
+}
+
+static int count_moved(const float *now, const float *before, int n)
+{
+    int moved = 0;
+    for (int i = 0; i < n; i++) moved += now[i] != before[i] && isfinite(now[i]);
+    return moved;
+}
+
+/* A C trainer that records moonstep's step into a CUDA graph of its own and replays it: bit for bit the
+** parameters of the same steps run uncaptured (both device-checked), under a cosine schedule, a set_lr and a
+** replay with a NaN gradient that the device skips; the refusals before the warm-up, without device checks
+** and inside the capture, and prepare_replay's own checks. */
+static void test_trainer_graph(const cudart *rt, const char *recipe)
+{
+    enum { NW = G_ROWS * G_COLS };
+    void *stream = NULL;
+    ms_ctx *gpu = NULL;
+    CHECK(rt->stream_create(&stream, STREAM_NON_BLOCKING) == 0, "%s: a stream of the trainer's", recipe);
+    ms_ctx_options o = { .stream = stream };
+    if (ms_ctx_new("cuda", &o, &gpu) != MS_OK) {
+        CHECK(0, "%s: a context on the trainer's stream: %s", recipe, ms_last_error());
+        return;
+    }
+    static float w0[NW], b0[G_ROWS];
+    fill_random(w0, NW, 0.5);
+    fill_random(b0, G_ROWS, 0.5);
+    const char *settings = "{\"schedule\": {\"kind\": \"cosine\", \"warmup_steps\": 2, \"total_steps\": 12}, "
+                           "\"device_checks\": true}";
+    gset sets[2] = { 0 }, plain = { 0 };
+    int ok = new_set(gpu, &sets[0], recipe, settings, w0, b0) && new_set(gpu, &sets[1], recipe, settings, w0, b0) &&
+             new_set(gpu, &plain, recipe, NULL, w0, b0);
+    ms_optimizer *ref = sets[0].opt, *opt = sets[1].opt;
+    void *exec = NULL;
+    char message[1024];
+    char *stats = NULL;
+    ms_status st;
+    if (!ok) goto done;
+
+    /* before the warm-up: no replay to prepare, the first step is not recorded */
+    st = ms_optimizer_prepare_replay(opt);
+    CHECK(st == MS_E_ARG && contains(ms_last_error(), "no step has been recorded into a CUDA graph"),
+          "%s: prepare_replay before a recording: %s %s", recipe, ms_status_name(st), ms_last_error());
+    st = record_step(rt, stream, opt, &exec, message, sizeof message, "the first step");
+    CHECK(st == MS_E_UNSUPPORTED && contains(message, "the first step cannot be captured") &&
+          contains(message, "\"device_checks\": true"), "%s: first step recorded: %s %s", recipe, ms_status_name(st),
+          message);
+
+    /* the warm-up: step 1, uncaptured */
+    write_grads(gpu, sets, 1);
+    CHECK(ms_optimizer_step(ref) == MS_OK && ms_optimizer_step(opt) == MS_OK, "%s: step 1: %s", recipe, ms_last_error());
+    /* an optimizer without device checks, warm: refused, and still usable */
+    CHECK(ms_optimizer_step(plain.opt) == MS_OK, "%s: plain step: %s", recipe, ms_last_error());
+    st = record_step(rt, stream, plain.opt, &exec, message, sizeof message, "no device checks");
+    CHECK(st == MS_E_UNSUPPORTED && contains(message, "\"device_checks\": true"), "%s: without device checks: %s %s",
+          recipe, ms_status_name(st), message);
+    CHECK(ms_optimizer_step(plain.opt) == MS_OK, "%s: plain steps go on: %s", recipe, ms_last_error());
+
+    st = record_step(rt, stream, opt, &exec, message, sizeof message, "the recorded step");
+    CHECK(st == MS_OK && exec != NULL, "%s: recording: %s %s", recipe, ms_status_name(st), message);
+    CHECK(ms_optimizer_stats(opt, &stats) == MS_OK && contains(stats, "\"step\":1,"), "%s: recording counts no step: %s",
+          recipe, stats);
+    ms_string_free(stats);
+
+    static float wa[NW], ba[G_ROWS], wb[NW], bb[G_ROWS], wprev[NW], bprev[G_ROWS];
+    read_params(gpu, &sets[1], wprev, bprev);
+    for (int t = 2; t <= G_STEPS && exec; t++) {
+        write_grads(gpu, sets, t);
+        if (t == G_SET_LR_STEP)
+            CHECK(ms_optimizer_set_lr(ref, 0.004) == MS_OK && ms_optimizer_set_lr(opt, 0.004) == MS_OK, "set_lr");
+        double lr_ref = -1, lr_opt = -2;
+        CHECK(ms_optimizer_get_lr(ref, &lr_ref) == MS_OK && ms_optimizer_get_lr(opt, &lr_opt) == MS_OK &&
+              lr_ref == lr_opt, "%s: step %d: lr %g vs %g", recipe, t, lr_ref, lr_opt);
+        CHECK(ms_optimizer_step(ref) == MS_OK, "%s: step %d: %s", recipe, t, ms_last_error());
+        CHECK(ms_optimizer_prepare_replay(opt) == MS_OK, "%s: prepare_replay %d: %s", recipe, t, ms_last_error());
+        CHECK(rt->launch(exec, stream) == 0, "%s: replay %d", recipe, t);
+        read_params(gpu, &sets[0], wa, ba);
+        read_params(gpu, &sets[1], wb, bb);
+        CHECK(memcmp(wa, wb, sizeof wa) == 0 && memcmp(ba, bb, sizeof ba) == 0,
+              "%s: step %d: the replay differs from the uncaptured step (w[0] %.9g vs %.9g)", recipe, t, wb[0], wa[0]);
+        if (t == G_NAN_STEP)
+            CHECK(memcmp(wb, wprev, sizeof wb) == 0 && memcmp(bb, bprev, sizeof bb) == 0,
+                  "%s: the replay with a NaN gradient changed the parameters", recipe);
+        else {
+            int moved = count_moved(wb, wprev, NW) + count_moved(bb, bprev, G_ROWS);
+            CHECK(moved > (NW + G_ROWS) / 2, "%s: step %d: the replay moved %d of %d values", recipe, t, moved,
+                  NW + G_ROWS);
+        }
+        memcpy(wprev, wb, sizeof wb);
+        memcpy(bprev, bb, sizeof bb);
+    }
+    /* a grad_scale for a step recorded without one: refused, nothing counted */
+    ms_step_options so = { .grad_scale = 2 };
+    st = ms_optimizer_prepare_replay_with(opt, &so);
+    CHECK(st == MS_E_ARG && contains(ms_last_error(), "given no grad_scale"), "%s: grad_scale: %s %s", recipe,
+          ms_status_name(st), ms_last_error());
+    char want[64];
+    snprintf(want, sizeof want, "\"step\":%d,", G_STEPS);
+    for (int i = 0; i < 2; i++) {
+        CHECK(ms_optimizer_stats(sets[i].opt, &stats) == MS_OK && contains(stats, want) &&
+              contains(stats, "\"skipped_steps\":1,"), "%s: stats of set %d: %s", recipe, i, stats);
+        ms_string_free(stats);
+    }
+
+done:
+    if (exec) rt->exec_destroy(exec);
+    free_set(&sets[0]);
+    free_set(&sets[1]);
+    free_set(&plain);
+    ms_ctx_free(gpu);           /* its tensors went first: this waits for the stream, which goes next */
+    if (stream) rt->stream_destroy(stream);
+}
+
+/* --- numerics -------------------------------------------------------------------------------------- */
+
+/* AdamW (torch.optim.AdamW's formula) in f64 on 40 fresh random gradients, against the adamw recipe on f32
+** parameters in wrapped memory, with weight decay and the lr changed by set_lr half way. */
+static void test_adamw_matches_formula(void)
+{
+    enum { N = 37, STEPS = 40 };
+    float p[N], g[N];
+    double ref[N], m[N] = { 0 }, v[N] = { 0 };
+    fill_random(p, N, 1);
+    for (int i = 0; i < N; i++) ref[i] = p[i];
+    ms_optimizer *opt = make_opt("adamw", "{\"lr\": 0.01, \"betas\": [0.8, 0.95], \"eps\": 1e-6, \"weight_decay\": 0.1}",
+                                 NULL, "layer.weight", p, g, N);
+    if (!opt) return;
+    const double b1 = 0.8, b2 = 0.95, eps = 1e-6, wd = 0.1;
+    double worst = 0;
+    for (int t = 1; t <= STEPS; t++) {
+        double lr = t <= STEPS / 2 ? 0.01 : 0.003;
+        if (t == STEPS / 2 + 1) CHECK(ms_optimizer_set_lr(opt, lr) == MS_OK, "set_lr: %s", ms_last_error());
+        fill_random(g, N, 1 + t % 3);
+        CHECK(ms_optimizer_step(opt) == MS_OK, "step %d: %s", t, ms_last_error());
+        for (int i = 0; i < N; i++) {
+            ref[i] *= 1 - lr * wd;
+            m[i] = b1 * m[i] + (1 - b1) * g[i];
+            v[i] = b2 * v[i] + (1 - b2) * (double)g[i] * g[i];
+            ref[i] -= lr * (m[i] / (1 - pow(b1, t))) / (sqrt(v[i] / (1 - pow(b2, t))) + eps);
+        }
+    }
+    for (int i = 0; i < N; i++) {
+        double err = fabs(p[i] - ref[i]) / (1e-6 + 1e-5 * fabs(ref[i]));
+        if (!(err <= worst)) worst = err;   /* NaN sticks */
+    }
+    CHECK(worst <= 1, "AdamW vs the f64 formula: worst error %.3g of the tolerance", worst);
+    double lr = 0;
+    CHECK(ms_optimizer_get_lr(opt, &lr) == MS_OK && lr == 0.003, "get_lr after set_lr: %g", lr);
+    ms_optimizer_free(opt);
+}
+
+/* The schedule of the settings and grad_scale, through SGD (p <- p - lr g). */
+static void test_schedule_and_grad_scale(void)
+{
+    enum { N = 8 };
+    float p[N], g[N];
+    fill_random(p, N, 1);
+    ms_optimizer *opt = make_opt("sgd", "{\"lr\": 0.2}",
+                                 "{\"schedule\": {\"kind\": \"cosine\", \"warmup_steps\": 4, \"total_steps\": 20}}",
+                                 "w", p, g, N);
+    if (!opt) return;
+    const double pi = 3.14159265358979323846;
+    for (int t = 1; t <= 12; t++) {
+        double want = t <= 4 ? 0.2 * t / 4 : 0.2 * 0.5 * (1 + cos(pi * (t - 4) / 16.0));
+        double lr = -1;
+        CHECK(ms_optimizer_get_lr(opt, &lr) == MS_OK && fabs(lr - want) <= 1e-12, "step %d lr %g, want %g", t, lr, want);
+        fill_random(g, N, 1);
+        float before[N];
+        memcpy(before, p, sizeof p);
+        double scale = t % 2 ? 1 : 8;
+        float unscaled[N];
+        memcpy(unscaled, g, sizeof g);
+        for (int i = 0; i < N; i++) g[i] = (float)(g[i] * scale);   /* a "scaled loss": exact in f32 */
+        ms_step_options so = { .grad_scale = t % 2 ? 0 : scale };
+        int applied = -1;
+        CHECK(ms_optimizer_step_with(opt, &so, &applied) == MS_OK && applied == 1, "step %d: %s", t, ms_last_error());
+        CHECK(memcmp(g, unscaled, sizeof g) == 0, "step %d: the gradients were unscaled in place", t);
+        double worst = 0;
+        for (int i = 0; i < N; i++) {
+            double expect = before[i] - want * unscaled[i];
+            double err = fabs(p[i] - expect) / (1e-6 * (1 + fabs(expect)));
+            if (!(err <= worst)) worst = err;
+        }
+        CHECK(worst <= 1, "step %d: SGD with grad_scale %g, worst error %.3g of the tolerance", t, scale, worst);
+    }
+    ms_optimizer_free(opt);
+}
+
+/* Least squares min ||X w + b - y||^2 / n, gradients computed here into the registered buffers. */
+typedef struct lsq {
+    int n, d;
+    float *X, *y, *w, *b, *gw, *gb;
+} lsq;
+
+static void lsq_init(lsq *q, int n, int d)
+{
+    q->n = n, q->d = d;
+    q->X = malloc(sizeof(float) * (size_t)(n * d));
+    q->y = malloc(sizeof(float) * (size_t)n);
+    q->w = calloc((size_t)d, sizeof(float));
+    q->gw = calloc((size_t)d, sizeof(float));
+    q->b = calloc(1, sizeof(float));
+    q->gb = calloc(1, sizeof(float));
+    fill_random(q->X, n * d, 1);
+    float *w_true = malloc(sizeof(float) * (size_t)d);
+    fill_random(w_true, d, 2);
+    for (int i = 0; i < n; i++) {
+        double s = 0.7;
+        for (int j = 0; j < d; j++) s += (double)q->X[i * d + j] * w_true[j];
+        q->y[i] = (float)(s + 0.01 * uniform());
+    }
+    free(w_true);
+}
+
+static void lsq_free(lsq *q)
+{
+    free(q->X); free(q->y); free(q->w); free(q->gw); free(q->b); free(q->gb);
+}
+
+/* the loss at the current parameters; gradients into gw, gb */
+static double lsq_grad(lsq *q)
+{
+    double loss = 0, gb = 0;
+    double *gw = calloc((size_t)q->d, sizeof(double));
+    for (int i = 0; i < q->n; i++) {
+        double r = q->b[0] - q->y[i];
+        for (int j = 0; j < q->d; j++) r += (double)q->X[i * q->d + j] * q->w[j];
+        loss += r * r;
+        gb += 2 * r;
+        for (int j = 0; j < q->d; j++) gw[j] += 2 * r * q->X[i * q->d + j];
+    }
+    for (int j = 0; j < q->d; j++) q->gw[j] = (float)(gw[j] / q->n);
+    q->gb[0] = (float)(gb / q->n);
+    free(gw);
+    return loss / q->n;
+}
+
+static ms_optimizer *lsq_optimizer(lsq *q, const char *recipe, const char *options, const char *settings)
+{
+    ms_optimizer *opt = NULL;
+    if (ms_optimizer_new(cpu, recipe, options, settings, &opt) != MS_OK) {
+        CHECK(0, "new %s: %s", recipe, ms_last_error());
+        return NULL;
+    }
+    int64_t sw[2] = { q->d, 1 }, sb[1] = { 1 };
+    ms_tensor *w = wrap(q->w, 2, sw), *gw = wrap(q->gw, 2, sw), *b = wrap(q->b, 1, sb), *gb = wrap(q->gb, 1, sb);
+    CHECK(ms_optimizer_add_param(opt, "proj.weight", w, gw, NULL) == MS_OK, "add w: %s", ms_last_error());
+    CHECK(ms_optimizer_add_param(opt, "proj.bias", b, gb, "no_decay") == MS_OK, "add b: %s", ms_last_error());
+    ms_tensor_free(w); ms_tensor_free(gw); ms_tensor_free(b); ms_tensor_free(gb);
+    return opt;
+}
+
+static void test_training(void)
+{
+    lsq q;
+    lsq_init(&q, 200, 16);
+    ms_optimizer *opt = lsq_optimizer(&q, "adamw", "{\"lr\": 0.05, \"weight_decay\": 0}",
+                                      "{\"schedule\": {\"kind\": \"cosine\", \"warmup_steps\": 10, \"total_steps\": 400}}");
+    if (opt) {
+        double first = lsq_grad(&q), loss = first;
+        for (int t = 1; t <= 400; t++) {
+            CHECK(ms_optimizer_step(opt) == MS_OK, "step %d: %s", t, ms_last_error());
+            loss = lsq_grad(&q);
+        }
+        CHECK(loss < 1e-3 * first && loss < 1e-2, "least squares: loss %.3g -> %.3g after 400 AdamW steps", first, loss);
+        char *info = NULL;
+        CHECK(ms_optimizer_info(opt, &info) == MS_OK, "info: %s", ms_last_error());
+        CHECK(contains(info, "\"recipe\":\"adamw\"") && contains(info, "\"name\":\"proj.weight\"") &&
+              contains(info, "\"total_state_bytes\":136"), "info: %s", info);   /* 2 moments x 17 floats */
+        ms_string_free(info);
+        char *stats = NULL;
+        CHECK(ms_optimizer_stats(opt, &stats) == MS_OK && contains(stats, "\"step\":400"), "stats: %s", stats);
+        ms_string_free(stats);
+        ms_optimizer_free(opt);
+    }
+    lsq_free(&q);
+}
+
+/* Two optimizers alive at once, each in its own Lua state, do not disturb each other. */
+static void test_two_optimizers(void)
+{
+    lsq a, b;
+    lsq_init(&a, 64, 8);
+    rng_state = 0x9E3779B97F4A7C15ULL;
+    lsq_init(&b, 64, 8);
+    ms_optimizer *oa = lsq_optimizer(&a, "adamw", "{\"lr\": 0.05}", NULL);
+    ms_optimizer *ob = lsq_optimizer(&b, "sgd", "{\"lr\": 0.05}", NULL);
+    if (oa && ob) {
+        double la0 = lsq_grad(&a), lb0 = lsq_grad(&b), la = la0, lb = lb0;
+        for (int t = 0; t < 100; t++) {
+            CHECK(ms_optimizer_step(oa) == MS_OK && ms_optimizer_step(ob) == MS_OK, "interleaved steps: %s", ms_last_error());
+            la = lsq_grad(&a);
+            lb = lsq_grad(&b);
+        }
+        CHECK(la < 0.1 * la0 && lb < 0.1 * lb0, "both train: %.3g -> %.3g, %.3g -> %.3g", la0, la, lb0, lb);
+    }
+    ms_optimizer_free(oa);
+    ms_optimizer_free(ob);
+    lsq_free(&a);
+    lsq_free(&b);
+}
+
+/* --- checkpoints ------------------------------------------------------------------------------------ */
+
+static void corrupt_copy(const char *src, const char *dst, long at, int truncate)
+{
+    FILE *f = fopen(src, "rb");
+    CHECK(f != NULL, "open %s", src);
+    if (!f) return;
+    fseek(f, 0, SEEK_END);
+    long n = ftell(f);
+    fseek(f, 0, SEEK_SET);
+    char *buf = malloc((size_t)n);
+    CHECK(fread(buf, 1, (size_t)n, f) == (size_t)n, "read %s", src);
+    fclose(f);
+    if (at >= 0 && at < n) buf[at] ^= 0x5a;
+    FILE *o = fopen(dst, "wb");
+    if (o) { fwrite(buf, 1, (size_t)(truncate ? n / 2 : n), o); fclose(o); }
+    free(buf);
+}
+
+static void test_save_load(void)
+{
+    char ck[128], bad[128], other[128];
+    path_in_dir(ck, sizeof ck, "opt.safetensors");
+    path_in_dir(bad, sizeof bad, "bad.safetensors");
+    path_in_dir(other, sizeof other, "sgd.safetensors");
+    lsq a, b;
+    rng_state = 0x1234567ULL;
+    lsq_init(&a, 64, 8);
+    rng_state = 0x1234567ULL;
+    lsq_init(&b, 64, 8);      /* the same problem: b resumes what a saved */
+    const char *options = "{\"lr\": 0.03, \"weight_decay\": 0.01}";
+    const char *settings = "{\"schedule\": {\"kind\": \"linear_warmup\", \"warmup_steps\": 20}}";
+    ms_optimizer *oa = lsq_optimizer(&a, "adamw", options, settings);
+    ms_optimizer *ob = lsq_optimizer(&b, "adamw", options, settings);
+    if (!oa || !ob) goto done;
+    for (int t = 0; t < 7; t++) { lsq_grad(&a); CHECK(ms_optimizer_step(oa) == MS_OK, "a: %s", ms_last_error()); }
+    CHECK(ms_optimizer_save(oa, ck) == MS_OK, "save: %s", ms_last_error());
+    memcpy(b.w, a.w, sizeof(float) * 8);            /* the weights are the trainer's to save */
+    b.b[0] = a.b[0];
+
+    /* failed loads change nothing */
+    CHECK(ms_optimizer_load(ob, "/nonexistent/opt.safetensors") == MS_E_IO, "missing file: %s", ms_last_error());
+    CHECK(contains(ms_last_error(), "/nonexistent/opt.safetensors"), "message: %s", ms_last_error());
+    corrupt_copy(ck, bad, -1, 1);
+    ms_status st = ms_optimizer_load(ob, bad);
+    CHECK(st == MS_E_FORMAT, "truncated checkpoint: %s %s", ms_status_name(st), ms_last_error());
+    corrupt_copy(ck, bad, 3, 0);                     /* the header length */
+    st = ms_optimizer_load(ob, bad);
+    CHECK(st == MS_E_FORMAT, "corrupt header length: %s %s", ms_status_name(st), ms_last_error());
+    corrupt_copy(ck, bad, 12, 0);                    /* inside the JSON header */
+    st = ms_optimizer_load(ob, bad);
+    CHECK(st == MS_E_FORMAT, "corrupt header: %s %s", ms_status_name(st), ms_last_error());
+    write_file(bad, "not a checkpoint at all");
+    CHECK(ms_optimizer_load(ob, bad) == MS_E_FORMAT, "text file: %s", ms_last_error());
+    {   /* a checkpoint of another recipe */
+        float p[1] = { 1 }, g[1] = { 0.5f };
+        ms_optimizer *os = make_opt("sgd", NULL, NULL, "proj.weight", p, g, 1);
+        if (os) {
+            CHECK(ms_optimizer_step(os) == MS_OK && ms_optimizer_save(os, other) == MS_OK, "sgd save: %s", ms_last_error());
+            st = ms_optimizer_load(ob, other);
+            CHECK(st == MS_E_FORMAT && contains(ms_last_error(), "recipe 'sgd'"), "other recipe: %s %s",
+                  ms_status_name(st), ms_last_error());
+            ms_optimizer_free(os);
+        }
+    }
+    CHECK(ms_optimizer_load(ob, ck) == MS_OK, "load: %s", ms_last_error());
+    double la = 0, lb = 0;
+    CHECK(ms_optimizer_get_lr(oa, &la) == MS_OK && ms_optimizer_get_lr(ob, &lb) == MS_OK && la == lb,
+          "the schedule resumes: %g vs %g", la, lb);
+    for (int t = 0; t < 15; t++) {
+        lsq_grad(&a);
+        lsq_grad(&b);
+        CHECK(ms_optimizer_step(oa) == MS_OK && ms_optimizer_step(ob) == MS_OK, "resumed steps: %s", ms_last_error());
+    }
+    CHECK(memcmp(a.w, b.w, sizeof(float) * 8) == 0 && a.b[0] == b.b[0], "resumed bit for bit");
+done:
+    ms_optimizer_free(oa);
+    ms_optimizer_free(ob);
+    lsq_free(&a);
+    lsq_free(&b);
+    unlink(ck);
+    unlink(bad);
+    unlink(other);
+}
+
+int main(void)
+{
+    snprintf(dir, sizeof dir, "/tmp/ms_embed_XXXXXX");
+    if (mkdtemp(dir) == NULL) { printf("cannot make a temporary folder\n0 passed, 1 failed\n"); return 1; }
+    if (ms_ctx_new("cpu", NULL, &cpu) != MS_OK) { printf("cpu context: %s\n0 passed, 1 failed\n", ms_last_error()); return 1; }
+    test_null_arguments();
+    test_bad_json();
+    test_bad_options_and_settings();
+    test_unknown_recipes();
+    test_parameter_errors();
+    test_recipe_error_mid_step();
+    test_nonfinite();
+    test_capture_on_cpu();
+    test_adamw_matches_formula();
+    test_schedule_and_grad_scale();
+    test_training();
+    test_two_optimizers();
+    test_save_load();
+    test_prepare_replay_on_cpu();
+    ms_ctx *probe = NULL;
+    cudart rt;
+    if (ms_ctx_new("cuda", NULL, &probe) != MS_OK) {
+        printf("skip: the trainer-graph tests need a GPU (%s)\n", ms_last_error());
+    } else if (!load_cudart(&rt)) {
+        CHECK(0, "the CUDA runtime's graph calls are not in the process (libmoonstep links libcudart)");
+    } else {
+        test_trainer_graph(&rt, "adamw");
+        test_trainer_graph(&rt, "sinkgd");
+    }
+    ms_ctx_free(probe);
+    ms_ctx_free(cpu);
+    const char *names[] = { "syntax.lua", "number.lua", "escape.lua", "fails.lua" };
+    for (size_t i = 0; i < sizeof names / sizeof names[0]; i++) {
+        char p[128];
+        unlink(path_in_dir(p, sizeof p, names[i]));
+    }
+    rmdir(dir);
+    return CHECK_REPORT();
+}

@@ -1,0 +1,590 @@
+-- The CUDA backend of Shampoo on stacked blocks (engine/cuda/dash.c, kernels/dash.cu) against the CPU reference
+-- (engine/cpu/dash.c) on the same fresh random inputs: gather and apply of f32/bf16/f16 blocks of every layout
+-- (bit for bit, stochastic rounding and device scalars included), the grafting state (bit for bit) and its
+-- norms, and every inverse-root solver -- NDB, CN, Chebyshev, EVD; p = 2 and 4; Frobenius, PI and PIM scaling
+-- (f32 and bf16 power iterations); f32, TF32 and 16-bit products -- on SPD blocks with controlled spectra,
+-- judged as DASH uses roots: the normalized root X / ||X||_F against the f64 root (above the solvers' floors)
+-- and against the CPU's (below them, where both under-invert by the same map).  Also: iteration counts,
+-- per-block early exit with the working set compacted, index subsets, awkward block sizes (uneven panels,
+-- partial tiles), panels vs plain products and the eigensolver paths (MOONSTEP_DASH_SPLIT, MOONSTEP_DASH_EVD),
+-- residuals against an f64 evaluation, zero and non-finite blocks, spectrum estimates, and graph capture.
+-- Every spec is a cuda_it (pending without a GPU).  MOONSTEP_DASH_SPEC_SELF=1 runs the parity specs with the CPU
+-- in the GPU's place (it checks this file's own logic on a machine without a GPU).
+local ms = require("moonstep")
+local T = require("moonstep.tensor")
+local core = require("moonstep.core")
+local graph = require("moonstep.graph")
+local ffi, C = core.ffi, core.C
+
+local SELF = os.getenv("MOONSTEP_DASH_SPEC_SELF") == "1"
+local CPU = ms.device("cpu")
+local GPU = SELF and CPU or (H.has_cuda and ms.device("cuda") or nil)
+local abs, max, min, sqrt = math.abs, math.max, math.min, math.sqrt
+
+-- cuda_it, or it() on the CPU in self mode; gpu_only: pending in self mode (the spec needs the real device)
+local function cuda_it(name, fn, gpu_only)
+  local env = getfenv(2)
+  if SELF then
+    if gpu_only then env.pending(name .. " (GPU only)") else env.it(name, fn) end
+  elseif H.has_cuda then
+    env.it(name, fn)
+  else
+    env.pending(name .. " (no CUDA device)")
+  end
+end
+
+pcall(ffi.cdef, "int setenv(const char *name, const char *value, int overwrite); int unsetenv(const char *name);")
+local function with_env(name, value, fn)
+  if value == nil then ffi.C.unsetenv(name) else ffi.C.setenv(name, tostring(value), 1) end
+  local ok, err = pcall(fn)
+  ffi.C.unsetenv(name)
+  if not ok then error(err, 0) end
+end
+
+-- ---------------------------------------------------------------------------------------------------
+-- helpers
+-- ---------------------------------------------------------------------------------------------------
+local function vals(t) return t:tolist_flat() end
+local function dev(t) return t:to(GPU) end
+local function host(t) return t:to(CPU) end
+
+local function assert_same(got, want, what)
+  assert.are.equal(#want, #got, what .. ": length")
+  for i = 1, #want do
+    local g, w = got[i], want[i]
+    if not (g == w or (g ~= g and w ~= w)) then
+      error(("%s: element %d is %.9g, expected %.9g (the same bits)"):format(what, i, g, w), 2)
+    end
+  end
+end
+
+local function finite(list)
+  for _, v in ipairs(list) do if v ~= v or v == math.huge or v == -math.huge then return false end end
+  return true
+end
+
+local function orthogonal(b, seed)
+  local G = ms.randn({ b, b }, { dtype = "f64", seed = seed })
+  local _, Q = ms.eigh(G + G:t())
+  return Q
+end
+
+local function spread(kappa, b)
+  local l = {}
+  for i = 1, b do l[i] = b == 1 and 1 or kappa ^ (-(i - 1) / (b - 1)) end
+  return l
+end
+
+local function clustered(kappa, b)
+  local l = {}
+  for i = 1, b do l[i] = (1 + 0.01 * i) / (i <= b / 2 and 1 or kappa) end
+  return l
+end
+
+-- a [#specs, b, b] f32 stack (CPU) of Q diag(l) Q^T, each times a random size in [1e-2, 1e2]; specs: eigenvalue lists
+local function spd_stack(specs, seed)
+  local b = #specs[1]
+  local s = ms.empty({ #specs, b, b })
+  for i, l in ipairs(specs) do
+    local size = 10 ^ (4 * ms.rand({ 1 }, { dtype = "f64", seed = seed + 500 + i }):item() - 2)
+    local ls = {}
+    for j = 1, b do ls[j] = l[j] * size end
+    local Q = orthogonal(b, seed + i)
+    s:select(0, i - 1):copy_(ms.matmul(Q * ms.tensor(ls, { dtype = "f64" }), Q, { trans_b = true }))
+  end
+  return s
+end
+
+-- the exact root of block k of a (f32, CPU) plus eps I, in f64
+local function exact_root(a, k, eps, p)
+  local A = a:select(0, k):to("f64")
+  local b = A:size(0)
+  local w, V = ms.eigh(A + ms.eye(b, { dtype = "f64" }) * eps)
+  local wl = w:tolist_flat()
+  local inv = {}
+  for j = 1, b do inv[j] = wl[j] > 0 and wl[j] ^ (-1 / p) or 0 end
+  return ms.matmul(V * ms.tensor(inv, { dtype = "f64" }), V, { trans_b = true })
+end
+
+local function normalized_error(x, xt)
+  local nx, nt = x:norm(), xt:norm()
+  if nx == 0 and nt == 0 then return 0 end
+  return (x / nx - xt / nt):norm()
+end
+
+-- ||X^p (A + eps I) V - V||_F / ||V||_F in f64 with moonstep.h's sketch of block k (the reference of `residual`)
+local function residual_f64(a, x, k, eps, p, seed)
+  local A, X = a:select(0, k):to("f64"), x:select(0, k):to("f64")
+  local b = A:size(0)
+  local V = ms.randn({ b, 4 }, { seed = seed, offset = 0x4000000000000000ULL + k }):to("f64")
+  local W = ms.matmul(A + ms.eye(b, { dtype = "f64" }) * eps, V)
+  for _ = 1, p do W = ms.matmul(X, W) end
+  local nv = V:norm()
+  return nv > 0 and (W - V):norm() / nv or 0
+end
+
+-- inv_root on both devices (the same options; `gpu_extra` only on the GPU, e.g. tf32)
+local function both(a, opts, gpu_extra)
+  local xc, rc, ic = ms.inv_root(a, opts)
+  local o = {}
+  for k, v in pairs(opts) do o[k] = v end
+  for k, v in pairs(gpu_extra or {}) do o[k] = v end
+  if T.is_tensor(o.index) then o.index = dev(o.index) end
+  local xg, rg, ig = ms.inv_root(dev(a), o)
+  return { x = xc, r = rc, it = ic }, { x = host(xg), r = rg and host(rg), it = ig and host(ig) }
+end
+
+-- ---------------------------------------------------------------------------------------------------
+-- gather, apply, graft
+-- ---------------------------------------------------------------------------------------------------
+describe("CUDA DASH blocks", function()
+  -- the same tensors on both devices: a [37, 50] f32, a transposed [50, 37] bf16 view, a [6, 5, 7] f16 (viewed as
+  -- [6, 35]), a [40] f32 (viewed as [40, 1])
+  local function tensors(ctx, seed)
+    local base = {
+      ms.randn({ 37, 50 }, { seed = seed }), ms.randn({ 37, 50 }, { seed = seed + 1, dtype = "bf16" }),
+      ms.randn({ 6, 5, 7 }, { seed = seed + 2, dtype = "f16" }), ms.randn({ 40 }, { seed = seed + 3 }),
+    }
+    local t = {}
+    for i, x in ipairs(base) do t[i] = x:to(ctx) end
+    t[2] = t[2]:t()
+    return t
+  end
+
+  cuda_it("gathers f32, bf16 and f16 blocks of every layout exactly as the CPU", function()
+    local seed = H.seed()
+    local tc, tg = tensors(CPU, seed), tensors(GPU, seed)
+    local function blocks(t)
+      return {
+        { tensor = t[1], row0 = 0, col0 = 0 }, { tensor = t[1], row0 = 21, col0 = 34 }, { tensor = t[1], row0 = 5, col0 = 17 },
+        { tensor = t[2], row0 = 0, col0 = 0 }, { tensor = t[2], row0 = 34, col0 = 21 }, { tensor = t[2], row0 = 13, col0 = 2 },
+        { tensor = t[3], row0 = 0, col0 = 19 }, { tensor = t[3], row0 = 0, col0 = 0 },
+      }
+    end
+    local sc, sg = ms.empty({ 8, 6, 16 }), ms.empty({ 8, 6, 16 }, { ctx = GPU })
+    ms.blocks_gather(sc, blocks(tc))
+    ms.blocks_gather(sg, ms.block_list(blocks(tg)))
+    assert_same(vals(sg), vals(sc), "2-D, transposed and 3-D blocks")
+    local vc, vg = ms.empty({ 3, 9, 1 }), ms.empty({ 3, 9, 1 }, { ctx = GPU })
+    local function vblocks(t) return { { tensor = t[4], row0 = 0 }, { tensor = t[4], row0 = 31 }, { tensor = t[4], row0 = 17 } } end
+    ms.blocks_gather(vc, vblocks(tc))
+    ms.blocks_gather(vg, vblocks(tg))
+    assert_same(vals(vg), vals(vc), "1-D blocks")
+  end)
+
+  cuda_it("applies decay, per-block scales, device scalars and stochastic rounding bit for bit as the CPU", function()
+    for _, dt in ipairs { "f32", "bf16", "f16" } do
+      for _, sr in ipairs { false, true } do
+        local seed = H.seed()
+        -- two params partitioned into 8 x 8 blocks: [16, 24] (6 blocks) and [24, 16] (6 blocks)
+        local p0 = { ms.randn({ 16, 24 }, { seed = seed, dtype = dt }), ms.randn({ 24, 16 }, { seed = seed + 1, dtype = dt }) }
+        local stack = ms.randn({ 12, 8, 8 }, { seed = seed + 2 })
+        local scale = ms.rand({ 12 }, { seed = seed + 3, low = 0.5, high = 2 })
+        local function run(ctx, opts)
+          local p = { p0[1]:to(ctx):clone(), p0[2]:to(ctx):clone() }
+          local bl = {}
+          for r = 0, 1 do for c = 0, 2 do bl[#bl + 1] = { tensor = p[1], row0 = 8 * r, col0 = 8 * c } end end
+          for r = 0, 2 do for c = 0, 1 do bl[#bl + 1] = { tensor = p[2], row0 = 8 * r, col0 = 8 * c } end end
+          local o = { blocks = bl, stack = stack:to(ctx), scale = scale:to(ctx) }
+          for k, v in pairs(opts) do o[k] = T.is_tensor(v) and v:to(ctx) or v end
+          ms.blocks_apply(o)
+          return vals(p[1]), vals(p[2])
+        end
+        local opts = { lr = 0.05, weight_decay = 0.1, step = 3, stochastic_round = sr, seed = seed }
+        local c1, c2 = run(CPU, opts)
+        local g1, g2 = run(GPU, opts)
+        assert_same(g1, c1, dt .. (sr and " sr" or "") .. " param 1")
+        assert_same(g2, c2, dt .. (sr and " sr" or "") .. " param 2")
+        -- device scalars: lr_t and step_t read at execution time; skip_t leaves everything as it was
+        local dopts = { lr = ms.full({ 1 }, 0.02), step = ms.full({ 1 }, 7), weight_decay = 0.3, stochastic_round = sr, seed = seed }
+        c1, c2 = run(CPU, dopts)
+        g1, g2 = run(GPU, dopts)
+        assert_same(g1, c1, dt .. " device scalars")
+        assert_same(g2, c2, dt .. " device scalars")
+        g1 = run(GPU, { lr = 0.05, skip = ms.full({ 1 }, 1) })
+        assert_same(g1, vals(p0[1]), dt .. " skip")
+      end
+    end
+  end)
+
+  cuda_it("scatters with a scale (opts NULL) and applies to a transposed f32 view as the CPU", function()
+    local seed = H.seed()
+    local w0 = ms.randn({ 20, 12 }, { seed = seed })
+    local stack = ms.randn({ 2, 12, 10 }, { seed = seed + 1 })
+    local scale = ms.tensor({ 0.5, -3 })
+    local function run(ctx, update)
+      local w = w0:to(ctx):clone()
+      local v = w:t()                                 -- [12, 20], strides (1, 12)
+      local bl = { { tensor = v, row0 = 0, col0 = 0 }, { tensor = v, row0 = 0, col0 = 10 } }
+      if update then ms.blocks_apply { blocks = bl, stack = stack:to(ctx), scale = scale:to(ctx), lr = 0.1, weight_decay = 0.5 }
+      else ms.blocks_scatter(bl, stack:to(ctx), scale:to(ctx)) end
+      return vals(w)
+    end
+    assert_same(run(GPU, false), run(CPU, false), "scatter")
+    assert_same(run(GPU, true), run(CPU, true), "apply on a transposed view")
+  end)
+
+  cuda_it("updates the grafting state bit for bit and the norms to 1e-6 as the CPU (EMA, beta_grad 0, no bias correction, step_t, skip, pgraft)", function()
+    for _, case in ipairs {
+      { beta_grad = 0.9, beta_graft = 0.95, bias = true }, { beta_grad = 0, beta_graft = 0.9, bias = true },
+      { beta_grad = 0.8, beta_graft = 0.99, bias = false },
+    } do
+      local seed = H.seed()
+      local g = { ms.randn({ 5, 7, 9 }, { seed = seed }), ms.randn({ 5, 7, 9 }, { seed = seed + 1 }) }
+      local function run(ctx, device_step)
+        local m, v = ms.zeros({ 5, 7, 9 }, { ctx = ctx }), ms.zeros({ 5, 7, 9 }, { ctx = ctx })
+        local pg = ms.zeros({ 5, 7, 9 }, { ctx = ctx })
+        local norm
+        for t = 1, 2 do
+          norm = ms.dash_graft { grad = g[t]:to(ctx), grad_ema = m, adam_v = v, pgraft = pg, beta_grad = case.beta_grad,
+                                 beta_graft = case.beta_graft, eps = 1e-8, bias_correction = case.bias,
+                                 step = device_step and ms.full({ 1 }, t, { ctx = ctx }) or t }
+        end
+        return m, v, pg, norm
+      end
+      local mc, vc, pc, nc = run(CPU, false)
+      for _, ds in ipairs { false, true } do
+        local mg, vg, pgg, ng = run(GPU, ds)
+        assert_same(vals(mg), vals(mc), "grad_ema")
+        assert_same(vals(vg), vals(vc), "adam_v")
+        assert_same(vals(pgg), vals(pc), "pgraft")
+        H.assert_close(vals(ng), vals(nc), 1e-6, 0, "norms")
+        -- skip_t: nothing changes, the norms included
+        local before = vals(mg)
+        ms.dash_graft { grad = dev(g[1]), grad_ema = mg, adam_v = vg, norm = ng, beta_grad = 0.9, beta_graft = 0.95,
+                        step = 3, skip = ms.full({ 1 }, 1, { ctx = GPU }) }
+        assert_same(vals(mg), before, "skip grad_ema")
+        H.assert_close(vals(ng), vals(nc), 1e-6, 0, "skip norms")
+      end
+    end
+  end)
+end)
+
+-- ---------------------------------------------------------------------------------------------------
+-- inverse roots
+-- ---------------------------------------------------------------------------------------------------
+describe("CUDA ms.inv_root", function()
+  local B = 64
+  -- well conditioned: every method resolves every eigenvalue under every scaling (y_min >= 1.7e-2)
+  local easy = {}
+  for _, k in ipairs { 2, 5, 10 } do
+    easy[#easy + 1] = spread(k, B)
+    easy[#easy + 1] = clustered(k, B)
+  end
+  local easy_stack = spd_stack(easy, 7100)
+
+  local configs = {}
+  for _, p in ipairs { 2, 4 } do
+    configs[#configs + 1] = { method = "evd", root = p, eps = 1e-10 }
+    for _, m in ipairs { "ndb", "cn" } do
+      configs[#configs + 1] = { method = m, root = p, scaling = "fro" }
+      for _, sc in ipairs { "pi", "pim" } do
+        for _, bf in ipairs { true, false } do configs[#configs + 1] = { method = m, root = p, scaling = sc, pi_bf16 = bf } end
+      end
+    end
+    configs[#configs + 1] = { method = "chebyshev", root = p, scaling = "fro", steps = 60 }
+    configs[#configs + 1] = { method = "chebyshev", root = p, scaling = "pim", steps = 60, pi_bf16 = false }
+  end
+
+  local function label(c)
+    return ("%s p=%d %s%s"):format(c.method, c.root, c.scaling or "", c.pi_bf16 == false and " f32-PI" or "")
+  end
+
+  cuda_it("matches the f64 root (1e-4 in f32, 5e-3 in TF32) and the CPU (1e-4) on well-conditioned blocks, every method, root and scaling", function()
+    for _, cfg in ipairs(configs) do
+      local opts = { residual = true, iters = true, seed = 31 }
+      for k, v in pairs(cfg) do opts[k] = v end
+      local cpu, gpu = both(easy_stack, opts)
+      local _, tf = both(easy_stack, opts, { tf32 = true })
+      local ic, ig, it = vals(cpu.it), vals(gpu.it), vals(tf.it)
+      local rg = vals(gpu.r)
+      for k = 0, #easy - 1 do
+        local xt = exact_root(easy_stack, k, cfg.eps or 0, cfg.root)
+        local xg, xc, xtf = gpu.x:select(0, k):to("f64"), cpu.x:select(0, k):to("f64"), tf.x:select(0, k):to("f64")
+        local what = ("%s block %d"):format(label(cfg), k)
+        local e1, e2, e3 = normalized_error(xg, xt), normalized_error(xg, xc), normalized_error(xtf, xt)
+        assert(e1 <= 1e-4, ("%s: GPU error %.3g vs the f64 root"):format(what, e1))
+        assert(e2 <= 1e-4, ("%s: GPU differs from the CPU by %.3g"):format(what, e2))
+        assert(e3 <= 5e-3, ("%s: TF32 error %.3g"):format(what, e3))
+        assert.are.equal(ic[k + 1], ig[k + 1], what .. ": iterations")
+        assert.are.equal(ic[k + 1], it[k + 1], what .. ": iterations (TF32)")
+        local rr = residual_f64(easy_stack, gpu.x, k, cfg.eps or 0, cfg.root, 31)
+        H.assert_close(rg[k + 1], rr, 1e-5, 1e-9, what .. ": residual vs its f64 evaluation")
+        assert(rg[k + 1] <= 1e-3, ("%s: residual %.3g"):format(what, rg[k + 1]))
+      end
+    end
+  end)
+
+  cuda_it("rounds the products' operands to bf16 / f16 as documented (accuracy of the rounding)", function()
+    for _, m in ipairs { "ndb", "cn", "chebyshev" } do
+      for _, p in ipairs { 2, 4 } do
+        for dt, tol in pairs { bf16 = 3e-2, f16 = 5e-3 } do
+          local opts = { method = m, root = p, scaling = "fro", matmul_dtype = dt, steps = m == "chebyshev" and 60 or 10 }
+          local cpu, gpu = both(easy_stack, opts)
+          local x32 = host(ms.inv_root(dev(easy_stack), { method = m, root = p, scaling = "fro", steps = opts.steps }))
+          for k = 0, #easy - 1 do
+            local xt = exact_root(easy_stack, k, 0, p)
+            local xg = gpu.x:select(0, k):to("f64")
+            local err = normalized_error(xg, xt)
+            assert(err <= tol, ("%s p=%d %s block %d: error %.3g > %.3g"):format(m, p, dt, k, err, tol))
+            assert(normalized_error(xg, x32:select(0, k):to("f64")) > 1e-6, m .. " " .. dt .. ": no rounding seen")
+            assert(normalized_error(xg, cpu.x:select(0, k):to("f64")) <= tol, m .. " " .. dt .. ": far from the CPU")
+          end
+        end
+      end
+    end
+  end)
+
+  cuda_it("under-inverts ill-conditioned, rank-deficient and zero blocks by the CPU's map (f32, 1e-4), never NaN", function()
+    local b = 48
+    local specs = { spread(1e3, b), spread(1e5, b), spread(1e7, b), clustered(1e4, b) }
+    local rd = spread(1e2, b)
+    for i = b - 5, b do rd[i] = 0 end
+    specs[#specs + 1] = rd
+    local zero = {}
+    for i = 1, b do zero[i] = 0 end
+    specs[#specs + 1] = zero
+    local a = spd_stack(specs, 7200)
+    for _, m in ipairs { "ndb", "cn", "chebyshev" } do
+      for _, p in ipairs { 2, 4 } do
+        for _, sc in ipairs { "fro", "pim" } do
+          local opts = { method = m, root = p, scaling = sc, pi_bf16 = false, residual = true, iters = true, seed = 3,
+                         steps = m == "chebyshev" and 60 or 10 }
+          local cpu, gpu = both(a, opts)
+          local xg = vals(gpu.x)
+          assert(finite(xg), m .. ": non-finite root")
+          assert.are.same(vals(cpu.it), vals(gpu.it))
+          for k = 0, #specs - 1 do
+            local e = normalized_error(gpu.x:select(0, k):to("f64"), cpu.x:select(0, k):to("f64"))
+            assert(e <= 1e-4, ("%s p=%d %s block %d: GPU differs from the CPU by %.3g"):format(m, p, sc, k, e))
+            local rr = residual_f64(a, gpu.x, k, 0, p, 3)
+            H.assert_close(vals(gpu.r)[k + 1], rr, 1e-5, 1e-9, ("%s block %d residual"):format(m, k))
+          end
+          assert(vals(gpu.r)[1 + 5] == vals(gpu.r)[1 + 5], "NaN residual of the zero block")
+        end
+      end
+    end
+    -- EVD below its floor: finite, bounded by eps^(-1/p) with the shift (the noise eigenvalues differ by device)
+    local X = host(ms.inv_root(dev(a), { method = "evd", root = 4, eps = 1e-6 }))
+    assert(finite(vals(X)), "EVD non-finite")
+    for k = 0, #specs - 1 do
+      local w = vals((ms.eigh(X:select(0, k):to("f64"))))
+      assert(w[#w] <= (1e-6) ^ (-1 / 4) * (1 + 1e-3), "EVD root above eps^(-1/p)")
+    end
+  end)
+
+  cuda_it("gives finite roots and residual 1 for all-zero blocks with every method, scaling and PI precision", function()
+    local Z = ms.zeros({ 3, 40, 40 }, { ctx = GPU })
+    for _, m in ipairs { "ndb", "cn", "chebyshev" } do
+      for _, sc in ipairs { "fro", "pi", "pim" } do
+        for _, bf in ipairs { true, false } do
+          local X, r = ms.inv_root(Z, { method = m, scaling = sc, pi_bf16 = bf, residual = true,
+                                        steps = m == "chebyshev" and 60 or 10 })
+          assert(finite(vals(X)), m .. "/" .. sc)
+          H.assert_close(vals(r), { 1, 1, 1 }, 1e-6, 1e-6, m .. "/" .. sc .. " residual")
+        end
+      end
+    end
+    local X = ms.inv_root(Z, { method = "evd", eps = 1e-6, root = 4 })
+    H.assert_close(vals(X:select(0, 0)), vals(ms.eye(40) * (2e-6) ^ (-1 / 4)), 1e-5, 1e-5, "EVD zero block")
+  end)
+
+  cuda_it("stops each block on its own as the CPU does, with the working set compacted (lag 0, 1, 2 agree)", function()
+    local b, specs = 32, {}
+    for i = 1, 20 do specs[#specs + 1] = spread(1.5 + i / 5, b) end            -- easy: converge early
+    for i = 1, 20 do specs[#specs + 1] = spread(10 ^ (4 + i / 10), b) end      -- hard: run every step
+    local a = spd_stack(specs, 7300)
+    for _, m in ipairs { "cn", "ndb" } do
+      local opts = { method = m, root = 4, steps = 20, scaling = "fro", tolerance = 1e-4, iters = true }
+      local cpu, gpu = both(a, opts)
+      local ic, ig = vals(cpu.it), vals(gpu.it)
+      assert.are.same(ic, ig)
+      local full = m == "ndb" and 40 or 20
+      assert(ig[1] < full / 2, m .. ": the easy blocks did not stop early: " .. ig[1])
+      assert(ig[40] > ig[1] + 4, m .. ": the hardest block stopped about as early as the easiest")
+      for k = 0, #specs - 1 do
+        local e = normalized_error(gpu.x:select(0, k):to("f64"), cpu.x:select(0, k):to("f64"))
+        assert(e <= 1e-4, ("%s block %d: GPU differs from the CPU by %.3g"):format(m, k, e))
+      end
+      if not SELF then
+        for _, lag in ipairs { 0, 1 } do
+          with_env("MOONSTEP_DASH_LAG", lag, function()
+            local x, _, its = ms.inv_root(dev(a), opts)
+            assert.are.same(ig, vals(its))
+            for k = 0, #specs - 1 do
+              local e = normalized_error(host(x):select(0, k):to("f64"), gpu.x:select(0, k):to("f64"))
+              assert(e <= 1e-5, ("%s lag %d block %d: differs by %.3g"):format(m, lag, k, e))
+            end
+          end)
+        end
+      end
+    end
+  end)
+
+  cuda_it("works only on the blocks of `index` (any order), leaving the others and their outputs as they were", function()
+    local a = spd_stack({ spread(3, 40), spread(8, 40), clustered(5, 40), spread(20, 40), spread(2, 40),
+                          clustered(3, 40), spread(6, 40), spread(4, 40) }, 7400)
+    local ag = dev(a)
+    for _, m in ipairs { "ndb", "cn", "evd", "chebyshev" } do
+      for _, tol in ipairs { 0, 1e-4 } do
+        if tol == 0 or m == "ndb" or m == "cn" then
+          local o = { method = m, scaling = "pim", eps = m == "evd" and 1e-10 or 0, tolerance = tol, seed = 9,
+                      steps = m == "chebyshev" and 60 or 10 }
+          local full, rfull, ifull = ms.inv_root(ag, { method = o.method, scaling = o.scaling, eps = o.eps, tolerance = tol,
+                                                      seed = 9, steps = o.steps, residual = true, iters = true })
+          local x = ms.full({ 8, 40, 40 }, 7, { ctx = GPU })
+          local res, its = ms.full({ 8 }, -7, { ctx = GPU }), ms.full({ 8 }, -7, { dtype = "i32", ctx = GPU })
+          o.out, o.residual, o.iters = x, res, its
+          o.index = ms.tensor({ 6, 1, 4 }, { dtype = "i32", ctx = GPU })
+          ms.inv_root(ag, o)
+          local rv, iv, rf, itf = vals(res), vals(its), vals(rfull), vals(ifull)
+          for k = 0, 7 do
+            local got = vals(x:select(0, k))
+            if k == 6 or k == 1 or k == 4 then
+              local e = normalized_error(x:select(0, k):to("f64"):to(CPU), full:select(0, k):to("f64"):to(CPU))
+              assert(e <= 1e-5, ("%s block %d: differs from the full call by %.3g"):format(m, k, e))
+              H.assert_close(rv[k + 1], rf[k + 1], 1e-4, 1e-9, m .. " residual")
+              assert.are.equal(itf[k + 1], iv[k + 1])
+            else
+              for _, v in ipairs(got) do assert.are.equal(7, v) end
+              assert.are.equal(-7, rv[k + 1])
+              assert.are.equal(-7, iv[k + 1])
+            end
+          end
+        end
+      end
+    end
+  end)
+
+  cuda_it("skips an out-of-range index entry on the device (the CPU refuses it) and computes the others", function()
+    local a = dev(spd_stack({ spread(3, 16), spread(5, 16), spread(7, 16) }, 7450))
+    local x = ms.full({ 3, 16, 16 }, 7, { ctx = GPU })
+    ms.inv_root(a, { method = "cn", scaling = "fro", out = x, index = ms.tensor({ 2, 99, -1 }, { dtype = "i32", ctx = GPU }) })
+    local full = ms.inv_root(a, { method = "cn", scaling = "fro" })
+    for _, v in ipairs(vals(x:select(0, 0))) do assert.are.equal(7, v) end
+    for _, v in ipairs(vals(x:select(0, 1))) do assert.are.equal(7, v) end
+    local e = normalized_error(host(x):select(0, 2):to("f64"), host(full):select(0, 2):to("f64"))
+    assert(e <= 1e-5, ("block 2 differs from the full call by %.3g"):format(e))
+  end, true)
+
+  cuda_it("handles awkward block sizes (1, 2, 31, 33, 100, 257, 520: no panels, uneven panels, partial tiles)", function()
+    for _, b in ipairs { 1, 2, 31, 33, 100, 257, 520 } do
+      local a = spd_stack({ spread(4, b), clustered(3, b) }, 7500 + b)
+      for _, cfg in ipairs {
+        { method = "ndb", scaling = "pim", pi_bf16 = false }, { method = "cn", scaling = "fro" }, { method = "evd", eps = 1e-10 },
+        { method = "chebyshev", scaling = "fro", steps = 40 },
+      } do
+        local o = { root = 4, iters = true }
+        for k, v in pairs(cfg) do o[k] = v end
+        local cpu, gpu = both(a, o)
+        assert.are.same(vals(cpu.it), vals(gpu.it))
+        for k = 0, 1 do
+          local e = normalized_error(gpu.x:select(0, k):to("f64"), cpu.x:select(0, k):to("f64"))
+          assert(e <= 1e-4, ("b = %d %s block %d: GPU differs from the CPU by %.3g"):format(b, cfg.method, k, e))
+        end
+      end
+    end
+  end)
+
+  cuda_it("gives the same roots with panel products and plain ones (MOONSTEP_DASH_SPLIT) and with every eigensolver path", function()
+    for _, b in ipairs { 256, 512 } do
+      local a = dev(spd_stack({ spread(6, b), clustered(4, b), spread(30, b) }, 7600 + b))
+      for _, m in ipairs { "ndb", "cn", "chebyshev", "evd" } do
+        local o = { method = m, root = 4, scaling = "pim", eps = m == "evd" and 1e-10 or 0, steps = m == "chebyshev" and 60 or 10 }
+        local ref
+        with_env("MOONSTEP_DASH_SPLIT", 1, function() ref = host(ms.inv_root(a, o)) end)
+        for _, split in ipairs { 2, 4 } do
+          with_env("MOONSTEP_DASH_SPLIT", split, function()
+            local x = host(ms.inv_root(a, o))
+            for k = 0, 2 do
+              local e = normalized_error(x:select(0, k):to("f64"), ref:select(0, k):to("f64"))
+              assert(e <= 1e-5, ("b %d %s split %d block %d: %.3g from the plain products"):format(b, m, split, k, e))
+              -- symmetric (the panels outside the diagonal ones are mirrored copies)
+              local xs = x:select(0, k):to("f64")
+              local asym = (xs - xs:t()):norm() / xs:norm()
+              assert(asym <= 1e-6, ("b %d %s split %d block %d: asymmetry %.3g"):format(b, m, split, k, asym))
+            end
+          end)
+        end
+      end
+    end
+    local function evd_paths(b, paths)
+      local a = dev(spd_stack({ spread(6, b), clustered(40, b), spread(1e3, b) }, 7700 + b))
+      local ref
+      with_env("MOONSTEP_DASH_EVD", paths[1], function() ref = host(ms.inv_root(a, { method = "evd", eps = 1e-10, root = 2 })) end)
+      for i = 2, #paths do
+        with_env("MOONSTEP_DASH_EVD", paths[i], function()
+          local x = host(ms.inv_root(a, { method = "evd", eps = 1e-10, root = 2 }))
+          for k = 0, 2 do
+            local e = normalized_error(x:select(0, k):to("f64"), ref:select(0, k):to("f64"))
+            assert(e <= 1e-4, ("b %d EVD %s vs %s block %d: %.3g"):format(b, paths[i], paths[1], k, e))
+          end
+        end)
+      end
+    end
+    evd_paths(96, { "streams", "batched" })
+    evd_paths(24, { "streams", "batched", "jacobi" })
+  end, true)
+
+  cuda_it("refuses a non-finite block for EVD, naming it, and leaves x unchanged", function()
+    local a = spd_stack({ spread(3, 12), spread(3, 12), spread(3, 12) }, 7800)
+    a:select(0, 2):select(0, 4):select(0, 7):fill_(0 / 0)
+    local x = ms.full({ 3, 12, 12 }, 3, { ctx = GPU })
+    H.expect_error(function() ms.inv_root(dev(a), { method = "evd", eps = 1e-10, out = x }) end, "block 2", "non-finite")
+    for _, v in ipairs(vals(x)) do assert.are.equal(3, v) end
+    -- an iterative method passes NaN through to that block only (the residual shows it)
+    local xn, rn = ms.inv_root(dev(a), { method = "cn", residual = true })
+    local r = vals(rn)
+    assert(r[3] ~= r[3], "NaN block: residual should be NaN")
+    assert(r[1] == r[1] and r[2] == r[2], "the other blocks are unaffected")
+    assert(finite(vals(xn:select(0, 0))), "block 0 finite")
+  end)
+
+  cuda_it("replays a captured inv_root (fixed steps and early exit) with new inputs as an uncaptured call", function()
+    local a1 = spd_stack({ spread(3, 64), spread(1e4, 64), clustered(5, 64) }, 7900)
+    local a2 = spd_stack({ spread(5, 64), spread(2, 64), clustered(1e3, 64) }, 7910)
+    for _, tol in ipairs { 0, 1e-4 } do
+      for _, m in ipairs { "ndb", "cn" } do
+        local a = dev(a1)
+        local x = ms.empty({ 3, 64, 64 }, { ctx = GPU })
+        local its = ms.empty({ 3 }, { dtype = "i32", ctx = GPU })
+        local o = { method = m, scaling = "pim", tolerance = tol, out = x, iters = its, seed = 4 }
+        ms.inv_root(a, o)                                  -- warm-up: the pool caches the call's scratch
+        GPU:sync()
+        local g = graph.capture(GPU, function() ms.inv_root(a, o) end)
+        a:copy_(dev(a2))
+        g:launch()
+        GPU:sync()
+        local want, _, wits = ms.inv_root(dev(a2), { method = m, scaling = "pim", tolerance = tol, seed = 4, iters = true })
+        assert.are.same(vals(wits), vals(its))
+        for k = 0, 2 do
+          local e = normalized_error(host(x):select(0, k):to("f64"), host(want):select(0, k):to("f64"))
+          assert(e <= 1e-5, ("%s tol %g block %d: the replay differs by %.3g"):format(m, tol, k, e))
+        end
+        g:free()
+      end
+    end
+  end, true)
+end)
+
+describe("CUDA ms.spectrum_estimate", function()
+  cuda_it("matches the CPU: lam_max, and lam_min from an inverse root (f32 1e-4, bf16 1e-2)", function()
+    local b = 48
+    local a = spd_stack({ spread(10, b), spread(1e3, b), clustered(1e2, b), spread(1e5, b) }, 8000)
+    local X = ms.inv_root(a, { method = "evd", eps = 0, root = 4 })
+    for _, bf in ipairs { false, true } do
+      local o = { x_root = X, root = 4, eps = 1e-6, bf16 = bf, seed = 12, vectors = 16, steps = 10 }
+      local mc, nc = ms.spectrum_estimate(a, o)
+      o.x_root = dev(X)
+      local mg, ng = ms.spectrum_estimate(dev(a), o)
+      local tol = bf and 1e-2 or 1e-4
+      H.assert_close(vals(mg), vals(mc), tol, 0, "lam_max")
+      H.assert_close(vals(ng), vals(nc), tol * 4, 0, "lam_min")
+    end
+    -- a zero block: lam_max = 0 (q - eps), lam_min = +inf, no NaN
+    local lmax, lmin = ms.spectrum_estimate(ms.zeros({ 1, 8, 8 }, { ctx = GPU }),
+                                            { x_root = ms.zeros({ 1, 8, 8 }, { ctx = GPU }), eps = 1e-6 })
+    H.assert_close(vals(lmax)[1], 0, 0, 1e-9, "zero block lam_max")
+    assert.are.equal(math.huge, vals(lmin)[1])
+  end)
+end)

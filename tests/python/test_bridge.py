@@ -1,0 +1,411 @@
+"""The Python bridge (python/moonstep) on NumPy arrays: AdamW and SinkGD against f64 formulas written here, zero
+copies (wrapped arrays and DLPack imports updated in place, DLPack memory released when the optimizer goes),
+schedules, grad_scale, errors with their statuses, checkpoints and state dicts (moonstep's own and a
+torch.optim.AdamW-style one), info and stats.
+
+    python3 tests/python/test_bridge.py         (MOONSTEP_LIBRARY picks the library; default build/)
+
+Prints one line per test and ends with "N passed, N failed"; exits 1 on a failure.  Without NumPy it says
+so and prints "0 passed, 0 failed, 1 skipped".
+"""
+import gc
+import math
+import os
+import sys
+import tempfile
+import traceback
+import weakref
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "python"))
+
+try:
+    import numpy as np
+except ImportError:
+    print("numpy is missing: the bridge tests need it")
+    print("0 passed, 0 failed, 1 skipped")
+    sys.exit(0)
+
+import moonstep  # noqa: E402
+
+TESTS = []
+
+
+def test(fn):
+    TESTS.append(fn)
+    return fn
+
+
+def rng(seed):
+    return np.random.default_rng(seed)
+
+
+def assert_close(got, want, rtol, atol, what):
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    err = np.abs(got - want)
+    bound = atol + rtol * np.abs(want)
+    # NaN anywhere fails: the comparison is false
+    if not np.all(err <= bound):
+        worst = int(np.nanargmax(np.where(np.isnan(err), np.inf, err / bound)))
+        raise AssertionError("%s: worst element %d: got %r, want %r (tolerance %g)"
+                             % (what, worst, got.flat[worst], want.flat[worst], bound.flat[worst]))
+
+
+def expect_error(status, needle, fn, *args, **kwargs):
+    try:
+        fn(*args, **kwargs)
+    except moonstep.MoonstepError as e:
+        assert e.status == status, "status %s, want %s (%s)" % (e.status, status, e)
+        assert needle in str(e), "message lacks %r: %s" % (needle, e)
+        return e
+    raise AssertionError("no error; wanted %s with %r" % (status, needle))
+
+
+def adamw_reference(p, m, v, g, t, lr, b1, b2, eps, wd):
+    """One torch.optim.AdamW step in f64 (in place on p, m, v)."""
+    p *= 1 - lr * wd
+    m[:] = b1 * m + (1 - b1) * g
+    v[:] = b2 * v + (1 - b2) * g * g
+    p -= lr * (m / (1 - b1 ** t)) / (np.sqrt(v / (1 - b2 ** t)) + eps)
+
+
+# ---------------------------------------------------------------------------------------------------
+@test
+def adamw_matches_the_formula():
+    r = rng(1)
+    w = r.standard_normal((5, 7)).astype(np.float32)
+    b = r.standard_normal(7).astype(np.float32)
+    gw, gb = np.zeros_like(w), np.zeros_like(b)
+    opt = moonstep.Optimizer([("layer.weight", w, gw), ("layer.bias", b, gb, ["no_decay"])], "adamw",
+                             {"lr": 0.01, "betas": [0.85, 0.99], "eps": 1e-7, "weight_decay": 0.1})
+    ref = {"w": [w.astype(np.float64), np.zeros(w.shape), np.zeros(w.shape), 0.1],
+           "b": [b.astype(np.float64), np.zeros(b.shape), np.zeros(b.shape), 0.0]}
+    for t in range(1, 31):
+        gw[:] = r.standard_normal(gw.shape) * (1 + t % 3)      # fresh gradients into the registered buffers
+        gb[:] = r.standard_normal(gb.shape)
+        assert opt.step() is True
+        for key, g in (("w", gw), ("b", gb)):
+            p, m, v, wd = ref[key]
+            adamw_reference(p, m, v, g.astype(np.float64), t, 0.01, 0.85, 0.99, 1e-7, wd)
+    assert_close(w, ref["w"][0], 1e-5, 1e-6, "weight")
+    assert_close(b, ref["b"][0], 1e-5, 1e-6, "bias (no_decay: no weight decay)")
+    opt.close()
+
+
+@test
+def wrapped_arrays_are_updated_in_place():
+    r = rng(2)
+    w = r.standard_normal((4, 6)).astype(np.float32)
+    g_storage = r.standard_normal((6, 4)).astype(np.float32)
+    g = g_storage.T                                   # a strided gradient (any layout is accepted)
+    address, before = w.ctypes.data, w.copy()
+    with moonstep.Optimizer({"w": (w, g)}, "sgd", {"lr": 0.5}) as opt:
+        opt.step()
+        assert w.ctypes.data == address
+        assert_close(w, before - 0.5 * g, 1e-6, 1e-6, "SGD step seen through the array")
+        g_storage *= 2                                # the trainer rewrites the same buffer
+        before = w.copy()
+        opt.step()
+        assert_close(w, before - 0.5 * g, 1e-6, 1e-6, "the second step used the new gradient values")
+
+
+@test
+def sinkgd_matches_the_formula():
+    r = rng(3)
+    m_rows, n_cols, iters, alpha, lr, wd = 6, 5, 3, 0.5, 0.02, 0.01
+    w = r.standard_normal((m_rows, n_cols)).astype(np.float32)
+    g = np.zeros_like(w)
+    opt = moonstep.Optimizer({"blocks.0.mlp.weight": (w, g)}, "sinkgd",
+                             {"lr": lr, "sinkhorn_iters": iters, "sinkgd_lr_scale": alpha, "weight_decay": wd})
+    assert opt.info()["params"][0]["route"] == "sinkgd"
+    ref = w.astype(np.float64)
+    for _ in range(5):
+        g[:] = r.standard_normal(g.shape)
+        opt.step()
+        x = g.astype(np.float64)
+        for _ in range(iters):                        # rows to norm sqrt(n), then columns to sqrt(m)
+            x = math.sqrt(n_cols) * x / np.maximum(np.linalg.norm(x, axis=1, keepdims=True), 1e-8)
+            x = math.sqrt(m_rows) * x / np.maximum(np.linalg.norm(x, axis=0, keepdims=True), 1e-8)
+        eta = lr * alpha
+        ref = ref * (1 - eta * wd) - eta * x
+    assert_close(w, ref, 1e-5, 1e-6, "SinkGD")
+    opt.close()
+
+
+@test
+def schedule_set_lr_and_grad_scale():
+    r = rng(4)
+    w = r.standard_normal(8).astype(np.float32)
+    g = np.zeros_like(w)
+    opt = moonstep.Optimizer({"w": (w, g)}, "sgd", {"lr": 0.3},
+                             {"schedule": {"kind": "cosine", "warmup_steps": 3, "total_steps": 13}})
+    for t in range(1, 9):
+        want = 0.3 * t / 3 if t <= 3 else 0.3 * 0.5 * (1 + math.cos(math.pi * (t - 3) / 10))
+        assert abs(opt.lr - want) < 1e-12, (t, opt.lr, want)
+        unscaled = r.standard_normal(8).astype(np.float32)
+        g[:] = unscaled * 4                           # exact in f32
+        before = w.copy()
+        opt.step(grad_scale=4)
+        assert_close(g, unscaled, 0, 0, "the gradients were unscaled in place")
+        assert_close(w, before - want * unscaled.astype(np.float64), 1e-6, 1e-6, "step %d" % t)
+    opt.lr = 0.05
+    assert opt.lr == 0.05
+    before = w.copy()
+    opt.step(grads={"w": np.ones(8, np.float32)})    # a gradient given for this step
+    assert_close(w, before - 0.05, 1e-6, 1e-6, "set lr and per-step grads")
+    opt.close()
+
+
+@test
+def nonfinite_gradients_skip_the_step():
+    w = np.ones(4, np.float32)
+    g = np.array([1, np.nan, 1, 1], np.float32)
+    opt = moonstep.Optimizer({"w": (w, g)}, "adamw")
+    assert opt.step() is False
+    assert np.all(w == 1)
+    stats = opt.stats()
+    assert stats["skipped_steps"] == 1 and stats["step"] == 0, stats
+    opt.close()
+
+
+@test
+def errors_name_the_problem():
+    w, g = np.ones(6, np.float32), np.ones(6, np.float32)
+    expect_error("MS_E_ARG", "unknown option 'lrr'", moonstep.Optimizer, {"w": (w, g)}, "adamw", {"lrr": 1})
+    expect_error("MS_E_ARG", "option 'lr'", moonstep.Optimizer, {"w": (w, g)}, "adamw", {"lr": "fast"})
+    expect_error("MS_E_ARG", "option 'betas' needs 2 numbers", moonstep.Optimizer, {"w": (w, g)}, "adamw",
+                 {"betas": [0.9]})
+    expect_error("MS_E_FORMAT", "not valid JSON", moonstep.Optimizer, {"w": (w, g)}, "adamw", {"lr": float("nan")})
+    expect_error("MS_E_ARG", "unknown setting 'schedul'", moonstep.Optimizer, {"w": (w, g)}, "adamw", None,
+                 {"schedul": "cosine"})
+    expect_error("MS_E_ARG", "no recipe named \"adamv\"", moonstep.Optimizer, {"w": (w, g)}, "adamv")
+    expect_error("MS_E_IO", "cannot read recipe", moonstep.Optimizer, {"w": (w, g)}, "/nonexistent/optim.lua")
+    expect_error("MS_E_SHAPE", "grad shape [2,3] != param shape [6]", moonstep.Optimizer,
+                 {"w": (w, np.ones((2, 3), np.float32))})
+    expect_error("MS_E_DTYPE", "not a float dtype", moonstep.Optimizer, {"w": (w, np.ones(6, np.int32))})
+    expect_error("MS_E_LAYOUT", "negative stride", moonstep.Optimizer, {"w": (w[::-1], g)})
+    frozen = np.ones(6, np.float32)
+    frozen.flags.writeable = False
+    try:
+        moonstep.Optimizer({"w": (frozen, g)})
+        raise AssertionError("a read-only parameter was accepted")
+    except ValueError as e:
+        assert "read-only" in str(e)
+    opt = moonstep.Optimizer({"w": (w, g)})
+    expect_error("MS_E_ARG", "duplicate parameter name 'w'", opt.add_param, "w", w, g)
+    expect_error("MS_E_SHAPE", "grad shape [5] != param shape [6]", opt.set_grad, "w", np.ones(5, np.float32))
+    expect_error("MS_E_ARG", "lr must be a non-negative finite number", setattr, opt, "lr", -1.0)
+    opt.close()
+
+
+@test
+def a_recipe_error_mid_step_is_an_error_not_a_crash():
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "flaky.lua")
+        with open(path, "w") as f:
+            f.write('return {\n'
+                    '  name = "flaky", version = 1,\n'
+                    '  options = { lr = { default = 0.1, type = "number" } },\n'
+                    '  route = function(p, o) return "plain" end,\n'
+                    '  routes = { plain = { step = function(group, o, ctx)\n'
+                    '    if ctx.step == 3 then error("no step 3 today") end\n'
+                    '    for _, m in ipairs(group) do ms.addcmul(m.param, m.grad, ctx.lr_t, -1, m.param) end\n'
+                    '  end } },\n'
+                    '}\n')
+        w, g = np.ones(3, np.float32), np.full(3, 0.5, np.float32)
+        opt = moonstep.Optimizer({"w": (w, g)}, path)
+        opt.step()
+        opt.step()
+        e = expect_error("MS_E_ARG", "flaky.lua:6: no step 3 today", opt.step)
+        assert "stack traceback" in str(e)
+        assert_close(w, np.full(3, 0.9), 1e-6, 1e-6, "two steps happened")
+        assert opt.stats()["step"] == 2
+        opt.close()
+
+
+@test
+def checkpoints_resume_bit_for_bit_and_corrupt_ones_are_refused():
+    r = rng(5)
+    w0 = r.standard_normal((3, 4)).astype(np.float32)
+    grads = [r.standard_normal((3, 4)).astype(np.float32) for _ in range(12)]
+    options = {"lr": 0.02, "weight_decay": 0.05}
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "opt.safetensors")
+        wa, ga = w0.copy(), np.zeros_like(w0)
+        a = moonstep.Optimizer({"w": (wa, ga)}, "adamw", options)
+        for g in grads[:5]:
+            ga[:] = g
+            a.step()
+        a.save(path)
+        wb, gb = wa.copy(), np.zeros_like(w0)
+        b = moonstep.Optimizer({"w": (wb, gb)}, "adamw", options)
+        expect_error("MS_E_IO", "cannot read checkpoint", b.load, os.path.join(d, "missing.safetensors"))
+        data = open(path, "rb").read()
+        bad = os.path.join(d, "bad.safetensors")
+        open(bad, "wb").write(data[:len(data) // 2])
+        expect_error("MS_E_FORMAT", "", b.load, bad)
+        open(bad, "wb").write(b"\xff" * 8 + data[8:])
+        expect_error("MS_E_FORMAT", "", b.load, bad)
+        b.load(path)
+        sd = b.state_dict()
+        for g in grads[5:]:
+            ga[:] = g
+            gb[:] = g
+            a.step()
+            b.step()
+        assert np.array_equal(wa, wb), "resumed bit for bit"
+        # the state dict (bytes) restores the same point
+        wc = wa.copy()
+        c = moonstep.Optimizer({"w": (wc, np.zeros_like(w0))}, "adamw", options)
+        c.load_state_dict(sd)
+        assert c.stats()["step"] == 5
+        for x in (a, b, c):
+            x.close()
+
+
+@test
+def a_torch_adamw_state_dict_moves_over():
+    r = rng(6)
+    # sinkgd routes the matrix to SinkGD (no moments) and the bias to AdamW (f32 moments: a small tensor)
+    w = r.standard_normal((4, 5)).astype(np.float32)
+    b = r.standard_normal(5).astype(np.float32)
+    gw, gb = np.zeros_like(w), np.zeros_like(b)
+    opt = moonstep.Optimizer([("proj.weight", w, gw), ("proj.bias", b, gb)], "sinkgd",
+                             {"lr": 0.01, "betas": [0.9, 0.99], "eps": 1e-8})
+    m_b, v_b = r.standard_normal(5) * 0.1, r.random(5) * 0.01 + 1e-3
+    torch_like = {
+        "state": {0: {"step": 7.0, "exp_avg": r.standard_normal((4, 5)), "exp_avg_sq": r.random((4, 5))},
+                  1: {"step": 7.0, "exp_avg": m_b, "exp_avg_sq": v_b}},
+        "param_groups": [{"lr": 0.01, "betas": (0.9, 0.99), "eps": 1e-8, "weight_decay": 0.0, "params": [0, 1]}],
+    }
+    report = opt.load_adamw_state(torch_like)
+    assert report == {"loaded": ["proj.bias"], "kept": ["proj.weight"]}, report
+    assert opt.stats()["step"] == 7
+    ref = [b.astype(np.float64), m_b.astype(np.float32).astype(np.float64), v_b.astype(np.float32).astype(np.float64)]
+    for t in range(8, 12):
+        gw[:] = r.standard_normal(gw.shape)
+        gb[:] = r.standard_normal(gb.shape)
+        opt.step()
+        adamw_reference(ref[0], ref[1], ref[2], gb.astype(np.float64), t, 0.01, 0.9, 0.99, 1e-8, 0.0)
+    assert_close(b, ref[0], 1e-5, 1e-6, "AdamW continued from the torch moments and step")
+    # by name, and refusals
+    torch_like["param_groups"][0]["param_names"] = ["proj.bias", "proj.weight"]
+    torch_like["state"] = {0: {"step": 2, "exp_avg": m_b, "exp_avg_sq": v_b}}
+    assert opt.load_adamw_state(torch_like)["loaded"] == ["proj.bias"]
+    opt.close()
+    # moonstep keeps one step count: moments at different steps are refused
+    x, y = np.ones(2, np.float32), np.ones(3, np.float32)
+    opt = moonstep.Optimizer([("x", x, x.copy()), ("y", y, y.copy())], "adamw")
+    try:
+        opt.load_adamw_state({"state": {0: {"step": 2, "exp_avg": np.zeros(2), "exp_avg_sq": np.zeros(2)},
+                                        1: {"step": 3, "exp_avg": np.zeros(3), "exp_avg_sq": np.zeros(3)}},
+                              "param_groups": [{"params": [0, 1]}]})
+        raise AssertionError("different steps were accepted")
+    except ValueError as e:
+        assert "different steps" in str(e), e
+    opt.close()
+    # 8-bit moments cannot take a torch state
+    big = r.standard_normal(4096).astype(np.float32)
+    opt = moonstep.Optimizer({"norm.weight": (big, np.zeros_like(big))}, "sinkgd")
+    try:
+        opt.load_adamw_state({"state": {0: {"step": 1, "exp_avg": np.zeros(4096), "exp_avg_sq": np.zeros(4096)}},
+                              "param_groups": [{"params": [0]}]})
+        raise AssertionError("an 8-bit state took a torch state")
+    except ValueError as e:
+        assert "8-bit" in str(e), e
+    opt.close()
+
+
+class DLPackOnly:
+    """Exposes an array through the DLPack protocol alone (what a PyTorch or CuPy tensor offers)."""
+
+    def __init__(self, a):
+        self.a = a
+
+    def __dlpack__(self, stream=None):
+        return self.a.__dlpack__()
+
+    def __dlpack_device__(self):
+        return self.a.__dlpack_device__()
+
+
+@test
+def dlpack_imports_share_memory_and_are_released():
+    r = rng(7)
+    w = r.standard_normal(10).astype(np.float32)
+    g = r.standard_normal(10).astype(np.float32)
+    alive = weakref.ref(w)
+    before = w.copy()
+    opt = moonstep.Optimizer({"w": (DLPackOnly(w), DLPackOnly(g))}, "sgd", {"lr": 0.25})
+    opt.step()
+    assert_close(w, before - 0.25 * g, 1e-6, 1e-6, "the DLPack import is the array's memory")
+    view = w
+    del w, view
+    gc.collect()
+    assert alive() is not None, "moonstep keeps the memory it imported"
+    opt.close()
+    gc.collect()
+    assert alive() is None, "closing the optimizer released the DLPack import"
+
+
+@test
+def info_stats_tied_parameters_and_two_optimizers():
+    r = rng(8)
+    w = r.standard_normal((3, 3)).astype(np.float32)
+    g = r.standard_normal((3, 3)).astype(np.float32)
+    ctx = moonstep.Context("cpu", num_threads=1)
+    opt = moonstep.Optimizer([("embed.weight", w, g), ("head.weight", w, g)], "adamw", context=ctx)
+    other = moonstep.Optimizer({"x": (np.ones(2, np.float32), np.ones(2, np.float32))}, "sgd", context=ctx)
+    opt.step()
+    other.step()
+    info = opt.info()
+    tied = [p for p in info["params"] if p.get("tied_to")]
+    assert tied == [{"name": "head.weight", "tied_to": "embed.weight", "route": "adamw", "state_bytes": 0}], tied
+    assert info["total_state_bytes"] == 2 * 9 * 4, info
+    stats = opt.stats()
+    assert stats["step"] == 1 and stats["last"]["skipped"] is False and stats["last"]["grad_norm"] > 0, stats
+    assert other.stats()["step"] == 1
+    opt.close()
+    other.close()
+    ctx.close()
+
+
+@test
+def prepare_replay_is_refused_on_the_cpu_and_changes_nothing():
+    # a CPU context records no CUDA graph, so there is no replay to prepare; bad grad_scales are named first
+    r = rng(9)
+    w = r.standard_normal(6).astype(np.float32)
+    g = r.standard_normal(6).astype(np.float32)
+    before = w.copy()
+    opt = moonstep.Optimizer({"w": (w, g)}, "adamw", {"lr": 0.05, "weight_decay": 0.0}, {"device_checks": True})
+    for bad in (-1.0, float("nan"), float("inf")):
+        expect_error("MS_E_ARG", "ms_optimizer_prepare_replay: grad_scale must be a positive finite number",
+                     opt.prepare_replay, grad_scale=bad)
+    for round_ in range(2):
+        expect_error("MS_E_UNSUPPORTED", "the optimizer runs on cpu, whose steps are never captured into a CUDA graph",
+                     opt.prepare_replay)
+        expect_error("MS_E_UNSUPPORTED", "never captured", opt.prepare_replay, grad_scale=4.0)
+        stats = opt.stats()
+        assert stats["step"] == round_ and stats["lr"] == 0.05, stats
+        assert np.array_equal(w, before), "a refused prepare_replay changed the parameters"
+        assert opt.step() is None, "device-checked steps leave the skip decision to the device"
+        assert np.all(np.isfinite(w)) and np.all(w != before), "the step after the refusals moved every element"
+        before = w.copy()
+    opt.close()
+
+
+def main():
+    passed = failed = 0
+    for fn in TESTS:
+        try:
+            fn()
+            passed += 1
+            print("ok   %s" % fn.__name__)
+        except Exception:
+            failed += 1
+            print("FAIL %s\n%s" % (fn.__name__, traceback.format_exc()))
+    print("%d passed, %d failed" % (passed, failed))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
