@@ -23,9 +23,13 @@ steps, PIM 16 vectors x 10 steps in bf16, const 2), fixed iterations and, for CN
   floor     the GEMMs the solver performs (its panel products: engine/cuda/dash.c), each timed here as plain
             batched ms.matmul calls of the same sizes and precisions, times their count; "dash floor" is DASH's
             own count of full products (NDB 56, CN 40) at the full-GEMM time
-  err       the normalized root X / ||X||_F against the f64 root of 4 sample blocks (condition numbers at the
-            quantiles 0.1, 0.4, 0.7, 0.95, never rank-deficient; f64 eigh on the CPU): "err" with the reference
-            damped by 1e-3 lambda_max (dash.py's measure: no f32 solver resolves 1e7 undamped), "err0" undamped
+  err       the normalized root X / ||X||_F against f64 roots of 4 sample blocks (condition numbers at the
+            quantiles 0.1, 0.4, 0.7, 0.95, never rank-deficient; f64 eigh on the CPU), worst of the 4:
+            "err_eps" (column "err (eps)") against the root of A + eps I with the solver's own eps -- at kappa up to
+            1e7 dominated by eigenvalues no f32 iterative solver resolves; "err_floor" (column "err (floor-damped)")
+            against the root with matched relative damping, lambda_i -> max(lambda_i + eps, y_f s) with the
+            solver's documented floor y_f (engine/cpu/dash.c, "Resolution floors") and its scale s -- how well it
+            does what it documents, the measure to compare solvers at equal floors
   iters     mean iterations per block (early exit)
 Part "step": recipes/dash.lua through ms.optim on the parameters (f32, random gradients of size 1e-8 so that the
 factor EMA keeps the injected factors' spectra: L_t = 0.95^t L_0 + O(1e-16)), nonfinite = "apply" (no host
@@ -219,8 +223,8 @@ local stacks, kappas = {}, {}
 for i, s in ipairs(sizes) do stacks[s], kappas[s] = factors(factor_n[s], s, 9000 + 100 * i) end
 ctx:sync()
 
--- f64 references on the CPU: 4 sample blocks of the largest stack
-local REF_DAMP = 1e-3
+-- f64 references on the CPU: 4 sample blocks of the largest stack (eigendecomposition kept; the references of
+-- each solver are made from it on demand)
 local samples = {}
 do
   local s = sizes[1]
@@ -234,35 +238,103 @@ do
     local A = stacks[s]:select(0, k):to("cpu"):to("f64")
     local w, V = ms.eigh(A)
     local wl = w:tolist_flat()
-    local function root(eps_rel, p)
-      local inv = {}
-      for j = 1, #wl do
-        local l = math.max(wl[j], 0) + eps_rel * wl[#wl]
-        inv[j] = l > 0 and l ^ (-1 / p) or 0
-      end
-      local R = ms.matmul(V * ms.tensor(inv, { dtype = "f64" }), V, { trans_b = true })
-      return R / R:norm()
-    end
-    samples[#samples + 1] = { k = k, kappa = kappas[s] and kappas[s][k + 1] or wl[#wl] / wl[1],
-                              damped = root(REF_DAMP, 4), undamped = root(0, 4) }
+    samples[#samples + 1] = { k = k, kappa = kappas[s] and kappas[s][k + 1] or wl[#wl] / wl[1], wl = wl, V = V,
+                              fro = A:norm(), refs = {} }
   end
 end
 io.write("accuracy samples (block: kappa):")
 for _, smp in ipairs(samples) do io.write((" %d: %.2g"):format(smp.k, smp.kappa)) end
 print()
 
--- error of the normalized roots of stack x (the largest size) on the samples: worst damped, worst undamped
-local function accuracy(x)
-  local e1, e0 = 0, 0
+-- Each solver's documented resolution floor for p = 4 (engine/cpu/dash.c, "Resolution floors": the normalized
+-- eigenvalue y = lambda / s below which it under-inverts by design; 10 Newton steps, degree 60), and its scale s:
+-- Frobenius ||A + eps I||_F, PIM pi_const (2) times lambda_max; EVD has no scale (s = lambda_max).  `auto`
+-- mixes solvers and is held to the smallest floor (EVD's).
+local FLOOR = { ndb = 2.4e-3, cn = 4.9e-4, chebyshev = 5.6e-3, evd = 6.5e-5 }
+
+-- the normalized f64 root of a sample: eigenvalues l + eps (a pseudo-inverse where that is <= 0), raised to at
+-- least `lfloor` when it is given
+local function sample_root(smp, eps, lfloor, p)
+  local key = ("%.17g/%.17g/%d"):format(eps, lfloor or -1, p)
+  if smp.refs[key] then return smp.refs[key] end
+  local inv = {}
+  for j = 1, #smp.wl do
+    local l = smp.wl[j] + eps
+    if lfloor then l = math.max(l, lfloor) end
+    inv[j] = l > 0 and l ^ (-1 / p) or 0
+  end
+  local R = ms.matmul(smp.V * ms.tensor(inv, { dtype = "f64" }), smp.V, { trans_b = true })
+  smp.refs[key] = R / R:norm()
+  return smp.refs[key]
+end
+
+-- The solver's own scalar map in f64 (what it computes, by design, for an eigenvalue y = lambda / s; fixed
+-- iterations): NDB's chains (moonstep.h), CN's coupled iteration; nil for the others.
+local function ndb_chain_scalar(y, T, want_y)
+  local Y, E = y, 1.5 - 0.5 * y
+  local Z = E
+  Y = Y * E
+  for _ = 2, T do
+    E = 1.5 - 0.5 * Z * Y
+    Y, Z = Y * E, E * Z
+  end
+  return want_y and Y or Z
+end
+local function scalar_map(method, y, T, p)
+  if method == "ndb" then
+    if p == 2 then return ndb_chain_scalar(y, T, false) end
+    return ndb_chain_scalar(ndb_chain_scalar(y, T, true), T, false)
+  elseif method == "cn" then
+    local M, X = (p + 1) / 2 * y, ((p + 1) / 2) ^ (1 / p)
+    for _ = 1, T do
+      local N = ((p + 1) - M) / p
+      X, M = X * N, N ^ p * M
+    end
+    return X
+  end
+end
+
+-- the normalized root of a sample through the solver's scalar map
+local function sample_mapped(smp, method, eps, scale, T, p)
+  local key = ("map/%s/%.17g/%.17g/%d/%d"):format(method, eps, scale, T, p)
+  if smp.refs[key] then return smp.refs[key] end
+  local f = {}
+  for j = 1, #smp.wl do f[j] = scalar_map(method, math.max(smp.wl[j] + eps, 0) / scale, T, p) end
+  local R = ms.matmul(smp.V * ms.tensor(f, { dtype = "f64" }), smp.V, { trans_b = true })
+  smp.refs[key] = R / R:norm()
+  return smp.refs[key]
+end
+
+-- Accuracy of the normalized roots X / ||X||_F of stack x (the largest size) on the samples, worst of the 4:
+--   err_eps    against the f64 root of A + eps I with the solver's own eps (0 for the iterative solvers, 1e-10 EVD):
+--              what the solver is asked for; at kappa up to 1e7 in f32 it is dominated by eigenvalues below every
+--              iterative solver's floor (and below f32's resolution), so it mostly measures the floor
+--   err_floor  against the f64 root with matched relative damping: every eigenvalue raised to at least the
+--              solver's floor y_f times its scale s (lambda_i -> max(lambda_i + eps, y_f s)): how well the solver
+--              does what it documents, the measure to compare solvers (and DASH's) at equal floors; a hard clamp,
+--              so it overstates the error of solvers that partly resolve eigenvalues below their floor (and EVD's,
+--              whose sub-floor eigenvalues are f32 noise)
+--   err_map    (NDB, CN with fixed iterations) against the solver's own scalar map in f64 applied to each
+--              eigenvalue y = lambda / s: the implementation's error (rounding, TF32, 16-bit) alone
+local function accuracy(x, cfg, fixed)
+  local method = cfg and cfg.method or "evd"
+  local eps = cfg and cfg.eps or 0
+  local ef, e0, em = 0, 0, nil
   for _, smp in ipairs(samples) do
     local X = x:select(0, smp.k):to("cpu"):to("f64")
     local n = X:norm()
     if not (n > 0 and n < math.huge) then return 0 / 0, 0 / 0 end
     X = X / n
-    e1 = math.max(e1, (X - smp.damped):norm())
-    e0 = math.max(e0, (X - smp.undamped):norm())
+    local lmax = smp.wl[#smp.wl]
+    -- ||A + eps I||_F ~ ||A||_F: the iterative configurations here run with eps = 0
+    local scale = method == "evd" and lmax or (cfg.scaling == "pim" or cfg.scaling == "pi") and 2 * lmax or smp.fro
+    ef = math.max(ef, (X - sample_root(smp, eps, FLOOR[method] * scale, 4)):norm())
+    e0 = math.max(e0, (X - sample_root(smp, eps, nil, 4)):norm())
+    if fixed and cfg and (method == "ndb" or method == "cn") then
+      em = math.max(em or 0, (X - sample_mapped(smp, method, eps, scale, cfg.steps or T_STEPS, 4)):norm())
+    end
   end
-  return e1, e0
+  return ef, e0, em
 end
 
 -- ---------------------------------------------------------------------------------------------------
@@ -287,8 +359,8 @@ end
 
 -- panels of the symmetric products (engine/cuda/dash.c, choose_split)
 local function panels(n)
-  local split = tonumber(os.getenv("MOONSTEP_DASH_SPLIT") or "0") or 0
-  if split == 0 then split = n >= 512 and 4 or n >= 256 and 2 or 1 end
+  local split = tonumber(os.getenv("MOONSTEP_DASH_SPLIT") or "1") or 1
+  if split < 1 or split > 4 then split = 1 end   -- engine/cuda/dash.c: plain products unless 2..4 panels
   local cut = { 0 }
   if split >= 2 and n >= 64 * split then
     for j = 1, split - 1 do
@@ -304,12 +376,8 @@ local function panels(n)
   return p
 end
 
--- ms of one symmetric product on a stack of n-blocks as plain matmuls of its panels: in (f32 TF32 or 16-bit),
--- out dtype
-local product_ms_cache = {}
-local function product_ms(size, in_dt, out_dt, full)
-  local key = ("%d:%s:%s:%s:%s"):format(size, in_dt, out_dt, tostring(full), os.getenv("MOONSTEP_DASH_SPLIT") or "")
-  if product_ms_cache[key] then return product_ms_cache[key] end
+-- one symmetric product on a stack of n-blocks as plain matmuls of its panels: in (f32 TF32 or 16-bit), out dtype
+local function product_fn(size, in_dt, out_dt, full)
   local n = factor_n[size]
   local A = ms.randn({ n, size, size }, { ctx = ctx, seed = 77, dtype = in_dt })
   local Bm = ms.randn({ n, size, size }, { ctx = ctx, seed = 78, dtype = in_dt })
@@ -326,33 +394,54 @@ local function product_ms(size, in_dt, out_dt, full)
       end
     end
   end
-  local t = time_median(fn, 2, 7)
+  return fn
+end
+local product_ms_cache = {}
+local function product_ms(size, in_dt, out_dt, full)
+  local key = ("%d:%s:%s:%s:%s"):format(size, in_dt, out_dt, tostring(full), os.getenv("MOONSTEP_DASH_SPLIT") or "")
+  if product_ms_cache[key] then return product_ms_cache[key] end
+  local t = time_median(product_fn(size, in_dt, out_dt, full), 2, 7)
   product_ms_cache[key] = t
   return t
 end
 
--- the GEMM floor of a configuration on every stack: counts of each product kind times their plain time
+-- The GEMM floor of a configuration on every stack: the products it performs, timed as one back-to-back sequence
+-- of plain batched GEMMs (median of 3 after a warm-up).  A sequence, not count x one product: a lone 1.4 ms GEMM
+-- runs at boost clocks that ~80 ms of sustained TF32 work does not keep (the previous per-product floor of the
+-- same NDB GEMMs read 74.7 ms early in a run and 85.0 ms later in it).  DASH's floor: its product count x one
+-- full GEMM, as before.
+local floor_cache = {}
 local function floor_ms(cfg)
-  local T, total, dash_total = cfg.steps or T_STEPS, 0, 0
+  local T, dash_total = cfg.steps or T_STEPS, 0
+  local key = ("%s:%s:%d:%s"):format(cfg.method, cfg.matmul_dtype or "f32", T, os.getenv("MOONSTEP_DASH_SPLIT") or "")
+  local seq = {}   -- { fn, count }
   for _, s in ipairs(sizes) do
-    local f32 = product_ms(s, "f32", "f32", false)
-    local full = product_ms(s, "f32", "f32", true)
+    local f32 = product_fn(s, "f32", "f32", false)
     if cfg.method == "ndb" then
-      total = total + 2 * (3 * T - 3) * f32
+      seq[#seq + 1] = { f32, 2 * (3 * T - 3) }
     elseif cfg.method == "cn" then
       if cfg.matmul_dtype == "f16" then
-        total = total + (T - 1) * (f32 + 2 * product_ms(s, "f16", "f16", false) + product_ms(s, "f16", "f32", false))
+        seq[#seq + 1] = { f32, T - 1 }
+        seq[#seq + 1] = { product_fn(s, "f16", "f16", false), 2 * (T - 1) }
+        seq[#seq + 1] = { product_fn(s, "f16", "f32", false), T - 1 }
       else
-        total = total + 4 * (T - 1) * f32
+        seq[#seq + 1] = { f32, 4 * (T - 1) }
       end
     elseif cfg.method == "chebyshev" then
-      total = total + ((cfg.steps or 60) - 1) * f32
+      seq[#seq + 1] = { f32, (cfg.steps or 60) - 1 }
     else
-      total = total + f32
+      seq[#seq + 1] = { f32, 1 }
     end
-    if cfg.dash then dash_total = dash_total + cfg.dash * full end
+    if cfg.dash then dash_total = dash_total + cfg.dash * product_ms(s, "f32", "f32", true) end
   end
-  return total, cfg.dash and dash_total or nil
+  if not floor_cache[key] then
+    floor_cache[key] = time_median(function()
+      for _, e in ipairs(seq) do for _ = 1, e[2] do e[1]() end end
+    end, 1, 3)
+  end
+  seq = nil
+  collectgarbage()
+  return floor_cache[key], cfg.dash and dash_total or nil
 end
 
 -- ---------------------------------------------------------------------------------------------------
@@ -363,6 +452,33 @@ local function fmt(x, f) return x == nil and "-" or (x ~= x and "nan" or (f or "
 
 local roots = {}
 for _, s in ipairs(sizes) do roots[s] = ms.empty({ factor_n[s], s, s }, { ctx = ctx }) end
+
+-- The own-map error with TF32 off, on the 4 sample blocks alone (a [4, b, b] stack; PIM's start vectors differ
+-- from the full call's, its scale by ~1e-3): separates the implementation from TF32.  NDB's root 4 chains a square
+-- root whose TF32 rounding (2^-11 of the largest eigenvalue) swamps the eigenvalues below ~1e-3 y_max into the
+-- second chain's inverse root, which amplifies that noise: on kappa >= 1e5 blocks the TF32 root is far from the
+-- f64 map (a numpy TF32 emulation of the same chains: 0.4-1.0, as measured here) while the f32 one is within 1e-4.
+local sample_stack
+local function own_map_f32(cfg, o)
+  if not (cfg.method == "ndb" or cfg.method == "cn") then return nil end
+  if not sample_stack then
+    sample_stack = ms.empty({ #samples, sizes[1], sizes[1] }, { ctx = ctx })
+    for i, smp in ipairs(samples) do sample_stack:select(0, i - 1):copy_(stacks[sizes[1]]:select(0, smp.k)) end
+  end
+  local of = {}
+  for k, v in pairs(o) do of[k] = v end
+  of.tf32, of.tolerance = false, 0
+  local X = ms.inv_root(sample_stack, of)
+  local em = 0
+  for i, smp in ipairs(samples) do
+    local x = X:select(0, i - 1):to("cpu"):to("f64")
+    local n = x:norm()
+    if not (n > 0 and n < math.huge) then return 0 / 0 end
+    local scale = (cfg.scaling == "pim" or cfg.scaling == "pi") and 2 * smp.wl[#smp.wl] or smp.fro
+    em = math.max(em, (x / n - sample_mapped(smp, cfg.method, cfg.eps or 0, scale, cfg.steps or T_STEPS, 4)):norm())
+  end
+  return em
+end
 local function solve(opts, want_iters)
   local its = {}
   for _, s in ipairs(sizes) do
@@ -389,7 +505,8 @@ if has(PARTS, "solver") then
         local first = wall(function() solve(o) end)
         local t = time_median(function() solve(o) end, 1, cfg.method == "evd" and math.min(args.trials, 3) or args.trials)
         local its = solve(o, m.tol > 0)
-        local e1, e0 = accuracy(roots[sizes[1]])
+        local e1, e0, em = accuracy(roots[sizes[1]], cfg, m.tol == 0)
+        local em32 = m.tol == 0 and own_map_f32(cfg, o) or nil
         local mean_it
         if m.tol > 0 then
           local sum, cnt = 0, 0
@@ -398,11 +515,11 @@ if has(PARTS, "solver") then
         end
         local fl, dfl = floor_ms(cfg)
         local row = { part = "solver", solver = cfg.label, mode = m.tol > 0 and ("early %g"):format(m.tol) or "fixed",
-                      ms = t, first_ms = first, floor_ms = fl, ratio = t / fl, dash_floor_ms = dfl, err = e1, err0 = e0,
-                      iters = mean_it }
+                      ms = t, first_ms = first, floor_ms = fl, ratio = t / fl, dash_floor_ms = dfl, err = e1, err0 = e0, err_map = em,
+                      err_map_f32 = em32, iters = mean_it }
         rows[#rows + 1] = row
-        print(("  %-13s %-11s %9.2f ms  first %9.1f  floor %8.2f (x%.2f)  dash floor %s  err %.2e  err0 %.2e  iters %s"):format(
-              row.solver, row.mode, t, first, fl, row.ratio, fmt(dfl), e1, e0, fmt(mean_it, "%.2f")))
+        print(("  %-13s %-11s %9.2f ms  first %9.1f  floor %8.2f (x%.2f)  dash floor %s  err_floor %.2e  err_eps %.2e  err_map %s  err_map f32 %s  iters %s"):format(
+              row.solver, row.mode, t, first, fl, row.ratio, fmt(dfl), e1, e0, fmt(em, "%.1e"), fmt(em32, "%.1e"), fmt(mean_it, "%.2f")))
       end
       release()
     end
@@ -445,8 +562,8 @@ local function step_run(name)
   local times = {}
   local n = cfg and cfg.method == "evd" and 21 or math.max(args.trials + 2, 4)
   for t = 2, n do times[t] = timed(function() opt:step() end) end
-  local e1, e0 = accuracy(st.root[("%dp4"):format(sizes[1])])
-  local row = { part = "step", solver = cfg and cfg.label or "auto", first_ms = first, err = e1, err0 = e0 }
+  local e1, e0, em = accuracy(st.root[("%dp4"):format(sizes[1])], cfg, true)
+  local row = { part = "step", solver = cfg and cfg.label or "auto", first_ms = first, err = e1, err0 = e0, err_map = em }
   if cfg and cfg.method == "evd" then
     local refresh, other = {}, {}
     for t = 4, n do
@@ -465,8 +582,8 @@ local function step_run(name)
     row.classes = opt.last and opt.last.reports and opt.last.reports["dash.auto_classes"] or nil
   end
   rows[#rows + 1] = row
-  print(("  %-13s %-15s %9.2f ms  first %9.1f%s  err %.2e  err0 %.2e%s"):format(row.solver, row.mode, row.ms, first,
-        row.refresh_ms and ("  refresh %.1f  non-refresh %.2f"):format(row.refresh_ms, row.apply_ms) or "", e1, e0,
+  print(("  %-13s %-15s %9.2f ms  first %9.1f%s  err_floor %.2e  err_eps %.2e  err_map %s%s"):format(row.solver, row.mode, row.ms, first,
+        row.refresh_ms and ("  refresh %.1f  non-refresh %.2f"):format(row.refresh_ms, row.apply_ms) or "", e1, e0, fmt(em, "%.1e"),
         row.classes and ("  classes: " .. tostring(row.classes)) or ""))
   opt, ps, st = nil, nil, nil
   release()
@@ -534,14 +651,14 @@ end
 -- the table
 -- ---------------------------------------------------------------------------------------------------
 local sets = { subset = "228 x 1024 + 12 x 512", full = "1568 x 1024 + 96 x 512" }
-print(("\n| set | part | solver | mode | ms | first ms | floor ms | ms / floor | DASH floor ms | err (1e-3 damped) | err (undamped) | iters |"))
-print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+print(("\n| set | part | solver | mode | ms | first ms | floor ms | ms / floor | DASH floor ms | err (floor-damped) | err (eps) | err (own map) | err (own map, TF32 off) | iters |"))
+print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
 for _, r in ipairs(rows) do
   if r.part == "solver" or r.part == "step" then
-    print(("| %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s |"):format(
+    print(("| %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s |"):format(
           args.tiny and "tiny" or (sets[args.set] or args.set), r.part, r.solver, r.mode or "-", fmt(r.ms, "%.2f"),
           fmt(r.first_ms), fmt(r.floor_ms, "%.2f"), fmt(r.ratio, "%.2f"), fmt(r.dash_floor_ms), fmt(r.err, "%.1e"),
-          fmt(r.err0, "%.1e"), fmt(r.iters, "%.2f")))
+          fmt(r.err0, "%.1e"), fmt(r.err_map, "%.1e"), fmt(r.err_map_f32, "%.1e"), fmt(r.iters, "%.2f")))
   end
 end
 if args.json then

@@ -27,6 +27,13 @@ Method (DESIGN.md, "Performance"; medians, after 3 warm-up steps per mode):
             (it includes the synchronisation's own wake-up latency, a few us)
   pipelined wall time per step of `steps` back-to-back steps without synchronisation, minus gpu (floor 0):
             ~0 when the host keeps ahead of the GPU
+Captured mode also prints where a replay's host time goes (medians over `steps` more steps, from an idle GPU):
+  prelude   lr, the runs and the plan key              scalars  writing lr_t / step_t (a launch each that
+  checks    does the graph still fit its members                changed; the lr is constant here)
+  launch    the graph launch (ms_graph_launch)          total    the whole opt:step() call
+  and, each alone: one ms_graph_launch of the step's graph (with its node count), one ms_fill of a device
+  scalar, and `paired`: the overhead with each step's gpu time measured just before it behind the blocker
+  (removes the drift of a long step's GPU time between the gpu column's run and the step's).
 The GC runs as it would in training.  Results go to results.json when a path is given.
 ]]
 local ms = require("moonstep")
@@ -107,6 +114,65 @@ function models.small()
   return { name = "small", recipe = "adamw", options = { lr = 1e-3, weight_decay = 0.01 }, params = params, steps = 300 }
 end
 
+local function print_row(r)
+  print(("%-6s %-9s %6d %12.3f %12.1f %12.1f %12.1f %9d%s"):format(r.model, r.mode, r.steps, r.gpu_ms, r.call_us,
+        r.overhead_us, r.pipelined_us, r.launches,
+        r.mode == "captured" and (r.overhead_us < 50 and "   (target < 50 us: met)" or "   (target < 50 us: NOT met)") or ""))
+end
+
+local function fmt_parts(b)
+  return ("prelude %.1f  scalars %.1f  checks %.1f  launch %.1f  total %.1f"):format(b.prelude, b.scalars, b.checks,
+         b.launch, b.total)
+end
+
+-- where a captured replay's host time goes (see the header); r gets the numbers
+local function breakdown(opt, n, r)
+  local parts = { prelude = {}, scalars = {}, checks = {}, launch = {}, total = {} }
+  opt.host_clock = now_us
+  for i = 1, n do
+    ctx:sync()
+    opt:step()
+    local hu = assert(opt.last.host_us, "the optimizer gave no host_us breakdown")
+    for k, v in pairs(parts) do v[i] = hu[k] end
+  end
+  opt.host_clock = nil
+  local b = {}
+  for k, v in pairs(parts) do b[k] = median(v) end
+  -- the graph launch alone, and one device-scalar fill alone
+  local e = opt.graphs.step
+  local launch, fill, paired = {}, {}, {}
+  for i = 1, n do
+    ctx:sync()
+    local t0 = now_us()
+    core.check(C.ms_graph_launch(h, e.graph.h))
+    launch[i] = now_us() - t0
+    ctx:sync()
+    t0 = now_us()
+    opt.step_t:fill_(i)
+    fill[i] = now_us() - t0
+  end
+  -- paired: each step's gpu time behind the blocker, then the same step from an idle GPU
+  for i = 1, math.min(n, 15) do
+    ctx:sync()
+    block()
+    core.check(C.ms_event_record(h, ev0))
+    opt:step()
+    core.check(C.ms_event_record(h, ev1))
+    core.check(C.ms_event_elapsed(ev0, ev1, elapsed))
+    local g = elapsed[0]
+    ctx:sync()
+    local t0 = now_us()
+    opt:step()
+    ctx:sync()
+    paired[i] = now_us() - t0 - g * 1e3
+  end
+  r.host_us = b
+  r.graph_launch_us, r.fill_us, r.paired_overhead_us = median(launch), median(fill), median(paired)
+  r.graph_nodes = e.graph:num_nodes()
+  print(("         host us: %s | alone: ms_graph_launch %.1f (%d nodes), ms_fill %.1f | paired overhead %.1f")
+        :format(fmt_parts(b), r.graph_launch_us, r.graph_nodes, r.fill_us, r.paired_overhead_us))
+end
+
 local function measure(model, mode, gpu_ms)
   local settings = { ctx = ctx, device_checks = mode == "device" }
   local opt = ms.optim.new(model.recipe, model.params, model.options, settings)
@@ -141,6 +207,8 @@ local function measure(model, mode, gpu_ms)
     overhead_us = median(totals) - gpu_ms * 1e3, pipelined_us = math.max(0, per_step - gpu_ms * 1e3),
     launches = opt.last.launches,
   }
+  print_row(r)
+  if mode == "captured" then breakdown(opt, n, r) end
   opt:uncapture()
   return r
 end
@@ -173,9 +241,6 @@ for name in which:gmatch("[^,]+") do
   for _, mode in ipairs { "host", "device", "captured" } do
     local r = measure(model, mode, g)
     results[#results + 1] = r
-    print(("%-6s %-9s %6d %12.3f %12.1f %12.1f %12.1f %9d%s"):format(r.model, r.mode, r.steps, r.gpu_ms, r.call_us,
-          r.overhead_us, r.pipelined_us, r.launches,
-          mode == "captured" and (r.overhead_us < 50 and "   (target < 50 us: met)" or "   (target < 50 us: NOT met)") or ""))
   end
   model.params = nil
   collectgarbage()

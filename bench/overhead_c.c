@@ -4,6 +4,9 @@
 ** models, the modes (host, device, captured) and the method (gpu, call, overhead, pipelined), all the same.
 **
 **   make bench-c && build/bench/overhead_c [llama,small] [steps]      (on the GPU host)
+**
+** Captured mode also prints the cost of a call into the optimizer's Lua state alone (ms_optimizer_get_lr:
+** the embedding's share of a step's call time; bench/overhead.lua breaks down the Lua step itself).
 */
 #include "moonstep.h"
 
@@ -190,6 +193,12 @@ static void measure(ms_ctx *ctx, const model *m, const char *mode, double gpu_ms
     printf("%-6s %-9s %6d %12.3f %12.1f %12.1f %12.1f%s\n", m->name, mode, steps, gpu_ms, median(calls, steps),
            overhead, pipelined > 0 ? pipelined : 0.0,
            strcmp(mode, "captured") ? "" : overhead < 50 ? "   (target < 50 us: met)" : "   (target < 50 us: NOT met)");
+    if (strcmp(mode, "captured") == 0) {
+        enum { CALLS = 1000 };
+        double lr = 0, c0 = now_us();
+        for (int i = 0; i < CALLS; i++) CHECK(ms_optimizer_get_lr(opt, &lr));
+        printf("         C -> Lua call alone (ms_optimizer_get_lr): %.2f us\n", (now_us() - c0) / CALLS);
+    }
     free(calls);
     free(totals);
     ms_optimizer_free(opt);

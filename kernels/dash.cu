@@ -37,6 +37,10 @@ __host__ __device__ __forceinline__ int64_t cdiv(int64_t a, int64_t b) { return 
 __device__ __forceinline__ int64_t orig_of(const msk_dash_pos &P, int64_t p) { return P.map ? P.map[p] : p; }
 __device__ __forceinline__ int64_t id_of(const msk_dash_pos &P, int64_t q) { return P.index ? P.index[q] : q; }
 
+/* e / n for an element of an n x n matrix: 32-bit, as n * n < 2^31 (engine/cuda/dash.c refuses n > 46340); a 64-bit
+** division per element cost the per-position passes more than their memory traffic */
+__device__ __forceinline__ int64_t row_of(int64_t e, int64_t n) { return (int64_t)((uint32_t)e / (uint32_t)n); }
+
 __device__ __forceinline__ float load_f(const void *p, int64_t i, int dt) { return msk_load<float>(p, i, dt); }
 __device__ __forceinline__ float bf16_round(float x) { return __bfloat162float(__float2bfloat16_rn(x)); }
 
@@ -331,6 +335,16 @@ static int64_t finish_tiles(const msk_dash_sym &S, int diag_mode)
 /* |x| with NaN as +inf (fmaxf would drop a NaN; an infinite distance is never below a tolerance) */
 __device__ __forceinline__ float absnan(float x) { return x != x ? INFINITY : fabsf(x); }
 
+/* CN's N = ((p + 1) I - M) / p at element e of position p (msk_dash_finish's cn_p) */
+__device__ __forceinline__ void cn_next(const msk_dash_finish &F, int64_t at, bool diag, float m)
+{
+    if (F.cn_p <= 0) return;
+    const float ip = 1.0f / (float)F.cn_p, pp1 = (float)(F.cn_p + 1);
+    const float nv = diag ? msk_mul(msk_sub(pp1, m), ip) : msk_mul(-m, ip);
+    F.cn_n32[at] = nv;
+    if (F.cn_n16) msk_store<float>(F.cn_n16, at, F.x16dt, nv);
+}
+
 template <class T>
 __global__ void __launch_bounds__(TILE * TROWS) finish_kernel(const msk_dash_sym S, const msk_dash_finish F,
                                                                int diag_mode, int64_t y0)
@@ -352,6 +366,7 @@ __global__ void __launch_bounds__(TILE * TROWS) finish_kernel(const msk_dash_sym
                 val = msk_f(x[row * n + col]);
                 dmax = fmaxf(dmax, absnan(val));
                 if (F.x16) msk_store<float>(F.x16, p * nn + row * n + col, F.x16dt, val);
+                cn_next(F, p * nn + row * n + col, false, val);
             }
             tile[ty + k * TROWS][tx] = val;
         }
@@ -363,6 +378,7 @@ __global__ void __launch_bounds__(TILE * TROWS) finish_kernel(const msk_dash_sym
                 const float val = tile[tx][ty + k * TROWS];
                 x[row * n + col] = msk_store_of<T>::cvt(val);
                 if (F.x16) msk_store<float>(F.x16, p * nn + row * n + col, F.x16dt, val);
+                cn_next(F, p * nn + row * n + col, false, val);
             }
         }
     } else {
@@ -377,6 +393,7 @@ __global__ void __launch_bounds__(TILE * TROWS) finish_kernel(const msk_dash_sym
             }
             dmax = fmaxf(dmax, absnan(row == col ? msk_sub(val, 1.0f) : val));
             if (F.x16) msk_store<float>(F.x16, p * nn + row * n + col, F.x16dt, val);
+            cn_next(F, p * nn + row * n + col, row == col, val);
         }
     }
     if (F.dev) {
@@ -392,13 +409,80 @@ __global__ void __launch_bounds__(TILE * TROWS) finish_kernel(const msk_dash_sym
     }
 }
 
+/* Four values as 16-bit dt, packed into 8 bytes (the round of msk_store_of) */
+__device__ __forceinline__ uint2 pack16(const float v[4], int dt)
+{
+    unsigned short h[4];
+#pragma unroll
+    for (int k = 0; k < 4; k++)
+        h[k] = dt == MS_DTYPE_F16 ? __half_as_ushort(msk_store_of<__half>::cvt(v[k]))
+                                  : __bfloat16_as_ushort(msk_store_of<__nv_bfloat16>::cvt(v[k]));
+    return make_uint2((unsigned)h[0] | ((unsigned)h[1] << 16), (unsigned)h[2] | ((unsigned)h[3] << 16));
+}
+
+/* The finish of a plain product (split 1) into f32 x with n % 4 == 0: the whole matrix is the one diagonal
+** block, so the pass is elementwise -- float4 loads and stores, no tile decoding, no shared-memory transpose.
+** The tile kernel ran this pass at a fraction of the memory bandwidth (~1 ms per check of a 228 x 1024 stack on
+** the H200, against ~0.25 ms to read it), which made early exit cost more than it saved.  Same values, same
+** order-free max, as finish_kernel's diagonal blocks. */
+#define FLAT_CHUNK 4096   /* elements of one position per CTA */
+
+__global__ void __launch_bounds__(T_ELEM) finish_flat_kernel(const msk_dash_finish F, int64_t n, int64_t y0)
+{
+    const int64_t p = y0 + blockIdx.y, nn = n * n, lo = (int64_t)blockIdx.x * FLAT_CHUNK;
+    const int64_t hi = lo + FLAT_CHUNK < nn ? lo + FLAT_CHUNK : nn;
+    float4 *x4 = (float4 *)((float *)F.x + p * nn);
+    float dmax = 0;
+    for (int64_t e0 = lo + 4 * (int64_t)threadIdx.x; e0 < hi; e0 += 4 * T_ELEM) {
+        const float4 t = x4[e0 / 4];
+        float v[4] = { t.x, t.y, t.z, t.w };
+        const int64_t row = row_of(e0, n), dk = row - (e0 - row * n);   /* the diagonal is element dk of the four */
+        if (dk >= 0 && dk < 4 && F.diag != 0) {
+#pragma unroll
+            for (int k = 0; k < 4; k++)
+                if (k == dk) v[k] = msk_add(v[k], F.diag);
+            x4[e0 / 4] = make_float4(v[0], v[1], v[2], v[3]);
+        }
+#pragma unroll
+        for (int k = 0; k < 4; k++) dmax = fmaxf(dmax, absnan(k == dk ? msk_sub(v[k], 1.0f) : v[k]));
+        const int64_t at = p * nn + e0;
+        if (F.x16) *(uint2 *)((unsigned short *)F.x16 + at) = pack16(v, F.x16dt);
+        if (F.cn_p > 0) {
+            const float ip = 1.0f / (float)F.cn_p, pp1 = (float)(F.cn_p + 1);
+            float nv[4];
+#pragma unroll
+            for (int k = 0; k < 4; k++) nv[k] = k == dk ? msk_mul(msk_sub(pp1, v[k]), ip) : msk_mul(-v[k], ip);
+            *(float4 *)(F.cn_n32 + at) = make_float4(nv[0], nv[1], nv[2], nv[3]);
+            if (F.cn_n16) *(uint2 *)((unsigned short *)F.cn_n16 + at) = pack16(nv, F.x16dt);
+        }
+    }
+    if (F.dev) {
+#pragma unroll
+        for (int o = 16; o >= 1; o >>= 1) dmax = fmaxf(dmax, __shfl_xor_sync(0xffffffffu, dmax, o));
+        if ((threadIdx.x & 31) == 0) atomicMax(F.dev + p, __float_as_uint(dmax));
+    }
+}
+
 /* Contract: sym's cuts as msk.h says (split 1: the whole matrix is one diagonal block). */
 extern "C" ms_status msk_dash_finish_run(ms_ctx *ctx, cudaStream_t s, const msk_dash_sym *sym, const msk_dash_finish *f)
 {
     if (f->batch <= 0) return MS_OK;
-    const int diag_mode = (f->dev || f->x16) ? 2 : f->diag != 0 ? 1 : 0;
+    const int diag_mode = (f->dev || f->x16 || f->cn_p > 0) ? 2 : f->diag != 0 ? 1 : 0;
     msk_dash_sym S = *sym;
     if (S.split <= 1) { S.split = 1; S.cut[0] = 0; S.cut[1] = (int)S.n; }
+    /* the flat pass: every pointer is 16-byte aligned for float4 (slots are 256-byte aligned, positions
+    ** n * n * 4 bytes apart) and 8-byte aligned for the packed 16-bit stores */
+    const bool aligned = (((uintptr_t)f->x | (uintptr_t)f->cn_n32) & 15) == 0 &&
+                         (((uintptr_t)f->x16 | (uintptr_t)f->cn_n16) & 7) == 0;
+    if (S.split == 1 && diag_mode == 2 && f->xdt == MS_DTYPE_F32 && S.n % 4 == 0 && aligned) {
+        const int64_t nn = S.n * S.n;
+        for (int64_t y0 = 0; y0 < f->batch; y0 += MAX_GRID_Y) {
+            const int64_t cnt = f->batch - y0 < MAX_GRID_Y ? f->batch - y0 : MAX_GRID_Y;
+            finish_flat_kernel<<<dim3((unsigned)cdiv(nn, FLAT_CHUNK), (unsigned)cnt), T_ELEM, 0, s>>>(*f, S.n, y0);
+            LAUNCH_CHECK("inv_root (finish)");
+        }
+        return MS_OK;
+    }
     const int64_t tiles = finish_tiles(S, diag_mode);
     if (tiles == 0) return MS_OK;
     dim3 block(TILE, TROWS);
@@ -468,7 +552,7 @@ __global__ void __launch_bounds__(T_ELEM) ndb_init_kernel(msk_dash_pos P, msk_da
     const double w = spow(scale, q, we);
     const float sig = (float)spow(scale, q, se), wf = (float)w, iw2 = (float)(1.0 / (w * w));
     FOR_ELEMS(e, nn) {
-        const int64_t i = e / P.n, j = e - i * P.n;
+        const int64_t i = row_of(e, P.n), j = e - i * P.n;
         const float b = msk_mul(src_at(P, S, p, i, j), sig);
         float zv = msk_mul(-0.5f, b);
         if (i == j) zv = msk_add(zv, 1.5f);
@@ -492,27 +576,29 @@ extern "C" ms_status msk_dash_ndb_init(ms_ctx *ctx, cudaStream_t s, const msk_da
 
 __global__ void __launch_bounds__(T_ELEM) cn_init_kernel(msk_dash_pos P, msk_dash_src S, const double *scale, int root,
                                                           float *n32, void *n16, int dt16, float *x1, int x1_by_id,
-                                                          int64_t y0)
+                                                          void *m16, int64_t y0)
 {
     const int64_t p = y0 + blockIdx.y, nn = P.n * P.n, q = orig_of(P, p);
     const double z = (root + 1) / (2.0 * scale[q]);
     const float zf = (float)z, x0 = (float)pow(z, 1.0 / root), ip = 1.0f / (float)root, pp1 = (float)(root + 1);
     const int64_t xo = x1_by_id ? id_of(P, q) : p;
     FOR_ELEMS(e, nn) {
-        const int64_t i = e / P.n, j = e - i * P.n;
+        const int64_t i = row_of(e, P.n), j = e - i * P.n;
         const float mv = msk_mul(zf, src_at(P, S, p, i, j));
         const float nv = i == j ? msk_mul(msk_sub(pp1, mv), ip) : msk_mul(-mv, ip);
         n32[p * nn + e] = nv;
         if (n16) msk_store<float>(n16, p * nn + e, dt16, nv);
+        if (m16) msk_store<float>(m16, p * nn + e, dt16, mv);
         if (xo >= 0) x1[xo * nn + e] = msk_mul(x0, nv);
     }
 }
 
 extern "C" ms_status msk_dash_cn_init(ms_ctx *ctx, cudaStream_t s, const msk_dash_pos *pos, msk_dash_src src,
                                       const double *scale, int root, float *n32, void *n16, int dt16, float *x1,
-                                      int x1_by_id)
+                                      int x1_by_id, void *m16)
 {
-    FOR_POSITIONS((cn_init_kernel<<<grid, T_ELEM, 0, s>>>(*pos, src, scale, root, n32, n16, dt16, x1, x1_by_id, y0)));
+    FOR_POSITIONS((cn_init_kernel<<<grid, T_ELEM, 0, s>>>(*pos, src, scale, root, n32, n16, dt16, x1, x1_by_id, m16,
+                                                          y0)));
     LAUNCH_CHECK("inv_root (CN start)");
     return MS_OK;
 }
@@ -525,7 +611,7 @@ __global__ void __launch_bounds__(T_ELEM) cheb_init_kernel(msk_dash_pos P, msk_d
     const double sq = scale[q];
     const float a2 = (float)(2.0 / (sq * (1.0 - lo))), sh = (float)((1.0 + lo) / (1.0 - lo)), c2 = 2.0f * cd;
     FOR_ELEMS(e, nn) {
-        const int64_t i = e / P.n, j = e - i * P.n;
+        const int64_t i = row_of(e, P.n), j = e - i * P.n;
         float t = msk_mul(a2, src_at(P, S, p, i, j));
         if (i == j) t = msk_sub(t, sh);
         float bv = msk_mul(c2, t);
@@ -657,11 +743,24 @@ __global__ void __launch_bounds__(1024) compact_kernel(msk_dash_pos P, int *live
                                                         int *counts)
 {
     __shared__ int wsum[32];
+    /* the live bound the previous compaction published (0: none yet this pass; the host's batch may lag it) */
+    int prev = counts[0];
+    if (prev <= 0 || prev > P.batch) prev = (int)P.batch;
     int cnt = 0, total;
     for (int64_t p0 = 0; p0 < P.batch; p0 += 1024) {
         const int64_t p = p0 + threadIdx.x;
         cta_exclusive(p < P.batch && live[p] > 0, wsum, &total);
         cnt += total;
+    }
+    /* Worth it only when the batch shrinks by at least 1/16: until then the frozen positions ride along (their
+    ** roots are saved; the GEMMs of a few extra positions cost less than the moves and the shorter batches' lower
+    ** GEMM efficiency) */
+    if ((int64_t)(prev - cnt) * 16 < (int64_t)prev) {
+        if (threadIdx.x == 0) {
+            counts[0] = prev;
+            counts[1] = 0;
+        }
+        return;
     }
     /* holes: non-live positions below cnt; tails: live positions at or above cnt; paired in order */
     int nh = 0, nt = 0;
@@ -918,12 +1017,37 @@ extern "C" ms_status msk_dash_thin_f64(ms_ctx *ctx, cudaStream_t s, const msk_da
     return thin_launch<double, 4, 4>(ctx, s, pos, t, v, w);
 }
 
+/* The power iteration's matrix for cuBLAS: position p's block (by id; a position without one: zeros) with
+** d1 then d2 added to the diagonal as f32 adds, stored as f32 or rounded to bf16 (thin_elem<float>'s values). */
+__global__ void __launch_bounds__(T_ELEM) pi_matrix_kernel(msk_dash_pos P, msk_dash_thin t, void *out, int64_t y0)
+{
+    const int64_t p = y0 + blockIdx.y, nn = P.n * P.n;
+    const int64_t blk = t.by_id ? id_of(P, orig_of(P, p)) : p;
+    const float *M = blk >= 0 ? t.m + blk * nn : NULL;
+    FOR_ELEMS(e, nn) {
+        const int64_t i = row_of(e, P.n), j = e - i * P.n;
+        const float x = M ? thin_elem<float>::get(t, M[e], i == j) : 0.0f;
+        if (t.bf16) ((__nv_bfloat16 *)out)[p * nn + e] = __float2bfloat16_rn(x);
+        else ((float *)out)[p * nn + e] = x;
+    }
+}
+
+/* Contract: out holds batch * n * n elements (bf16 when t->bf16, else f32). */
+extern "C" ms_status msk_dash_pi_matrix(ms_ctx *ctx, cudaStream_t s, const msk_dash_pos *pos, const msk_dash_thin *t,
+                                        void *out)
+{
+    FOR_POSITIONS((pi_matrix_kernel<<<grid, T_ELEM, 0, s>>>(*pos, *t, out, y0)));
+    LAUNCH_CHECK("power iteration (matrix copy)");
+    return MS_OK;
+}
+
 /* One CTA per position: each thread sums rows t, t + T, ... of PI_COLS columns at a time in f64; the CTA adds the
 ** warps' sums in a fixed order. */
 #define PI_COLS 8
 
 __global__ void __launch_bounds__(T_ELEM) pi_norm_kernel(msk_dash_pos P, int64_t m, const float *w, const float *vin,
-                                                          float damp, int bf16, float *vout, int64_t y0)
+                                                          float damp, int bf16, float *vout, __nv_bfloat16 *v16,
+                                                          int64_t y0)
 {
     __shared__ double red[PI_COLS][T_ELEM / 32];
     __shared__ float inv[PI_COLS];
@@ -964,6 +1088,7 @@ __global__ void __launch_bounds__(T_ELEM) pi_norm_kernel(msk_dash_pos P, int64_t
                 if (Vin && damp != 0) x = msk_add(x, msk_mul(damp, Vin[i * m + j0 + c]));
                 x = msk_mul(x, inv[c]);
                 Vo[i * m + j0 + c] = bf16 ? bf16_round(x) : x;
+                if (v16) v16[p * per + i * m + j0 + c] = __float2bfloat16_rn(x);   /* the GEMM operand */
             }
         }
         __syncthreads();
@@ -971,11 +1096,12 @@ __global__ void __launch_bounds__(T_ELEM) pi_norm_kernel(msk_dash_pos P, int64_t
 }
 
 extern "C" ms_status msk_dash_pi_norm(ms_ctx *ctx, cudaStream_t s, const msk_dash_pos *pos, int64_t m, const float *w,
-                                      const float *vin, float damp, int bf16, float *v)
+                                      const float *vin, float damp, int bf16, float *v, void *v16)
 {
     for (int64_t y0 = 0; y0 < pos->batch; y0 += MAX_GRID_Y) {
         const int64_t cnt = pos->batch - y0 < MAX_GRID_Y ? pos->batch - y0 : MAX_GRID_Y;
-        pi_norm_kernel<<<dim3(1, (unsigned)cnt), T_ELEM, 0, s>>>(*pos, m, w, vin, damp, bf16, v, y0);
+        pi_norm_kernel<<<dim3(1, (unsigned)cnt), T_ELEM, 0, s>>>(*pos, m, w, vin, damp, bf16, v, (__nv_bfloat16 *)v16,
+                                                                 y0);
         LAUNCH_CHECK("power iteration (normalise)");
     }
     return MS_OK;
@@ -1060,7 +1186,7 @@ __global__ void __launch_bounds__(T_ELEM) fro_kernel(msk_dash_pos P, msk_dash_sr
     const int64_t p = y0 + blockIdx.y, nn = P.n * P.n, lo = (int64_t)blockIdx.x * FRO_CHUNK;
     double acc = 0;
     for (int64_t e = lo + threadIdx.x; e < lo + FRO_CHUNK && e < nn; e += T_ELEM) {
-        const int64_t i = e / P.n, j = e - i * P.n;
+        const int64_t i = row_of(e, P.n), j = e - i * P.n;
         const double v = src_at(P, S, p, i, j);
         acc += v * v;
     }
@@ -1130,7 +1256,7 @@ __global__ void __launch_bounds__(T_ELEM) evd_prep_kernel(msk_dash_pos P, msk_da
 {
     const int64_t p = y0 + blockIdx.y, nn = P.n * P.n;
     FOR_ELEMS(e, nn) {
-        const int64_t i = e / P.n, j = e - i * P.n;
+        const int64_t i = row_of(e, P.n), j = e - i * P.n;
         const float v = src_at(P, S, p, i, j);
         if (!isfinite(v)) atomicCAS(bad + p, 0, (int)(e + 1));   /* some non-finite entry's flat index + 1 */
         work[p * nn + e] = v;
@@ -1156,7 +1282,7 @@ __global__ void __launch_bounds__(T_ELEM) evd_scale_kernel(msk_dash_pos P, float
     const float *lam = w + p * P.n;
     const double add = shift ? eps - fmin((double)lam[0], 0.0) : 0.0;   /* ascending: lam[0] = lambda_min */
     FOR_ELEMS(e, nn) {
-        const int64_t j = e / P.n;   /* column-major: element e is in column j */
+        const int64_t j = row_of(e, P.n);   /* column-major: element e is in column j */
         const double l = (double)lam[j] + add;
         const float f = l > 0 ? (float)pow(l, -0.5 / root) : 0.0f;
         q[p * nn + e] = msk_mul(q[p * nn + e], f);

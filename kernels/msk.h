@@ -293,7 +293,9 @@ typedef struct msk_dash_sym {
 
 /* After a product into x (batch positions, dtype xdt): mirror the upper panel blocks onto the lower ones
 ** (split > 1), add diag to the diagonal, then optionally dev[p] <- max(dev[p], max |x - I|) (as f32 bits;
-** non-negative floats order as their bits; NaN counts as +inf) and x16 <- x in x16dt. */
+** non-negative floats order as their bits; NaN counts as +inf) and x16 <- x in x16dt.  cn_p > 0 (x is CN's M,
+** f32): also CN's next N = ((p + 1) I - M) / p into cn_n32 and, rounded to x16dt, cn_n16 (engine/cpu/dash.c's
+** arithmetic: -M * (1/p) off the diagonal, ((p + 1) - M) * (1/p) on it). */
 typedef struct msk_dash_finish {
     void        *x;
     int          xdt;
@@ -302,6 +304,9 @@ typedef struct msk_dash_finish {
     float        diag;
     unsigned    *dev;
     int64_t      batch;
+    int          cn_p;
+    float       *cn_n32;
+    void        *cn_n16;
 } msk_dash_finish;
 ms_status msk_dash_finish_run(ms_ctx *ctx, cudaStream_t s, const msk_dash_sym *sym, const msk_dash_finish *f);
 
@@ -316,9 +321,11 @@ ms_status msk_dash_ndb_init(ms_ctx *ctx, cudaStream_t s, const msk_dash_pos *pos
                             int dt16);
 /* CN start (root p), engine/cpu/dash.c's arithmetic: z = (p + 1) / (2 scale[q]), M = (float)z A_reg,
 ** N0 = -M / p off the diagonal and ((p + 1) - M) / p on it, into n32 (and n16 in dt16 when not NULL);
-** x1 <- (float)z^(1/p) N0, at block ids when x1_by_id (the result of a one-iteration solve). */
+** x1 <- (float)z^(1/p) N0, at block ids when x1_by_id (the result of a one-iteration solve); M itself rounded
+** to dt16 into m16 when not NULL (the 16-bit M recursion's operand). */
 ms_status msk_dash_cn_init(ms_ctx *ctx, cudaStream_t s, const msk_dash_pos *pos, msk_dash_src src,
-                           const double *scale, int root, float *n32, void *n16, int dt16, float *x1, int x1_by_id);
+                           const double *scale, int root, float *n32, void *n16, int dt16, float *x1, int x1_by_id,
+                           void *m16);
 /* Chebyshev start (degree d >= 2, coefficients c): T = a2 A_reg - sh I with a2 = (float)(2 / (s (1 - lo))),
 ** sh = (float)((1 + lo) / (1 - lo)) into tm; b1 <- (2 c_d) T + c_(d-1) I, b2 <- c_d I; 16-bit copies of T and
 ** b1 into tm16 / b116 (dt16) when not NULL. */
@@ -338,7 +345,9 @@ ms_status msk_dash_save(ms_ctx *ctx, cudaStream_t s, const msk_dash_pos *pos, co
 ms_status msk_dash_count(ms_ctx *ctx, cudaStream_t s, const msk_dash_pos *pos, const int *live, int *iters, int T);
 /* One CTA, in place: the live positions below cnt = (number live) stay, the live positions at or above cnt
 ** move into the frozen positions below cnt (pairs: from[i] -> to[i], i < npairs, both ascending), map and live
-** follow; live[p] <- 0 for p >= cnt.  counts[0] <- cnt, counts[1] <- npairs. */
+** follow; live[p] <- 0 for p >= cnt.  counts[0] <- cnt, counts[1] <- npairs.  Skipped (counts[0] <- prev,
+** counts[1] <- 0, nothing moves) while cnt > prev - prev / 16, prev = counts[0] as the last call left it (0 at
+** the start of a pass: pos->batch). */
 ms_status msk_dash_compact(ms_ctx *ctx, cudaStream_t s, const msk_dash_pos *pos, int *live, int *map, int *from,
                            int *to, int *counts);
 /* For each slot (base, bytes per position): base[to[i]] <- base[from[i]], i < counts[1] (read on the device;
@@ -375,9 +384,13 @@ ms_status msk_dash_thin_f64(ms_ctx *ctx, cudaStream_t s, const msk_dash_pos *pos
                             const double *v, double *w);
 
 /* v [batch, n, m] <- the columns of x = w + damp * vin (vin NULL: x = w), each times (float)(1 / ||x||) from an f64
-** sum (0 for a zero column), then rounded to bf16 when bf16 (stored as f32).  May run in place (v == w). */
+** sum (0 for a zero column), then rounded to bf16 when bf16 (stored as f32), and also stored as bf16 into v16
+** when it is not NULL (the operand of a bf16 GEMM).  May run in place (v == w). */
 ms_status msk_dash_pi_norm(ms_ctx *ctx, cudaStream_t s, const msk_dash_pos *pos, int64_t m, const float *w,
-                           const float *vin, float damp, int bf16, float *v);
+                           const float *vin, float damp, int bf16, float *v, void *v16);
+/* out [batch, n, n] <- the matrix msk_dash_thin_f32 multiplies by (t: M by id or position, d1 and d2 on the
+** diagonal), as bf16 when t->bf16, else f32: the operand of the power iteration's batched GEMMs. */
+ms_status msk_dash_pi_matrix(ms_ctx *ctx, cudaStream_t s, const msk_dash_pos *pos, const msk_dash_thin *t, void *out);
 /* q = max_j sum_i v_ij (w_ij + damp v_ij) (f64 sums; NaN wins), then per mode: 0 (scale, by q): dst = max(mult q,
 ** 2^-126); 1 (lam_max, by id): dst = (float)(q - sub); 2 (lam_min, by id): dst = q^(-power), +inf where q <= 0. */
 ms_status msk_dash_pi_rq(ms_ctx *ctx, cudaStream_t s, const msk_dash_pos *pos, int64_t m, const float *v,

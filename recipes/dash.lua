@@ -16,8 +16,8 @@ gradient EMA Gt, Adam second moment A, at step t (research/dash.md §1.2):
     mu > 0:  M <- mu M + P,  P = P + mu M (use_nesterov) or M
     W <- W - lr P
 Refresh steps are t >= start_prec_step and (t == 1 or t % inv_root_freq == 0), and the first step at or past
-start_prec_step (so roots are never used before they exist).  plan() returns "refresh" on them and "apply"
-otherwise.  1-D parameters go to AdamW (algo_one_dim = "adamw") or DASH's Shampoo-as-AdaGrad path
+start_prec_step (so roots are never used before they exist).  plan() returns "refresh" on them (auto:
+"refresh..." naming its class layout) and "apply" otherwise.  1-D parameters go to AdamW (algo_one_dim = "adamw") or DASH's Shampoo-as-AdaGrad path
 ("shampoo"): pieces of (b, 1) with only a left factor, root 2, no weight decay.
 
 Sources: Modoranu, Zmushko, Schultheis, Safaryan, Alistarh, "DASH: Faster Shampoo via Batched Block
@@ -66,25 +66,45 @@ Options (DASH's names; defaults from its paper grid, research/dash.md §4; every
   bf16_stochastic_round      stochastic rounding when storing bf16/f16 params                       false
   seed                       Philox key: power iterations, residual sketches, stochastic rounding   0
   adamw_patterns, dash_patterns, adamw_dims      routing (Lua patterns; dim sizes)                 {}
-`auto` (moonstep's own; research/dash.md §7): each factor block gets the cheapest solver and step count
-whose resolution floor lies below its normalized smallest eigenvalue, from the estimates of the previous
-refresh (power iteration for lambda_max, the root for lambda_min, the residual to know when to trust it):
+`auto` (moonstep's own; research/dash.md §7): the cheapest solver that gives each factor block NDB-10's
+resolution.  A T-step Newton solver resolves the normalized eigenvalues y = lambda / s (s: its scale) down to a
+floor; below it NDB-10 leaves the root wrong by design (moonstep.h: its root 4 over-inverts by up to 2.2x, its
+root 2 under-inverts), so its roots of blocks with condition numbers past ~1 / floor are not "exact" either.
+The policy, per factor block and from the estimates of the last refresh (lambda_max by power iteration,
+lambda_min from the last root, the root's residual), is the table SOLVERS below (GEMMs per block for T
+iterations on the GPU; floors from the scalar iterations, at auto_tolerance) and auto_pick:
+  - a (nearly) zero block gets the cheapest class (CN, 1 iteration: no GEMM);
+  - a block with y >= y_damp = auto_damping lambda_max / s gets the cheapest (method, T) whose floor lies
+    auto_margin below y, when that costs no more than the damped class below (it does for every y NDB-10
+    resolves);
+  - every other block -- beyond the floors, or whose last root missed its class's residual -- is unresolved:
+    auto_unresolved = "damp" (default) solves (A + auto_damping lambda_max I)^(-1/p), whose normalized
+    eigenvalues are >= y_damp, with the cheapest class resolving y_damp; auto_damping defaults to NDB-10's
+    documented floor for the block's p (3.2e-3 / 2.4e-3), the damping NDB-10 acts like.  "evd" sends them to
+    EVD instead (~1000 GEMMs a block).
+With DASH's PIM scaling (s = 2 lambda_max) and the defaults, p = 4: y_damp = 1.2e-3, damped blocks take CN
+with 9 iterations (32 GEMMs against NDB-10's 54), blocks of condition ~10 CN with 6 (20); p = 2: CN with
+10 (27, NDB-10's count).  CN classes stop
+per block at cn_tolerance.  The first refresh treats every block as unresolved; reclassification runs on the
+refreshes 1, k, 2k, ... (k = auto_reclassify_every) and the refresh before each computes the estimates; in
+between the damping follows lambda_max on the device.  A refresh's plan key names its class layout (a
+captured refresh is captured again when the layout changes).  dash.auto.report(group) returns the decisions
+and the GEMMs planned and run; plan() reports "dash.auto_classes", "dash.auto_gemms", "dash.auto_ndb10_gemms".
   auto_methods               iterative methods to choose from ("cn,ndb")                            {"cn", "ndb"}
-  auto_tolerance             accuracy of each resolved eigenvalue's root the floors are set for    1e-4
+  auto_tolerance             accuracy of each resolved eigenvalue's root the floors are set for    1e-3
   auto_max_steps             the most steps an iterative class may take                             20
-  auto_margin                y_min must exceed the floor by this factor                             2
-  auto_fallback              evd | damp: blocks no iterative class resolves                         "evd"
-  auto_damping               damp: + auto_damping * lambda_max I, then the deepest iterative class   1e-6
+  auto_margin                y_min must exceed the floor by this factor (estimates within 2x)      2
+  auto_unresolved            damp | evd: blocks no class resolves within NDB-10's reach            "damp"
+  auto_damping               relative damping {p = 2, p = 4} of unresolved blocks (x lambda_max)  {3.2e-3, 2.4e-3}
   auto_reclassify_every      refreshes between reclassifications                                    10
-  auto_residual              a residual above max(this, 1e-6 kappa) escalates the block's class     1e-2
-The policy (auto_classes, auto_classify) is plain Lua below: read it, change it.
+  auto_residual              a residual above max(this, 1e-6 kappa) marks the block unresolved     1e-2
 
 State: per stack of blocks (key "r x c") grad_ema, adam_v (and momentum); per factor stack (key
-"<size>p<root>") factor and root, and for auto class (i32), lam_max, lam_min, residual, fro; the block layout
+"<size>p<root>") factor and root, and for auto class (i32: the code of auto_pick), lam_max, lam_min,
+residual, fro; the block layout
 (a string checked against the parameters at every refresh) and the refresh count.  AdamW: exp_avg, exp_avg_sq.
 Device-side skipping (captured steps) is not offered by the dash route: its factor products have no skip
-flag, so a captured DASH step needs settings.nonfinite = "apply".  With auto, a reclassification changes the
-refresh step's calls (capture again).
+flag, so a captured DASH step needs settings.nonfinite = "apply".
 ]]
 
 local DEFAULT_ADAMW_NAMES = { "embed_tokens", "lm_head", "wte", "word_embeddings", "modules_to_save" }
@@ -128,12 +148,16 @@ local function contains_any(name, list)
 end
 
 -- ---------------------------------------------------------------------------------------------------
--- the auto policy: resolution floors of the scalar iterations, classes ordered by cost
+-- the auto policy: a table of solvers, their floors, and the function that picks
 -- ---------------------------------------------------------------------------------------------------
--- What a method makes of one eigenvalue y (normalized: A / s) after T steps, in f64, relative to the exact
--- y^(-1/p): moonstep.h's iterations applied to a 1 x 1 matrix, with DASH's scales (NDB: y in (0, 1];
--- CN: z = (p + 1) / 2).
-local function ndb_inv_sqrt(y, T)
+-- Per solver: the products of b x b matrices (GEMMs) one block costs for T iterations, as the CUDA backend
+-- performs them (engine/cuda/dash.c: CN's first iteration is elementwise and its last skips the M recursion;
+-- NDB's first step is one product and its last skips the one it does not return), and what the iteration
+-- makes of one normalized eigenvalue y = lambda / s (moonstep.h's iterations on a 1 x 1 matrix in f64, with
+-- DASH's scales: CN z = (p + 1) / 2, NDB y in (0, 1]).  Floors follow from the maps (floor_of).
+-- Chebyshev is not in the table: degree d costs d - 1 products for a floor near 25 / d^2 (moonstep.h), about
+-- 160 products to resolve y = 1e-3 where CN needs 32.
+local function ndb_chain(y, T)
   local e = 1.5 - 0.5 * y
   local Y, Z = y * e, e
   for _ = 2, T do
@@ -143,20 +167,37 @@ local function ndb_inv_sqrt(y, T)
   return Y, Z
 end
 
-local function scalar_root(method, y, T, p)
-  if method == "ndb" then
-    if p == 2 then return select(2, ndb_inv_sqrt(y, T)) end
-    local S = ndb_inv_sqrt(y, T)
-    return select(2, ndb_inv_sqrt(S, T))
-  end
-  local z = (p + 1) / 2
-  local X, M = z ^ (1 / p), z * y
-  for _ = 1, T do
-    local N = ((p + 1) - M) / p
-    X, M = X * N, M * N ^ p
-  end
-  return X
-end
+local SOLVERS = {
+  cn = {
+    gemms = function(T, p) return (p == 4 and 4 or 3) * (T - 1) end,
+    root = function(y, T, p)
+      local z = (p + 1) / 2
+      local X, M = z ^ (1 / p), z * y
+      for _ = 1, T do
+        local N = ((p + 1) - M) / p
+        X, M = X * N, M * N ^ p
+      end
+      return X
+    end,
+  },
+  ndb = {
+    gemms = function(T, p)
+      local chain = T == 1 and 1 or 3 * T - 3
+      return p == 4 and 2 * chain or chain
+    end,
+    root = function(y, T, p)
+      if p == 2 then return select(2, ndb_chain(y, T)) end
+      return select(2, ndb_chain((ndb_chain(y, T)), T))
+    end,
+  },
+}
+-- EVD: ~7 ms per 1024 block on the H200, where one TF32 GEMM of that block takes ~6 us
+local EVD_GEMMS = 1000
+-- NDB with 10 steps' resolution floors (moonstep.h; p = 2, p = 4): the default relative damping
+local NDB10_FLOOR = { 3.2e-3, 2.4e-3 }
+-- no margin on a damped spectrum's lower end: the damping d = auto_damping lambda_max and the solver's scale
+-- s = pi_const lambda_max come from the same power iteration (same start vectors), so d / s is y_damp itself
+local DAMPED_MARGIN = 1
 
 -- the smallest y down to which every root is within tol: a scan down from 1 finds the first y that misses
 -- (NDB's root 4 is not monotone below its floor: its error falls again where it turns from over- to
@@ -165,7 +206,8 @@ local floors = {}
 local function floor_of(method, T, p, tol)
   local key = ("%s:%d:%d:%g"):format(method, T, p, tol)
   if floors[key] then return floors[key] end
-  local function bad(y) return not (math.abs(scalar_root(method, y, T, p) * y ^ (1 / p) - 1) <= tol) end
+  local root = SOLVERS[method].root
+  local function bad(y) return not (math.abs(root(y, T, p) * y ^ (1 / p) - 1) <= tol) end
   local hi, lo = 1.0, nil
   for e = 1, 16 * 16 do
     local y = 10 ^ (-e / 16)
@@ -181,51 +223,67 @@ local function floor_of(method, T, p, tol)
   return hi
 end
 
--- products of b x b matrices one block costs (moonstep.h's iterations)
-local function cost_of(method, T, p)
-  if method == "ndb" then
-    local chain = T == 1 and 1 or 3 * T - 3
-    return p == 4 and 2 * chain or chain
-  end
-  return (p == 4 and 4 or 3) * T
-end
+local function gemms_of(method, T, p) return SOLVERS[method].gemms(T, p) end
 
---- The classes for root p: iterative (method, steps) pairs ordered by cost, each kept only when it resolves
---- deeper than every cheaper one, then the fallback.  classes[i] = {method, steps, cost, floor} (1-based ids).
-local function auto_classes(o, p)
+--- The ladder for root p: (method, iterations) classes ordered by cost, each kept only when it resolves deeper
+--- than every cheaper one.  ladder[i] = {method, steps, gemms, floor}.
+local ladders = {}
+local function auto_ladder(o, p)
+  local key = ("%s:%d:%g:%d"):format(table.concat(o.auto_methods, ","), p, o.auto_tolerance, o.auto_max_steps)
+  if ladders[key] then return ladders[key] end
   local cands = {}
   for _, m in ipairs(o.auto_methods) do
     for T = 1, o.auto_max_steps do
-      cands[#cands + 1] = { method = m, steps = T, cost = cost_of(m, T, p), floor = floor_of(m, T, p, o.auto_tolerance) }
+      cands[#cands + 1] = { method = m, steps = T, gemms = gemms_of(m, T, p), floor = floor_of(m, T, p, o.auto_tolerance) }
     end
   end
   table.sort(cands, function(a, b)
-    if a.cost ~= b.cost then return a.cost < b.cost end
+    if a.gemms ~= b.gemms then return a.gemms < b.gemms end
     return a.floor < b.floor
   end)
-  local classes, best = {}, math.huge
+  local ladder, best = {}, math.huge
   for _, c in ipairs(cands) do
-    if c.floor < best then classes[#classes + 1] = c best = c.floor end
+    if c.floor < best then ladder[#ladder + 1] = c best = c.floor end
   end
-  classes[#classes + 1] = { method = o.auto_fallback, steps = 0, cost = math.huge, floor = 0 }
-  return classes
+  ladders[key] = ladder
+  return ladder
 end
 
---- A block's class from its estimates: the cheapest class whose floor lies auto_margin below the block's
---- normalized smallest eigenvalue y = (lambda_min + eps) / s; a block whose last root was not as accurate as
---- its class promised (residual above the f32 noise of its conditioning) moves at least one class up.
-local function auto_classify(classes, o, e)
-  local id = #classes
-  if e.y == e.y then
-    for i = 1, #classes - 1 do
-      if classes[i].floor * o.auto_margin <= e.y then id = i break end
-    end
+-- the first (cheapest) class of the ladder whose floor, times margin, lies at or below y; nil: none does
+local function cheapest(ladder, y, margin)
+  for i, c in ipairs(ladder) do
+    if c.floor * margin <= y then return i end
   end
-  local noise = 1e-6 * (e.kappa == e.kappa and e.kappa or math.huge)
-  if e.previous > 0 and not (e.residual <= math.max(o.auto_residual, noise)) then
-    id = math.max(id, math.min(e.previous + 1, #classes))
+  return nil
+end
+
+--- The relative damping of unresolved blocks of root p (auto_damping = {p = 2, p = 4}).
+local function damping_of(o, p) return o.auto_damping[p == 2 and 1 or 2] end
+
+--- What one block gets, as the code stored in state.class: i > 0 ladder class i on the factor itself,
+--- -i the ladder class i on the factor damped by auto_damping lambda_max I, #ladder + 1 EVD.
+--- e = {lam_max, y, y_damp, kappa, residual, previous}: the block's lambda_max estimate, its normalized
+--- smallest eigenvalue y = lambda_min / s and the normalized damping y_damp = auto_damping lambda_max / s
+--- (s the solver's scale), its condition estimate, the residual of its last root and that root's code (nil
+--- at the first classification: no residual yet).
+local function auto_pick(ladder, o, e)
+  if e.lam_max <= o.eps_power_iter then return 1 end    -- (nearly) zero: nothing to resolve
+  local damped = cheapest(ladder, e.y_damp, DAMPED_MARGIN) or #ladder
+  -- a root that missed its class's promise (beyond f32's 1e-7 kappa) leaves y overestimated: not trusted
+  local trusted = e.previous == nil or e.residual <= math.max(o.auto_residual, 1e-6 * e.kappa)
+  if trusted and e.y >= e.y_damp then
+    local id = cheapest(ladder, e.y, o.auto_margin)
+    if id and ladder[id].gemms <= ladder[damped].gemms then return id end
   end
-  return id
+  if o.auto_unresolved == "evd" then return #ladder + 1 end
+  return -damped
+end
+
+--- A code's description: method, steps, GEMMs per block, damped.
+local function describe(ladder, code)
+  if code > #ladder then return "evd", 0, EVD_GEMMS, false end
+  local c = ladder[math.abs(code)]
+  return c.method, c.steps, c.gemms, code < 0
 end
 
 -- ---------------------------------------------------------------------------------------------------
@@ -310,94 +368,156 @@ end
 
 local function preconditioning(o, t) return o.start_prec_step <= 1 or t >= o.start_prec_step end
 
--- auto (host side, in plan): classify when due, then the index of each class and the damped blocks
+-- the scale s of a block (y = lambda / s): PI / PIM pi_const (lambda_max + eps's), Frobenius the measured
+-- ||A_reg||_F, or before any measurement its largest possible value sqrt(b) lambda_max
+local function scale_of(o, b, lam_max, fro)
+  if o.matrix_scaling_type ~= "fro" then return o.matrix_scaling_const * (lam_max + o.eps_inv_root + o.eps_power_iter) end
+  return fro or math.sqrt(b) * lam_max
+end
+
+-- the per-factor tensors auto's calls read (transient, kept so that a captured refresh replays with their
+-- new contents): index tensors by (code, count), the damping mask, the damped factors, iterations
+local function auto_work(w, f, ctx)
+  local a = w.auto_t[f.key]
+  if a then return a end
+  a = { index = {}, mask = f32({ f.n }, ctx), d = f32({ f.n }, ctx), eye = ms.eye(f.size, { dtype = "f32", ctx = ctx }),
+        iters = ms.zeros({ f.n }, { dtype = "i32", ctx = ctx }) }
+  w.auto_t[f.key] = a
+  return a
+end
+
+-- auto (host side, in plan): classify when due (this reads the estimates: one wait for the device), else
+-- keep the last decisions; then the calls of this refresh, one per class, and whether the refresh leaves
+-- estimates for the next classification.  Returns the refresh's plan key: it names the layout (class
+-- sizes), so a captured refresh is captured again when the layout changes and replays otherwise.
 local function auto_plan(group, o, w)
   local st = group.state
-  local due = st.refreshes <= 1 or st.refreshes % o.auto_reclassify_every == 0
-  w.auto = {}
+  local r, every = st.refreshes, o.auto_reclassify_every
+  local due = r <= 1 or r % every == 0
+  w.auto, w.auto_t = w.auto or {}, w.auto_t or {}
+  w.auto_estimate = r == 0 or (r + 1) % every == 0
+  local sig = {}
   for _, f in ipairs(w.plan.factors) do
-    local classes = auto_classes(o, f.root)
-    local cls = st.class[f.key]
-    local ids = cls:tolist_flat()
-    local lam_max = st.lam_max[f.key]:tolist_flat()
-    if st.refreshes == 0 then
-      for k = 1, f.n do ids[k] = #classes - 1 end   -- probe: the deepest iterative class (stops per block)
-    elseif due then
-      local lam_min, res, fro = st.lam_min[f.key]:tolist_flat(), st.residual[f.key]:tolist_flat(), st.fro[f.key]:tolist_flat()
-      for k = 1, f.n do
-        local s = o.matrix_scaling_type == "fro" and fro[k]
-                  or o.matrix_scaling_const * (lam_max[k] + o.eps_inv_root + o.eps_power_iter)
-        if lam_max[k] <= o.eps_power_iter then
-          ids[k] = 1    -- (nearly) all zero: below the power iteration's damping there is nothing to resolve
-        else
-          ids[k] = auto_classify(classes, o, {
-            y = lam_min[k] / s, kappa = (lam_max[k] + o.eps_inv_root) / lam_min[k], residual = res[k],
-            previous = ids[k],
-          })
+    local p, n, ctx = f.root, f.n, st.class[f.key]:context()
+    local ladder, damping = auto_ladder(o, p), damping_of(o, p)
+    local t = auto_work(w, f, ctx)
+    local a = w.auto[f.key]
+    if due or not a then
+      local codes = st.class[f.key]:tolist_flat()
+      if due then
+        local lam_max, lam_min = st.lam_max[f.key]:tolist_flat(), st.lam_min[f.key]:tolist_flat()
+        local res, fro = st.residual[f.key]:tolist_flat(), st.fro[f.key]:tolist_flat()
+        for k = 1, n do
+          local prev = codes[k]
+          if prev == 0 then
+            -- never solved: unresolved until a root says otherwise
+            codes[k] = auto_pick(ladder, o, { lam_max = math.huge, y = 0, y_damp = damping / scale_of(o, f.size, 1), previous = nil })
+          else
+            local lmax = lam_max[k]
+            local s = scale_of(o, f.size, lmax, o.matrix_scaling_type == "fro" and fro[k] or nil)
+            -- the last root of a damped block was of A + d I: its lambda_min estimate includes d
+            local d = prev < 0 and damping * lmax or 0
+            codes[k] = auto_pick(ladder, o, {
+              lam_max = lmax, y = (lam_min[k] - d) / s, y_damp = damping * lmax / s,
+              kappa = (lmax + o.eps_inv_root + d) / lam_min[k], residual = res[k], previous = prev,
+            })
+          end
         end
+        st.class[f.key]:copy_(ms.tensor(codes, { dtype = "i32", ctx = ctx }))
       end
-    end
-    if st.refreshes == 0 or due then cls:copy_(ms.tensor(ids, { dtype = "i32", ctx = cls:context() })) end
-    -- the calls of this refresh: one per class that has blocks
-    local members = {}
-    for k = 1, f.n do
-      local id = ids[k]
-      members[id] = members[id] or {}
-      members[id][#members[id] + 1] = k - 1
-    end
-    local calls, hist = {}, {}
-    for id = 1, #classes do
-      if members[id] then
-        local c = classes[id]
-        local call = { class = c, blocks = members[id] }
-        if c.method == "damp" then
-          call.damping = {}
-          for j, k in ipairs(members[id]) do call.damping[j] = o.auto_damping * math.max(lam_max[k + 1], 0) end
-        else
-          call.index = ms.tensor(members[id], { dtype = "i32", ctx = cls:context() })
+      -- the calls: one per code that has blocks (a code that has all of them needs no index)
+      local members, order = {}, {}
+      for k = 1, n do
+        local c = codes[k]
+        if not members[c] then members[c] = {} order[#order + 1] = c end
+        members[c][#members[c] + 1] = k - 1
+      end
+      table.sort(order, function(x, y) return math.abs(x) < math.abs(y) or (math.abs(x) == math.abs(y) and x > y) end)
+      local calls, parts, mask = {}, {}, {}
+      for k = 1, n do mask[k] = codes[k] < 0 and 1 or 0 end
+      for _, c in ipairs(order) do
+        local method, steps, gemms, damped = describe(ladder, c)
+        local m = members[c]
+        local call = { code = c, method = method, steps = steps, gemms = gemms, damped = damped, blocks = #m }
+        if #m < n then
+          local key = c .. ":" .. #m
+          t.index[key] = t.index[key] or ms.empty({ #m }, { dtype = "i32", ctx = ctx })
+          t.index[key]:copy_(ms.tensor(m, { dtype = "i32", ctx = ctx }))
+          call.index = t.index[key]
         end
         calls[#calls + 1] = call
-        hist[#hist + 1] = ("%s%s:%d"):format(c.method, c.steps > 0 and ("-" .. c.steps) or "", #members[id])
+        parts[#parts + 1] = ("%s%s%s:%d"):format(method, steps > 0 and ("-" .. steps) or "", damped and "+damp" or "", #m)
       end
+      t.mask:copy_(ms.tensor(mask, { dtype = "f32", ctx = ctx }))
+      local any_damped = false
+      for _, call in ipairs(calls) do any_damped = any_damped or call.damped end
+      if any_damped and not t.damped then t.damped = f32({ n, f.size, f.size }, ctx) end
+      a = { calls = calls, ladder = ladder, damping = damping, damped = any_damped, summary = table.concat(parts, " ") }
+      w.auto[f.key] = a
     end
-    w.auto[f.key] = { calls = calls, classes = classes, summary = table.concat(hist, " ") }
+    sig[#sig + 1] = f.key .. " " .. a.summary
+  end
+  return "refresh" .. (w.auto_estimate and "+estimate" or "") .. "|" .. table.concat(sig, "; ")
+end
+
+-- auto (device side, in step): the damping (following this refresh's lambda_max estimate), each class's call,
+-- then, when the next refresh classifies, the estimates it reads
+local function auto_refresh(o, st, w, f, seed)
+  local A, X = st.factor[f.key], st.root[f.key]
+  local a, t = w.auto[f.key], w.auto_t[f.key]
+  local pi = { vectors = o.matrix_scaling_pi_vectors, steps = o.matrix_scaling_pi_steps, eps = o.eps_power_iter,
+               bf16 = o.pi_bf16, root = f.root, seed = seed, lam_max = st.lam_max[f.key] }
+  if a.damped then
+    ms.spectrum_estimate(A, pi)
+    ms.mul(st.lam_max[f.key], t.mask, t.d)
+    ms.addcmul(A, t.eye, t.d:view({ f.n, 1, 1 }), a.damping, t.damped)
+  end
+  for _, call in ipairs(a.calls) do
+    local ro = root_options(o, call.method, call.steps, f.root, seed)
+    ro.index, ro.out, ro.iters = call.index, X, t.iters
+    if w.auto_estimate then ro.residual = st.residual[f.key] end
+    ms.inv_root(call.damped and t.damped or A, ro)
+  end
+  if w.auto_estimate then
+    pi.x_root, pi.lam_min = X, st.lam_min[f.key]
+    ms.spectrum_estimate(A, pi)
+    if o.matrix_scaling_type == "fro" then
+      -- the Frobenius scale of A + eps I, bounded above by ||A||_F + eps sqrt(b)
+      st.fro[f.key]:copy_(A:reshape({ f.n, f.size * f.size }):norm(1)):add_(o.eps_inv_root * math.sqrt(f.size))
+    end
   end
 end
 
--- auto (device side, in step): each class's call, then the estimates the next classification reads
-local function auto_refresh(o, st, w, f, seed)
-  local A, X, res = st.factor[f.key], st.root[f.key], st.residual[f.key]
-  local a = w.auto[f.key]
-  local deepest = a.classes[#a.classes - 1]
-  for _, call in ipairs(a.calls) do
-    local c = call.class
-    if c.method == "damp" then
-      -- explicit relative damping, block by block into a small stack, then the deepest iterative class
-      local b, K = f.size, #call.blocks
-      local tmp = ms.empty({ K, b, b }, { dtype = "f32", ctx = A:context() })
-      for j, k in ipairs(call.blocks) do tmp:select(0, j - 1):copy_(A:select(0, k)) end
-      local d = ms.tensor(call.damping, { dtype = "f32", ctx = A:context() }):view({ K, 1, 1 })
-      ms.add(tmp, ms.eye(b, { dtype = "f32", ctx = A:context() }) * d, tmp)
-      local ro = root_options(o, deepest.method, deepest.steps, f.root, seed)
-      ro.residual = true
-      local x, r = ms.inv_root(tmp, ro)
-      local rv = r:tolist_flat()
-      for j, k in ipairs(call.blocks) do
-        X:select(0, k):copy_(x:select(0, j - 1))
-        res:select(0, k):fill_(rv[j])
-      end
-    else
-      local ro = root_options(o, c.method, c.steps, f.root, seed)
-      ro.index, ro.out, ro.residual = call.index, X, res
-      ms.inv_root(A, ro)
+-- auto's decisions at the last refresh of a dash group (see the recipe's auto.report)
+local function auto_report(group)
+  local w = work[group.state]
+  if not (w and w.auto) then return nil end
+  local out = { stacks = {}, gemms = 0, gemms_run = 0, ndb10_gemms = 0, evd_blocks = 0, damped_blocks = 0 }
+  for _, f in ipairs(w.plan.factors) do
+    local a, t = w.auto[f.key], w.auto_t[f.key]
+    local codes = group.state.class[f.key]:tolist_flat()
+    local iters = t.iters:tolist_flat()
+    local s = { key = f.key, blocks = f.n, root = f.root, damping = a.damping, classes = {}, gemms = 0, gemms_run = 0,
+                ndb10_gemms = f.n * gemms_of("ndb", 10, f.root) }
+    for i, call in ipairs(a.calls) do
+      s.classes[i] = { method = call.method, steps = call.steps, damped = call.damped, blocks = call.blocks, gemms = call.gemms }
+      if call.method == "evd" then out.evd_blocks = out.evd_blocks + call.blocks
+      else s.gemms = s.gemms + call.blocks * call.gemms end
+      if call.damped then out.damped_blocks = out.damped_blocks + call.blocks end
     end
+    for k = 1, f.n do
+      local method = describe(a.ladder, codes[k])
+      if method == "cn" then s.gemms_run = s.gemms_run + gemms_of("cn", math.max(iters[k], 1), f.root)
+      elseif method == "ndb" then
+        local T = f.root == 4 and iters[k] / 2 or iters[k]
+        s.gemms_run = s.gemms_run + gemms_of("ndb", math.max(math.floor(T + 0.5), 1), f.root)
+      end
+    end
+    s.summary = a.summary
+    out.stacks[#out.stacks + 1] = s
+    out.gemms, out.gemms_run, out.ndb10_gemms = out.gemms + s.gemms, out.gemms_run + s.gemms_run, out.ndb10_gemms + s.ndb10_gemms
   end
-  ms.spectrum_estimate(A, {
-    vectors = o.matrix_scaling_pi_vectors, steps = o.matrix_scaling_pi_steps, eps = o.eps_power_iter,
-    bf16 = o.pi_bf16, root = f.root, seed = seed, x_root = X, lam_max = st.lam_max[f.key], lam_min = st.lam_min[f.key],
-  })
-  -- the Frobenius scale of A + eps I, bounded above by ||A||_F + eps sqrt(b)
-  st.fro[f.key]:copy_(A:reshape({ f.n, f.size * f.size }):norm(1)):add_(o.eps_inv_root * math.sqrt(f.size))
+  return out
 end
 
 local dash_route = {
@@ -441,15 +561,26 @@ local dash_route = {
     local t = ctx.step
     if not preconditioning(o, t) then return "apply" end
     if not (t == 1 or t % o.inv_root_freq == 0 or not st.roots_ready) then return "apply" end
+    local key = "refresh"
     if o.inv_root_method == "auto" then
-      auto_plan(group, o, w)
-      local parts = {}
-      for _, f in ipairs(w.plan.factors) do parts[#parts + 1] = f.key .. " " .. w.auto[f.key].summary end
+      key = auto_plan(group, o, w)
+      -- what the policy decided, without reading the device: classes, planned GEMMs against NDB-10's
+      local parts, gemms, ndb10 = {}, 0, 0
+      for _, f in ipairs(w.plan.factors) do
+        local a = w.auto[f.key]
+        parts[#parts + 1] = f.key .. " " .. a.summary
+        for _, call in ipairs(a.calls) do
+          if call.method ~= "evd" then gemms = gemms + call.blocks * call.gemms end
+        end
+        ndb10 = ndb10 + f.n * gemms_of("ndb", 10, f.root)
+      end
       ctx.report("dash.auto_classes", table.concat(parts, "; "))
+      ctx.report("dash.auto_gemms", gemms)
+      ctx.report("dash.auto_ndb10_gemms", ndb10)
     end
     w.refresh_seed = o.seed + st.refreshes
     st.refreshes, st.roots_ready = st.refreshes + 1, true
-    return "refresh"
+    return key
   end,
 
   -- (3) the step of research/dash.md §1.2 on every stack
@@ -472,7 +603,7 @@ local dash_route = {
         bias_correction = o.use_bias_correction,
       }
     end
-    if ctx.plan == "refresh" then
+    if ctx.plan ~= "apply" then
       local seed = w.refresh_seed or o.seed
       for _, f in ipairs(w.plan.factors) do
         if o.inv_root_method == "auto" then
@@ -516,7 +647,9 @@ return {
   name = "dash",
   version = 1,
   -- the auto policy's parts, for tests and for recipes that build on this one
-  auto = { floor = floor_of, cost = cost_of, classes = auto_classes, classify = auto_classify },
+  auto = { solvers = SOLVERS, floor = floor_of, gemms = gemms_of, ladder = auto_ladder, pick = auto_pick,
+           damping = damping_of, describe = describe, report = auto_report, ndb10_floor = NDB10_FLOOR,
+           evd_gemms = EVD_GEMMS, damped_margin = DAMPED_MARGIN },
   options = {
     lr = { default = 1e-3, type = "number", min = 0, doc = "base learning rate (the schedule scales it)" },
     weight_decay = { default = 0.0, type = "number", min = 0, doc = "decoupled weight decay (matrices)" },
@@ -556,11 +689,12 @@ return {
     dash_patterns = { default = {}, type = "any", doc = "name patterns routed to DASH" },
     adamw_dims = { default = {}, type = "numbers", min = 1, doc = "dim sizes routed to AdamW" },
     auto_methods = { default = { "cn", "ndb" }, type = "any", doc = "auto: iterative methods" },
-    auto_tolerance = { default = 1e-4, type = "number", above = 0, below = 1, doc = "auto: accuracy of resolved roots" },
+    auto_tolerance = { default = 1e-3, type = "number", above = 0, below = 1, doc = "auto: accuracy of resolved roots" },
     auto_max_steps = { default = 20, type = "integer", min = 1, max = 100, doc = "auto: most steps of a class" },
     auto_margin = { default = 2, type = "number", min = 1, doc = "auto: y_min over the floor" },
-    auto_fallback = { default = "evd", type = "string", values = { "evd", "damp" }, doc = "auto: unresolved blocks" },
-    auto_damping = { default = 1e-6, type = "number", above = 0, below = 1, doc = "auto: relative damping (damp)" },
+    auto_unresolved = { default = "damp", type = "string", values = { "damp", "evd" }, doc = "auto: unresolved blocks" },
+    auto_damping = { default = { NDB10_FLOOR[1], NDB10_FLOOR[2] }, type = "numbers", length = 2, above = 0, below = 1,
+                     doc = "auto: relative damping {p = 2, p = 4} of unresolved blocks" },
     auto_reclassify_every = { default = 10, type = "integer", min = 1, doc = "auto: refreshes per classification" },
     auto_residual = { default = 1e-2, type = "number", above = 0, doc = "auto: residual that escalates a block" },
   },

@@ -355,8 +355,15 @@ describe("CUDA ms.inv_root", function()
           assert(finite(xg), m .. ": non-finite root")
           assert.are.same(vals(cpu.it), vals(gpu.it))
           for k = 0, #specs - 1 do
+            -- Blocks 0-4 have eigenvalues below every solver's floor, where a root's small components are built
+            -- from iterates whose f32 rounding noise (~1e-7 of their norm, in another summation order on each
+            -- device) is large relative to those components: the two devices then agree to ~1e-7 / y_eff, not
+            -- to 1e-4 (measured on the H200: NDB p = 4, kappa 1e5, 2.5e-4).  1e-3 bounds that noise; the
+            -- under-inversion map itself differs by orders of magnitude more between solvers.  The zero block
+            -- (5) is exact on both.
+            local tol = k == 5 and 1e-4 or 1e-3
             local e = normalized_error(gpu.x:select(0, k):to("f64"), cpu.x:select(0, k):to("f64"))
-            assert(e <= 1e-4, ("%s p=%d %s block %d: GPU differs from the CPU by %.3g"):format(m, p, sc, k, e))
+            assert(e <= tol, ("%s p=%d %s block %d: GPU differs from the CPU by %.3g"):format(m, p, sc, k, e))
             local rr = residual_f64(a, gpu.x, k, 0, p, 3)
             H.assert_close(vals(gpu.r)[k + 1], rr, 1e-5, 1e-9, ("%s block %d residual"):format(m, k))
           end
@@ -370,6 +377,73 @@ describe("CUDA ms.inv_root", function()
     for k = 0, #specs - 1 do
       local w = vals((ms.eigh(X:select(0, k):to("f64"))))
       assert(w[#w] <= (1e-6) ^ (-1 / 4) * (1 + 1e-3), "EVD root above eps^(-1/p)")
+    end
+  end)
+
+  -- NDB as the benchmark runs it (PIM in bf16 and Frobenius scaling, p = 2 and 4, 10 steps) on blocks of condition
+  -- 1e1..1e6.  f32: the GPU against the CPU and against the f64 scalar map of its own chains (moonstep.h's NDB
+  -- applied to each eigenvalue y = lambda / s with the GPU's scale s: Frobenius in f64, PIM as
+  -- ms.spectrum_estimate computes the same power iteration) -- a wrong scale, chain order or un-scaling is off
+  -- by 1e-1 or more.  1e-3 bounds f32 rounding below the floor (a numpy f32 emulation of the chains: <= 1.1e-4
+  -- from the map at kappa 1e7, b = 256).  TF32 (operands rounded to 2^-11 of their largest entries) against
+  -- the CPU's f32: the emulation's worst over 3 seeds, both TF32 rounding modes, b = 64, is 2.7e-2 for p = 2 at
+  -- any kappa and 8.3e-3 for p = 4 up to kappa 1e3 -- tolerances 6e-2 and 2e-2.  Beyond kappa 1e3, p = 4 in TF32
+  -- is not an approximation of the map: the first chain's square root carries TF32 noise of ~5e-4 y_max into
+  -- the second chain's inverse root, which amplifies it (emulation: 0.1 at 1e4, 0.8-1.0 at 1e5-1e6; the
+  -- benchmark's NDB-PIM "own map" error of 1.0 on the H200 is this, not a defect of the GPU code); it stays finite.
+  cuda_it("NDB (pim, fro; p = 2, 4) on kappa 1e1..1e6 matches the CPU and its own f64 map in f32, the CPU in TF32 where TF32 resolves", function()
+    local b = 64
+    local kappas = { 1e1, 1e2, 1e3, 1e4, 1e5, 1e6 }
+    local specs = {}
+    for i, k in ipairs(kappas) do specs[i] = spread(k, b) end
+    local a = spd_stack(specs, 7250)
+    local ag = dev(a)
+    local function chain(y, T, want_y)
+      local Y, E = y, 1.5 - 0.5 * y
+      local Z = E
+      Y = Y * E
+      for _ = 2, T do
+        E = 1.5 - 0.5 * Z * Y
+        Y, Z = Y * E, E * Z
+      end
+      return want_y and Y or Z
+    end
+    local eig = {}
+    for k = 0, #specs - 1 do
+      local A = a:select(0, k):to("f64")
+      local w, V = ms.eigh(A)
+      eig[k] = { w = vals(w), V = V, fro = A:norm() }
+    end
+    for _, sc in ipairs { "pim", "fro" } do
+      local lam = sc == "pim" and vals(ms.spectrum_estimate(ag, { vectors = 16, steps = 10, eps = 1e-6, bf16 = true, seed = 5 }))
+      for _, p in ipairs { 2, 4 } do
+        local opts = { method = "ndb", root = p, steps = 10, scaling = sc, pi_vectors = 16, pi_steps = 10, pi_const = 2,
+                       eps_power_iter = 1e-6, pi_bf16 = true, seed = 5 }
+        local cpu, gpu = both(a, opts)
+        local _, tf = both(a, opts, { tf32 = true })
+        assert(finite(vals(gpu.x)) and finite(vals(tf.x)), ("ndb %s p=%d: non-finite root"):format(sc, p))
+        for k = 0, #specs - 1 do
+          local what = ("ndb %s p=%d kappa %g"):format(sc, p, kappas[k + 1])
+          local e = eig[k]
+          local s = sc == "pim" and 2 * (lam[k + 1] + 1e-6) or e.fro
+          local f = {}
+          for j = 1, b do
+            local y = math.max(e.w[j], 0) / s
+            f[j] = p == 2 and chain(y, 10, false) or chain(chain(y, 10, true), 10, false)
+          end
+          local xm = ms.matmul(e.V * ms.tensor(f, { dtype = "f64" }), e.V, { trans_b = true })
+          local xg, xc = gpu.x:select(0, k):to("f64"), cpu.x:select(0, k):to("f64")
+          local tol = kappas[k + 1] <= 1e2 and 1e-4 or 1e-3
+          local e1, e2 = normalized_error(xg, xc), normalized_error(xg, xm)
+          assert(e1 <= tol, ("%s: GPU differs from the CPU by %.3g"):format(what, e1))
+          assert(e2 <= 1e-3, ("%s: GPU differs from its f64 map by %.3g"):format(what, e2))
+          if p == 2 or kappas[k + 1] <= 1e3 then
+            local e3 = normalized_error(tf.x:select(0, k):to("f64"), xc)
+            local ttol = p == 2 and 6e-2 or 2e-2
+            assert(e3 <= ttol, ("%s: TF32 differs from the CPU by %.3g (> %.g)"):format(what, e3, ttol))
+          end
+        end
+      end
     end
   end)
 
@@ -402,18 +476,33 @@ describe("CUDA ms.inv_root", function()
       local full = m == "ndb" and 40 or 20
       assert(ig[1] < full / 2, m .. ": the easy blocks did not stop early: " .. ig[1])
       assert(ig[40] > ig[1] + 4, m .. ": the hardest block stopped about as early as the easiest")
+      -- The hard blocks (20..39, kappa 1.3e4..1e6) run every step (both devices agree on every block's count,
+      -- asserted above: no stop differs) and sit below the floors, where f32 noise against their small components
+      -- limits agreement.  NDB runs the CPU's recursion: 1e-3 bounds that noise (see above).  CN in f32 runs the N
+      -- recursion on the GPU (engine/cuda/dash.c, cn_solve): N ~ (p + 1) / p I stores M's small eigenvalues in
+      -- the low bits of its diagonal, an M-perturbation of ~(p + 1) u against ~u / 4 for the CPU's M -- about 10x
+      -- the CPU's noise below the floor.  A numpy f32 emulation of both recursions on these blocks: the N
+      -- recursion 5e-5 (kappa 1.3e4) to 4.5e-3 (1e6) from the f64 iteration, the M recursion 5e-6 to 3.5e-4;
+      -- measured on the H200 1.15e-3 at block 33 (kappa 2.5e5; emulated 2.2e-3).  Tolerance 1e-2 for CN's hard
+      -- blocks; a wrong stop or scale is off by 1e-1 or more.  NDB's root 4 amplifies that noise below its floor
+      -- (its second chain inverts the first one's square root): measured on the H200 1.45e-3 at block 39 (kappa
+      -- 1e6, the hardest), so 5e-3 for NDB's hard blocks.
+      local function tol_of(k) return k < 20 and 1e-4 or (m == "cn" and 1e-2 or 5e-3) end
       for k = 0, #specs - 1 do
         local e = normalized_error(gpu.x:select(0, k):to("f64"), cpu.x:select(0, k):to("f64"))
-        assert(e <= 1e-4, ("%s block %d: GPU differs from the CPU by %.3g"):format(m, k, e))
+        assert(e <= tol_of(k), ("%s block %d: GPU differs from the CPU by %.3g"):format(m, k, e))
       end
       if not SELF then
         for _, lag in ipairs { 0, 1 } do
           with_env("MOONSTEP_DASH_LAG", lag, function()
             local x, _, its = ms.inv_root(dev(a), opts)
             assert.are.same(ig, vals(its))
+            -- a shorter batch may get another cuBLAS kernel (another summation order): the hard blocks then
+            -- differ by their below-floor noise, as between the devices
             for k = 0, #specs - 1 do
               local e = normalized_error(host(x):select(0, k):to("f64"), gpu.x:select(0, k):to("f64"))
-              assert(e <= 1e-5, ("%s lag %d block %d: differs by %.3g"):format(m, lag, k, e))
+              local tol = k < 20 and 1e-5 or tol_of(k)
+              assert(e <= tol, ("%s lag %d block %d: differs by %.3g"):format(m, lag, k, e))
             end
           end)
         end

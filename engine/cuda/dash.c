@@ -19,16 +19,23 @@
 **    product writes the root straight into x when no block list or early exit asks for a copy.
 **  - Early exit (tolerance > 0): each check freezes the converged blocks on the device and saves their roots
 **    (moonstep.h's per-block stopping, exactly); every iteration a one-CTA kernel moves the live blocks above the
-**    live count into the frozen positions below it, and the host shrinks the batch of the GEMMs it queues next to
-**    the counts the device has published (pinned memory, polled).  Every third iteration the host waits for
+**    live count into the frozen positions below it -- once at least 1/16 of the batch has frozen since the last
+**    move (fewer ride along) -- and the host shrinks the batch of the GEMMs it queues next to the counts the
+**    device has published (pinned memory, polled).  The check itself is one flat read of the product it tests
+**    (kernels/dash.cu, finish_flat_kernel).  Every third iteration the host waits for
 **    the count of two iterations ago -- an event wait, not a stream sync: the device keeps working on the
 **    iterations queued since.  That wait is the only host synchronisation outside EVD; none under capture
 **    (no compaction there: frozen blocks ride along, their results already saved).
-**  - EVD: per-block cusolverDnXsyevd on several streams with their own handles (syevd of one 1024 block does
-**    not fill the GPU), cusolverDnXsyevBatched or syevjBatched by choice, then Q diag(l^(-1/2p)) and one
+**  - EVD: cusolverDnXsyevBatched (syevjBatched for n <= 32), falling back to per-block cusolverDnXsyevd on
+**    several streams with their own handles where the batched call is refused; then Q diag(l^(-1/2p)) and one
 **    symmetric product.
+** Accuracy under TF32 (allow_tf32): NDB's root 4 feeds the first chain's square root, rounded to 2^-11 of its
+** largest eigenvalue, into the second chain's inverse root, which amplifies that noise: blocks of condition
+** beyond ~1e3 get roots far from the f32 ones (normalized error 0.1 at 1e4, ~1 at 1e5-1e7, in a numpy emulation
+** of these chains and on the H200 alike; DASH's own TF32 NDB shows the same, research/anchors-h200.md).  The code
+** is right (tests/cuda_dash_spec.lua: f32 within 1e-3 of the f64 map); TF32 NDB-4 is for well-conditioned blocks.
 ** Knobs for measurements (environment, read per call): MOONSTEP_DASH_SPLIT (1 plain GEMMs, the default; 2-4 panels),
-** MOONSTEP_DASH_EVD (auto, streams, batched, jacobi), MOONSTEP_DASH_EVD_STREAMS (1..16, default 8),
+** MOONSTEP_DASH_EVD (auto: batched, jacobi for n <= 32; streams; batched; jacobi), MOONSTEP_DASH_EVD_STREAMS (1..16, default 8),
 ** MOONSTEP_DASH_EVD_THREADS (1: one host thread per stream, the default; 0: one thread issues every block),
 ** MOONSTEP_DASH_LAG (iterations the host runs ahead of a compaction before it waits for its count, 1..4, default
 ** 2; 0: no compaction, no waits), MOONSTEP_DASH_SYNC_EVERY (iterations between those waits, default 3).
@@ -62,13 +69,16 @@ static int env_int(const char *name, int def, int lo, int hi)
 
 typedef enum evd_path { EVD_STREAMS, EVD_BATCHED, EVD_JACOBI } evd_path;
 
+/* The default: Jacobi for n <= 32, else cusolverDnXsyevBatched -- on the H200 2.6 ms per 1024 block and 2.0 ms
+** per 512 block, against 10.5 and 4.6 for per-block Xsyevd on 1-16 streams (a refresh of the subset 0.6 s instead
+** of 1.7 s).  The streams path stays: selectable, and the fallback where the batched call is refused. */
 static evd_path evd_path_for(int64_t n)
 {
     const char *v = getenv("MOONSTEP_DASH_EVD");
     if (v && strcmp(v, "streams") == 0) return EVD_STREAMS;
     if (v && strcmp(v, "batched") == 0) return EVD_BATCHED;
     if (v && strcmp(v, "jacobi") == 0 && n >= 2 && n <= 32) return EVD_JACOBI;
-    return n >= 2 && n <= 32 ? EVD_JACOBI : EVD_STREAMS;
+    return n >= 2 && n <= 32 ? EVD_JACOBI : EVD_BATCHED;
 }
 
 /* --- per-context state: the eigensolver's side streams and handles, the pinned compaction counts ------ */
@@ -84,6 +94,7 @@ struct ms_cuda_dash {
     int               *pinned;              /* [PIN_RING][2] */
     cudaEvent_t        pin_ev[PIN_RING];
     int                pin_next;
+    int64_t            batched_refused;     /* a size cusolverDnXsyevBatched refused (0: none): streams for it */
 };
 
 void ms_cuda_dash_release(ms_cuda_ctx *c)
@@ -324,6 +335,7 @@ typedef struct solver {
     unsigned          *dev;
     int               *live, *map, *from, *to, *counts, *acc, *idx, *info, *bad;
     float             *pv, *pw, *evals;
+    void              *pv16;            /* bf16 power-iteration vectors (the GEMM operand) */
     double            *sv, *sw1, *sw2;
     /* slots: f32 [K, n, n] each, and 16-bit shadows */
     char              *slots, *shadows;
@@ -437,9 +449,10 @@ static ms_status pass_begin(solver *S)
     if (!S->early) return MS_OK;
     MS_CUDA_TRY(S->ctx, cudaMemsetAsync(S->live, 0x01, (size_t)S->K * sizeof(int), S->st));   /* positive: live */
     MS_CUDA_TRY(S->ctx, cudaMemsetAsync(S->dev, 0, (size_t)S->K * sizeof(unsigned), S->st));
+    MS_CUDA_TRY(S->ctx, cudaMemsetAsync(S->counts, 0, 2 * sizeof(int), S->st));   /* no compaction yet */
     MS_CUDA_LAUNCH(S->ctx, msk_dash_iota(S->ctx, S->st, S->K, S->map));
     S->pos.map = S->map;
-    S->launches += 3;
+    S->launches += 4;
     return MS_OK;
 }
 
@@ -522,24 +535,55 @@ static ms_status pass_end(solver *S, int T, const float *src, float *out, bool o
 
 static msk_dash_src input_src(const solver *S) { return (msk_dash_src){ S->a, 1, S->o->eps }; }
 
+/* The power iteration's products W = S V (moonstep.h, "Power iteration") run as batched cuBLAS GEMMs on a copy of
+** S made once: bf16 (DASH's precision; f32 accumulation) or f32 (TF32 only when tf32).  V and W are [n, m]
+** row-major, i.e. m x n column-major, so W^T = V^T S^T: cuBLAS's (m x n)(n x n) with S read column-major as S^T
+** -- exactly S V even for a non-symmetric S.  Replaces a hand-written thin product that took ~30 ms on the subset. */
+typedef struct pi_gemm {
+    cublasHandle_t blas;
+    void          *mat;      /* [batch, n, n]: bf16 or f32 */
+    void          *v16;      /* [batch, n, m] bf16 (bf16 mode) */
+    bool           tf32;
+} pi_gemm;
+
+static ms_status pi_product(ms_ctx *ctx, const msk_dash_pos *pos, const pi_gemm *g, bool bf16, int m, const float *v,
+                            float *w)
+{
+    const int64_t n = pos->n;
+    const float one = 1.0f, zero = 0.0f;
+    const cudaDataType ti = bf16 ? CUDA_R_16BF : CUDA_R_32F;
+    const cublasComputeType_t comp = !bf16 && g->tf32 ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F;
+    const void *V = bf16 ? g->v16 : (const void *)v;
+    MS_CUBLAS_TRY(ctx, cublasGemmStridedBatchedEx(g->blas, CUBLAS_OP_N, CUBLAS_OP_N, m, (int)n, (int)n, &one, V, ti, m,
+                                                  (long long)(n * m), g->mat, ti, (int)n, (long long)(n * n), &zero, w,
+                                                  CUDA_R_32F, m, (long long)(n * m), (int)pos->batch, comp,
+                                                  CUBLAS_GEMM_DEFAULT));
+    return MS_OK;
+}
+
 /* A power iteration per block (moonstep.h, "Power iteration") on S = M + d_mat I (an f32 add: A_reg) with the
 ** damping d_pi: in bf16 added to S's diagonal before S is rounded (engine/cpu/dash.c), in f32 added as d_pi v after
-** each product; m vectors from offset base + id; the result by msk_dash_pi_rq's mode. */
-static ms_status power_iteration(ms_ctx *ctx, cudaStream_t st, const msk_dash_pos *pos, const float *M, float d_mat,
-                                 float d_pi, bool bf16, int m, int steps, uint64_t seed, uint64_t base, float *v,
-                                 float *w, int mode, double mult, double sub, double power, void *dst, int *launches)
+** each product; m vectors from offset base + id; the result by msk_dash_pi_rq's mode.  g NULL: the thin-product
+** kernel instead of cuBLAS. */
+static ms_status power_iteration(ms_ctx *ctx, cudaStream_t st, const msk_dash_pos *pos, const pi_gemm *g,
+                                 const float *M, float d_mat, float d_pi, bool bf16, int m, int steps, uint64_t seed,
+                                 uint64_t base, float *v, float *w, int mode, double mult, double sub, double power,
+                                 void *dst, int *launches)
 {
     msk_dash_thin t = { .m = M, .by_id = 1, .d1 = d_mat, .d2 = bf16 ? d_pi : 0.0f, .bf16 = bf16, .vecs = m };
     const float dmp = bf16 ? 0.0f : d_pi;
+    void *v16 = g && bf16 ? g->v16 : NULL;
+    if (g) MS_CUDA_LAUNCH(ctx, msk_dash_pi_matrix(ctx, st, pos, &t, g->mat));
     MS_CUDA_LAUNCH(ctx, msk_dash_randn(ctx, st, pos, m, w, seed, base));
-    MS_CUDA_LAUNCH(ctx, msk_dash_pi_norm(ctx, st, pos, m, w, NULL, 0.0f, bf16, v));
+    MS_CUDA_LAUNCH(ctx, msk_dash_pi_norm(ctx, st, pos, m, w, NULL, 0.0f, bf16, v, v16));
     for (int it = 0; it <= steps; it++) {
-        MS_CUDA_LAUNCH(ctx, msk_dash_thin_f32(ctx, st, pos, &t, v, w));
+        if (g) MS_TRY(pi_product(ctx, pos, g, bf16, m, v, w));
+        else MS_CUDA_LAUNCH(ctx, msk_dash_thin_f32(ctx, st, pos, &t, v, w));
         if (it == steps) break;
-        MS_CUDA_LAUNCH(ctx, msk_dash_pi_norm(ctx, st, pos, m, w, v, dmp, bf16, v));
+        MS_CUDA_LAUNCH(ctx, msk_dash_pi_norm(ctx, st, pos, m, w, v, dmp, bf16, v, v16));
     }
     MS_CUDA_LAUNCH(ctx, msk_dash_pi_rq(ctx, st, pos, m, v, w, dmp, mode, mult, sub, power, dst));
-    *launches += 2 * steps + 4;
+    *launches += 2 * steps + 4 + (g ? 1 : 0);
     return MS_OK;
 }
 
@@ -554,7 +598,9 @@ static ms_status compute_scale(solver *S)
         return MS_OK;
     }
     const int m = o->scaling == MS_SCALING_PIM ? o->pi_vectors : 1;
-    return power_iteration(S->ctx, S->st, &pos, S->a, (float)o->eps, (float)o->eps_power_iter, o->pi_bf16 != 0, m,
+    /* slot 0 (f32, K n n) holds the matrix copy: the solvers overwrite it only after the scale is known */
+    const pi_gemm g = { S->blas, slot(S, 0), S->pv16, S->tf32 };
+    return power_iteration(S->ctx, S->st, &pos, &g, S->a, (float)o->eps, (float)o->eps_power_iter, o->pi_bf16 != 0, m,
                            o->pi_steps, o->seed, 0, S->pv, S->pw, 0, o->pi_const, 0, 0, S->scale, &S->launches);
 }
 
@@ -629,9 +675,16 @@ static ms_status ndb_solve(solver *S)
 
 /* --- CN ------------------------------------------------------------------------------------------------------ */
 
-/* Coupled Newton on the N recursion: X_1 = z^(1/p) N_0; per iteration i = 1..T-1: N_i = N^p (N - c I) + c I from
-** N_(i-1) (the check: |M_i - I| = p |N_i - I|), then X_(i+1) = X_i N_i.  f32 slots: X 0 / 1, N 2, temporaries 3, 4;
-** 16-bit: N's operand copy in shadow 2, N^2 and N^4 in shadows 3, 4. */
+/* Coupled Newton.  f32 runs the N recursion: X_1 = z^(1/p) N_0; per iteration i = 1..T-1: N_i = N^p (N - c I) + c I
+** from N_(i-1) (the check: |M_i - I| = p |N_i - I|), then X_(i+1) = X_i N_i.  f32 slots: X 0 / 1, N 2, temporaries
+** 3, 4.  16-bit runs the CPU's M recursion (moonstep.h): M_i = N^p M with 16-bit operands, N_i = ((p + 1) I - M_i)
+** / p formed in the finish pass of M's product.  The N recursion rounds N ~ 1 to 16 bits every iteration (absolute
+** error 2^-11 in every factor of X, 6x the CPU's error in f16), while M's early small entries keep their relative
+** precision.  In f32 the N recursion's price is the same in kind, smaller: rounding N ~ (p + 1) / p I perturbs
+** the M it stands for by ~(p + 1) u against ~u / 4 for a stored M, so below the floor (kappa >= 1e5) the root
+** carries ~10x the CPU's f32 noise (numpy emulation, b = 32: 4.5e-3 against 3.5e-4 from the f64 iteration at
+** kappa 1e6; above the floor both are within 1e-4) -- accepted for the pass over M per iteration it saves
+** (tests/cuda_dash_spec.lua holds it to 1e-2).  16-bit: X 0 / 1, N 2, M 3 (f32); shadows: M 0, N 2, N^2 3, the inner product 4. */
 static ms_status cn_solve(solver *S)
 {
     const int T = S->o->steps, p = S->o->root;
@@ -641,7 +694,8 @@ static ms_status cn_solve(solver *S)
     MS_TRY(pass_begin(S));
     int xs = 0, x2 = 1, ns = 2, t1 = 3, t2 = 4;
     MS_CUDA_LAUNCH(S->ctx, msk_dash_cn_init(S->ctx, S->st, &S->pos, input_src(S), S->scale, p, slot(S, ns),
-                                            mm16 ? shadow(S, 2) : NULL, S->mm, T == 1 ? S->x : slot(S, xs), T == 1));
+                                            mm16 ? shadow(S, 2) : NULL, S->mm, T == 1 ? S->x : slot(S, xs), T == 1,
+                                            mm16 && T > 1 ? shadow(S, 0) : NULL));
     S->launches++;
     if (T == 1) return pass_end(S, 1, NULL, NULL, true, true);
     bool written = false;
@@ -661,26 +715,33 @@ static ms_status cn_solve(solver *S)
             ns = fr;
         } else {
             const ms_dtype h = S->mm;
-            MS_TRY(product(S, shadow(S, 3), h, shadow(S, 2), shadow(S, 2), h, 1, 0, 0, false, NULL));
-            void *pw = shadow(S, 3);
+            const void *np = shadow(S, 2);   /* N, or N^2 for p = 4 */
             if (p == 4) {
-                MS_TRY(product(S, shadow(S, 4), h, shadow(S, 3), shadow(S, 3), h, 1, 0, 0, false, NULL));
-                pw = shadow(S, 4);
+                MS_TRY(product(S, shadow(S, 3), h, shadow(S, 2), shadow(S, 2), h, 1, 0, 0, false, NULL));
+                np = shadow(S, 3);
             }
-            MS_CUDA_LAUNCH(S->ctx, msk_dash_diag(S->ctx, S->st, shadow(S, 2), h, &S->pos, -c));
+            MS_TRY(product(S, shadow(S, 4), h, np, shadow(S, 0), h, 1, 0, 0, false, NULL));
+            /* M <- np (np M) in f32 (slot 3); the finish rounds M into shadow 0 and forms N (slot ns, shadow 2) */
+            MS_TRY(gemm_sym(S, slot(S, 3), MS_DTYPE_F32, np, shadow(S, 4), h, false, 1.0f, 0.0f));
+            msk_dash_finish f = {
+                .x = slot(S, 3), .xdt = MS_DTYPE_F32, .x16 = shadow(S, 0), .x16dt = h, .diag = 0,
+                .dev = S->early ? S->dev : NULL, .batch = S->pos.batch, .cn_p = p, .cn_n32 = slot(S, ns),
+                .cn_n16 = shadow(S, 2),
+            };
+            MS_CUDA_LAUNCH(S->ctx, msk_dash_finish_run(S->ctx, S->st, &S->sym, &f));
             S->launches++;
-            MS_TRY(product(S, slot(S, ns), MS_DTYPE_F32, pw, shadow(S, 2), h, 1, 0, c, S->early, shadow(S, 2)));
         }
-        if (S->early) MS_TRY(freeze_and_save(S, (float)p, i, slot(S, xs), S->x, true));
+        if (S->early) MS_TRY(freeze_and_save(S, mm16 ? 1.0f : (float)p, i, slot(S, xs), S->x, true));
         float *dst = last && direct ? S->x : slot(S, x2);
         MS_TRY(product(S, dst, MS_DTYPE_F32, slot(S, xs), slot(S, ns), MS_DTYPE_F32, 1, 0, 0, false, NULL));
         written = last && direct;
         if (!written) { int t = xs; xs = x2; x2 = t; }
         if (!last) {
-            msk_dash_slot state[2] = {
-                { slot(S, xs), S->nn * 4 }, { mm16 ? shadow(S, 2) : (void *)slot(S, ns), S->nn * (mm16 ? 2 : 4) },
+            msk_dash_slot state[4] = {
+                { slot(S, xs), S->nn * 4 }, { slot(S, ns), S->nn * 4 }, { shadow(S, 2), S->nn * 2 },
+                { shadow(S, 0), S->nn * 2 },
             };
-            MS_TRY(compact(S, i, 2, state));
+            MS_TRY(compact(S, i, mm16 ? 4 : 2, state));
             MS_TRY(catch_up(S, i + 1));
         }
     }
@@ -767,7 +828,7 @@ static ms_status host_workspace(ms_ctx *ctx, struct ms_cuda_dash *d, int i, size
 }
 
 /* The eigenvalues (S->evals) and vectors (in slot 0, column-major) of every position; infos in S->info. */
-static ms_status eigensolve(solver *S, evd_path path)
+static ms_status eigensolve(solver *S, evd_path path, bool *refused)
 {
     ms_ctx *ctx = S->ctx;
     const int64_t n = S->n, K = S->K, nn = S->nn;
@@ -803,25 +864,32 @@ static ms_status eigensolve(solver *S, evd_path path)
     MS_TRY(evd_streams(ctx, S->dash, S->capturing));
     struct ms_cuda_dash *d = S->dash;
     if (path == EVD_BATCHED) {
+        /* A status other than success (this cuSOLVER refuses the size, or the call) is not an error here: *refused
+        ** is set and the caller redoes the blocks on the streams path (the batched call may have overwritten some
+        ** of `work`).  Convergence and bad arguments per block come back in info, checked like the streams path's. */
         cusolverDnHandle_t h;
         MS_TRY(ms_cuda_solver(ctx, &h));
         const int64_t chunk_max = (int64_t)INT_MAX / (nn > 0 ? nn : 1);
         const int64_t chunk = K < chunk_max ? K : chunk_max;
         size_t dbytes = 0, hbytes = 0;
-        MS_CUSOLVER_TRY(ctx, cusolverDnXsyevBatched_bufferSize(h, d->params, jobz, uplo, n, CUDA_R_32F, work, n, CUDA_R_32F,
-                                                               S->evals, CUDA_R_32F, &dbytes, &hbytes, chunk));
+        cusolverStatus_t s = cusolverDnXsyevBatched_bufferSize(h, d->params, jobz, uplo, n, CUDA_R_32F, work, n, CUDA_R_32F,
+                                                               S->evals, CUDA_R_32F, &dbytes, &hbytes, chunk);
+        if (s != CUSOLVER_STATUS_SUCCESS) {
+            *refused = true;
+            return MS_OK;
+        }
         MS_TRY(host_workspace(ctx, d, 0, hbytes, S->capturing));
         void *dws = NULL;
         st = ms_cuda_scratch(ctx, dbytes > 0 ? dbytes : 1, &dws);
-        for (int64_t q0 = 0; q0 < K && st == MS_OK; q0 += chunk) {
+        for (int64_t q0 = 0; q0 < K && st == MS_OK && !*refused; q0 += chunk) {
             const int64_t cnt = K - q0 < chunk ? K - q0 : chunk;
-            cusolverStatus_t s = cusolverDnXsyevBatched(h, d->params, jobz, uplo, n, CUDA_R_32F, work + q0 * nn, n,
-                                                        CUDA_R_32F, S->evals + q0 * n, CUDA_R_32F, dws, dbytes,
-                                                        d->host_ws[0], hbytes, S->info + q0, cnt);
-            if (s != CUSOLVER_STATUS_SUCCESS) st = ms_cusolver_fail(ctx, s, "cusolverDnXsyevBatched", __FILE__, __LINE__);
+            s = cusolverDnXsyevBatched(h, d->params, jobz, uplo, n, CUDA_R_32F, work + q0 * nn, n, CUDA_R_32F,
+                                       S->evals + q0 * n, CUDA_R_32F, dws, dbytes, d->host_ws[0], hbytes, S->info + q0, cnt);
+            if (s != CUSOLVER_STATUS_SUCCESS) *refused = true;
             S->launches++;
         }
         if (dws) ms_cuda_scratch_free(ctx, dws, dbytes > 0 ? dbytes : 1);
+        if (*refused) (void)cudaGetLastError();   /* a launch error of the refused call is not sticky */
         return st;
     }
     /* per-block Xsyevd on the side streams, forked from and joined to the context's stream */
@@ -915,11 +983,20 @@ static ms_status evd_check(solver *S, evd_path path)
 
 static ms_status evd_solve(solver *S)
 {
-    const evd_path path = evd_path_for(S->n);
+    evd_path path = evd_path_for(S->n);
+    if (path == EVD_BATCHED && S->dash->batched_refused == S->n) path = EVD_STREAMS;
     MS_TRY(pass_begin(S));
+    bool refused = false;
     MS_CUDA_LAUNCH(S->ctx, msk_dash_evd_prep(S->ctx, S->st, &S->pos, input_src(S), slot(S, 0), S->bad));
     S->launches++;
-    MS_TRY(eigensolve(S, path));
+    MS_TRY(eigensolve(S, path, &refused));
+    if (refused) {   /* the fallback, remembered for this size (no failed call per refresh) */
+        S->dash->batched_refused = S->n;
+        path = EVD_STREAMS;
+        MS_CUDA_LAUNCH(S->ctx, msk_dash_evd_prep(S->ctx, S->st, &S->pos, input_src(S), slot(S, 0), S->bad));
+        S->launches++;
+        MS_TRY(eigensolve(S, path, &refused));
+    }
     MS_TRY(evd_check(S, path));
     MS_CUDA_LAUNCH(S->ctx, msk_dash_evd_scale(S->ctx, S->st, &S->pos, slot(S, 0), S->evals, S->o->root, S->o->eps,
                                               S->o->evd_shift != 0));
@@ -994,6 +1071,7 @@ static size_t small_layout(solver *S, char *base, int pi_m)
     CARVE(bad, int, K);
     CARVE(pv, float, K * n * pi_m);
     CARVE(pw, float, K * n * pi_m);
+    CARVE(pv16, uint16_t, K * n * pi_m);
     CARVE(evals, float, K * n);
     CARVE(sv, double, K * n * SKETCH_VECTORS);
     CARVE(sw1, double, K * n * SKETCH_VECTORS);
@@ -1100,21 +1178,31 @@ ms_status ms_cuda_spectrum_estimate(ms_ctx *ctx, ms_tensor *lam_max, ms_tensor *
         return lam_min ? ms_cuda_fill_tensor(ctx, lam_min, INFINITY) : MS_OK;
     }
     cudaStream_t st = ms_cuda(ctx)->stream;
+    if (n > 46340 || N > INT_MAX)
+        return MS_FAIL(ctx, MS_E_UNSUPPORTED, "ms_spectrum_estimate on %s: %lld blocks of %lld exceed cuBLAS's int",
+                       ctx->name, (long long)N, (long long)n);
     const int m = o->vectors;
-    const size_t vbytes = align256((size_t)(N * n * m) * sizeof(float));
-    char *mem = NULL;
-    MS_TRY(ms_cuda_scratch(ctx, 2 * vbytes, (void **)&mem));
-    float *v = (float *)mem, *w = (float *)(mem + vbytes);
-    msk_dash_pos pos = { n, N, NULL, NULL };
     const bool bf16 = o->bf16 != 0;
+    const size_t vbytes = align256((size_t)(N * n * m) * sizeof(float));
+    const size_t v16bytes = align256((size_t)(N * n * m) * 2);
+    const size_t mbytes = align256((size_t)(N * n * n) * (bf16 ? 2 : 4));
+    const size_t total = 2 * vbytes + v16bytes + mbytes;
+    char *mem = NULL;
+    pi_gemm g = { NULL, NULL, NULL, false };   /* exact f32 unless bf16: the options have no TF32 switch */
+    MS_TRY(ms_cuda_blas(ctx, &g.blas));
+    MS_TRY(ms_cuda_scratch(ctx, total, (void **)&mem));
+    float *v = (float *)mem, *w = (float *)(mem + vbytes);
+    g.v16 = mem + 2 * vbytes;
+    g.mat = mem + 2 * vbytes + v16bytes;
+    msk_dash_pos pos = { n, N, NULL, NULL };
     int launches = 0;
     /* on A damped by eps (lam_max = q - eps), then on the root undamped (lam_min = mu^-p) */
-    ms_status s1 = power_iteration(ctx, st, &pos, ms_tensor_ptr(a), 0.0f, (float)o->eps, bf16, m, o->steps, o->seed, 0,
-                                   v, w, 1, 1.0, o->eps, 0.0, ms_tensor_ptr(lam_max), &launches);
+    ms_status s1 = power_iteration(ctx, st, &pos, &g, ms_tensor_ptr(a), 0.0f, (float)o->eps, bf16, m, o->steps,
+                                   o->seed, 0, v, w, 1, 1.0, o->eps, 0.0, ms_tensor_ptr(lam_max), &launches);
     if (s1 == MS_OK && lam_min)
-        s1 = power_iteration(ctx, st, &pos, ms_tensor_ptr(x_root), 0.0f, 0.0f, bf16, m, o->steps, o->seed,
+        s1 = power_iteration(ctx, st, &pos, &g, ms_tensor_ptr(x_root), 0.0f, 0.0f, bf16, m, o->steps, o->seed,
                              OFFSET_ROOT_PI, v, w, 2, 1.0, 0.0, (double)o->root, ms_tensor_ptr(lam_min), &launches);
-    ms_cuda_scratch_free(ctx, mem, 2 * vbytes);
+    ms_cuda_scratch_free(ctx, mem, total);
     if (s1 != MS_OK) return s1;
     ms_cuda_track_tensor(ctx, lam_max);
     ms_cuda_track_tensor(ctx, lam_min);

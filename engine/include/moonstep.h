@@ -962,13 +962,14 @@ MS_API void ms_string_free(char *s);
 ** those of the capture. */
 MS_API ms_status ms_optimizer_capture(ms_optimizer *opt);
 
-/* Inside a trainer's CUDA graph.  A trainer that captures its training step into a graph of its own
-** (cudaStreamBeginCapture on the context's stream, torch.cuda.graph, or ms_graph_begin on ctx) may call
+/* Inside a trainer's CUDA graph.  A trainer that captures its training step into a graph of its own, in a
+** capture that holds the context's stream (begun on it with cudaStreamBeginCapture or ms_graph_begin, or
+** joined to it by an event wait, as the Python bridge does inside torch.cuda.graph), may call
 ** ms_optimizer_step / _step_with during that capture: the step is then recorded into the trainer's graph
 ** (ms_graph_join), with no host sync and no allocation from the driver, and nothing runs until a replay.
 ** Conditions:
 **  - Warm-up: create the optimizer with the setting "device_checks": true (or call ms_optimizer_capture), and
-**    run one uncaptured ms_optimizer_step with the same parameters and gradients first: it creates the
+**    run one uncaptured ms_optimizer_step first (the gradients may live elsewhere then): it creates the
 **    recipe's state, the context's handles and the cached memory that a capture cannot allocate.  A step
 **    captured before that, or without device checks, fails with MS_E_UNSUPPORTED and records nothing (a
 **    recipe plan that has not run uncaptured yet, such as DASH's refresh step, fails with MS_E_ARG).

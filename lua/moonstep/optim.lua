@@ -30,8 +30,10 @@ Settings (the runtime's, kept apart from the recipe's options):
 Captured steps (CUDA): after opt:capture(), each step replays a CUDA graph per plan key (the plan() keys
 of the routes that run, e.g. DASH's "refresh" and "apply"), instead of running the recipe.  The first step
 with a new key runs uncaptured (it fills the memory pool's cache), the next one with that key captures and
-replays.  Replays read lr and step from the device scalars lr_t / step_t, written before each launch.  A
-captured step reads nothing back to the host, so:
+replays.  Replays read lr and step from the device scalars lr_t / step_t, written before each launch (a
+value equal to the last one written is not written again, so recipes read ctx.lr_t / ctx.step_t and never
+write them).  A replay checks nothing per member while no set_grad ran (tensors never change their memory,
+shape or dtype).  A captured step reads nothing back to the host, so:
   - the non-finite check and clipping run on the device: ctx.skip_t (a device scalar, nonzero on a step with
     NaN/Inf gradients) goes to the recipe, whose fused steps take it as `skip`; a route that does not read
     ctx.skip_t cannot be skipped on the device, and capturing it is refused (unless nonfinite = "apply").
@@ -338,6 +340,7 @@ function Optimizer:_plans(runs, c, scaled)
     local r = self.recipe.routes[run.route]
     local p = "step"
     if r.plan then
+      self.scalars_written = nil
       p = R.call(self.guard, r.plan, run, run.options, c) or "step"
       key = key and key .. "|" .. tostring(p) or tostring(p)
     end
@@ -352,6 +355,7 @@ end
 -- one at the end
 function Optimizer:_run_routes(runs, plans, c, rec)
   local h = self.ctx_h
+  self.scalars_written = nil   -- recipe code runs: every device scalar is written again next step
   for i, run in ipairs(runs) do
     local r = self.recipe.routes[run.route]
     c.plan = plans[i]
@@ -364,7 +368,6 @@ function Optimizer:_run_routes(runs, plans, c, rec)
     if not ok then error(err, 0) end
   end
   if rec then self:_timing_mark(rec, nil) end
-  self.scalars_written = nil   -- recipe code ran: write every device scalar again next step
 end
 
 -- Writes this step's lr and step into the device scalars lr_t and step_t (and the unscale factor into the
@@ -574,12 +577,38 @@ local function tensor_sig(t)
                                               table.concat(t:strides(), ","))
 end
 
-local function record_members(e, active)
-  e.members, e.grads, e.params, e.gsig, e.psig = {}, {}, {}, {}, {}
+-- the same, as numbers to compare without allocating (a trainer may hand over new gradient tensors each
+-- step: each is compared at every replay): data pointer, dtype, ndim, then size and stride per dim
+local function tensor_layout(t)
+  local h = tensor.handle(t)
+  local n = C.ms_tensor_ndim(h)
+  local l = { C.ms_tensor_data_ptr(h), C.ms_tensor_dtype(h), n }
+  for d = 0, n - 1 do l[4 + 2 * d], l[5 + 2 * d] = C.ms_tensor_size(h, d), C.ms_tensor_stride(h, d) end
+  return l
+end
+
+local function same_layout(t, l)
+  local h = tensor.handle(t)
+  local n = C.ms_tensor_ndim(h)
+  if C.ms_tensor_data_ptr(h) ~= l[1] or C.ms_tensor_dtype(h) ~= l[2] or n ~= l[3] then return false end
+  for d = 0, n - 1 do
+    if C.ms_tensor_size(h, d) ~= l[4 + 2 * d] or C.ms_tensor_stride(h, d) ~= l[5 + 2 * d] then return false end
+  end
+  return true
+end
+
+-- A tensor never changes its memory, shape, strides or dtype (no op rebinds them), and a member's param is
+-- fixed when the optimizer is made; only set_grad replaces tensors, and it counts grads_version.  So a graph
+-- fits its members for certain while grads_version is the one it was checked at (an O(1) test per replay);
+-- after a set_grad the members are compared one by one (entry_change).
+local function record_members(e, active, version)
+  e.members, e.grads, e.params, e.gsig, e.psig, e.glay, e.play = {}, {}, {}, {}, {}, {}, {}
   for i, m in ipairs(active) do
     e.members[i], e.grads[i], e.params[i] = m, m.grad, m.param
     e.gsig[i], e.psig[i] = tensor_sig(m.grad), tensor_sig(m.param)
+    e.glay[i], e.play[i] = tensor_layout(m.grad), tensor_layout(m.param)
   end
+  e.fits_version = version
 end
 
 -- nil when the graph of entry e still fits the active members, else why not; a gradient replaced by another
@@ -592,24 +621,41 @@ local function entry_change(e, active)
     if m ~= e.members[i] then return ("parameter '%s' now has a gradient, '%s' had one at the capture"):format(m.name, e.members[i].name) end
     local g = m.grad
     if g ~= e.grads[i] then
-      local sig = tensor_sig(g)
-      if sig ~= e.gsig[i] then
-        return ("the gradient of '%s' is %s, it was %s at the capture"):format(m.name, sig, e.gsig[i])
+      if not same_layout(g, e.glay[i]) then
+        return ("the gradient of '%s' is %s, it was %s at the capture"):format(m.name, tensor_sig(g), e.gsig[i])
       end
       e.grads[i] = g
     end
     if m.param ~= e.params[i] then
-      local sig = tensor_sig(m.param)
-      if sig ~= e.psig[i] then return ("parameter '%s' is %s, it was %s at the capture"):format(m.name, sig, e.psig[i]) end
+      if not same_layout(m.param, e.play[i]) then
+        return ("parameter '%s' is %s, it was %s at the capture"):format(m.name, tensor_sig(m.param), e.psig[i])
+      end
       e.params[i] = m.param
     end
   end
   return nil
 end
+M._entry_change, M._record_members = entry_change, record_members   -- for timing them (specs, benches)
+
+-- entry_change, skipped while no set_grad ran since the graph was last found to fit
+local function replay_change(self, e, active)
+  if e.fits_version == self.grads_version then return nil end
+  local why = entry_change(e, active)
+  if why == nil then e.fits_version = self.grads_version end
+  return why
+end
 
 -- a step with the checks on the device: uncaptured (device_checks, or the first step of a key), captured
 -- (the second step of a key), or a replay
+--
+-- A replay's host work is kept small (issue 7: < 50 us per captured step): no step context or plan table
+-- when no route plans, an O(1) fit check while no set_grad ran, a device scalar written only when its value
+-- changed, one graph launch.  With opt.host_clock (a function giving microseconds; bench/overhead.lua sets
+-- it), last.host_us tells where a step's host time went: prelude (lr, runs, key), scalars, checks (does the
+-- graph still fit), launch (the replay, or the whole step when not replayed), total.
 function Optimizer:_step_device(grad_scale)
+  local clock = self.host_clock
+  local t0 = clock and clock()
   local h = self.ctx_h
   local step, lr = self.step_count + 1, self:get_lr()
   local launches0 = launches(h)
@@ -618,17 +664,26 @@ function Optimizer:_step_device(grad_scale)
   self.last = last
   local runs, active = self:_runs()
   local scaled = grad_scale ~= nil
-  local c = step_ctx(self, step, lr)
-  local plans, key = self:_plans(runs, c, scaled)
-  self.lr_t:fill_(lr)
-  self.step_t:fill_(step)
-  if scaled and #active > 0 then self:_checks(#active).inv:fill_(1 / grad_scale) end
+  local c, plans, key
+  if self.step_plans then
+    plans, key = self.step_plans, scaled and "step|unscaled" or "step"
+  else
+    c = step_ctx(self, step, lr)
+    plans, key = self:_plans(runs, c, scaled)
+  end
+  local t1 = clock and clock()
+  if scaled and #active > 0 then
+    self:_write_scalars(lr, step, self:_checks(#active).inv, 1 / grad_scale)
+  else
+    self:_write_scalars(lr, step)
+  end
   local before = self.settings.stats and self:_params_before(active)
   local rec = self.timing and self:_timing_slot(step)
+  local t2 = clock and clock()
 
   local e = self.graphs and #runs > 0 and self.graphs[key]
   if e and e.graph then
-    local why = entry_change(e, active)
+    local why = replay_change(self, e, active)
     if why then
       if self.settings.capture_on_change == "error" then
         if rec then self:_timing_mark(rec, nil) end
@@ -642,6 +697,7 @@ function Optimizer:_step_device(grad_scale)
       e = nil             -- this step runs uncaptured; the next one with this key captures again
     end
   end
+  local t3 = clock and clock()
   if e and e.graph then
     if rec then self:_timing_mark(rec, "graph") end
     C.ms_profile_push(h, e.nvtx)
@@ -654,6 +710,7 @@ function Optimizer:_step_device(grad_scale)
   elseif e and e.warm and self:_skip_known(runs) then
     -- the second step of this key: its temporaries are in the pool's cache once the collector ran
     if rec then self:_timing_mark(rec, nil) rec = nil end
+    c = c or step_ctx(self, step, lr)
     collectgarbage()
     collectgarbage()
     local checks
@@ -663,7 +720,7 @@ function Optimizer:_step_device(grad_scale)
              .. "uncaptured): %s"):format(step, key, tostring(g)), 2)
     end
     e.graph, e.checks, e.nvtx = g, checks, "moonstep:graph:" .. key
-    record_members(e, active)
+    record_members(e, active, self.grads_version)
     self.captures = self.captures + 1
     C.ms_profile_push(h, e.nvtx)
     local st = C.ms_graph_launch(h, e.graph.h)
@@ -675,6 +732,7 @@ function Optimizer:_step_device(grad_scale)
     -- uncaptured; the first step that needs a route's skip flag reads it back once, so that a route that
     -- ignores ctx.skip_t is found before a non-finite step could reach it
     local verify = not self:_skip_known(runs)
+    c = c or step_ctx(self, step, lr)
     local ok, checks, skipped = pcall(self._device_body, self, runs, active, plans, c, scaled, rec, verify)
     if not ok then
       if self.skip_refused then
@@ -703,6 +761,10 @@ function Optimizer:_step_device(grad_scale)
   self.step_count = step
   last.reports = self.reports
   last.launches = launches(h) - launches0
+  if clock then
+    local t4 = clock()
+    last.host_us = { prelude = t1 - t0, scalars = t2 - t1, checks = t3 - t2, launch = t4 - t3, total = t4 - t0 }
+  end
   -- applied for certain when there is no skip flag; otherwise the device decided (stats() reads it)
   if self.settings.nonfinite == "apply" or #active == 0 then
     last.skipped = false
@@ -755,10 +817,12 @@ function Optimizer:prepare_replay(args)
   local grad_scale = args and args.grad_scale
   check_grad_scale(grad_scale, 2)
   local step, lr = self.step_count + 1, self:get_lr()
-  self.lr_t:fill_(lr)
-  self.step_t:fill_(step)
   local _, active = self:_runs()
-  if grad_scale and #active > 0 then self:_checks(#active).inv:fill_(1 / grad_scale) end
+  if grad_scale and #active > 0 then
+    self:_write_scalars(lr, step, self:_checks(#active).inv, 1 / grad_scale)
+  else
+    self:_write_scalars(lr, step)
+  end
   self.step_count = step
   self.last = { step = step, lr = lr, replay = true }
 end

@@ -434,6 +434,17 @@ class Optimizer:
             raise ValueError("the optimizer is closed")
         return self._opt
 
+    def _ordered(self, fn, *args):
+        """fn(*args), whose work runs on the context's stream, ordered after the framework's current stream
+        (where a graph replay may have written the state) and before its later work."""
+        if self._order:
+            self._order.before()
+        try:
+            return fn(*args)
+        finally:
+            if self._order:
+                self._order.after()
+
     def add_param(self, name, param, grad=None, tags=None):
         """Registers a parameter (before the first step, save, load, info or stats)."""
         if isinstance(tags, (list, tuple)):
@@ -473,13 +484,7 @@ class Optimizer:
             self.set_grad(name, grad)
         opts = _StepOptions(grad_scale or 0.0)
         applied = ctypes.c_int(0)
-        if self._order:
-            self._order.before()
-        try:
-            _check(_lib.ms_optimizer_step_with(self._handle(), ctypes.byref(opts), ctypes.byref(applied)))
-        finally:
-            if self._order:
-                self._order.after()
+        _check(self._ordered(_lib.ms_optimizer_step_with, self._handle(), ctypes.byref(opts), ctypes.byref(applied)))
         return None if applied.value < 0 else bool(applied.value)
 
     @property
@@ -494,14 +499,14 @@ class Optimizer:
         _check(_lib.ms_optimizer_set_lr(self._handle(), float(value)))
 
     def save(self, path):
-        _check(_lib.ms_optimizer_save(self._handle(), _utf8(os.fspath(path), "path")))
+        _check(self._ordered(_lib.ms_optimizer_save, self._handle(), _utf8(os.fspath(path), "path")))
 
     def load(self, path):
-        _check(_lib.ms_optimizer_load(self._handle(), _utf8(os.fspath(path), "path")))
+        _check(self._ordered(_lib.ms_optimizer_load, self._handle(), _utf8(os.fspath(path), "path")))
 
     def _json(self, fn):
         out = ctypes.c_void_p()
-        _check(fn(self._handle(), ctypes.byref(out)))
+        _check(self._ordered(fn, self._handle(), ctypes.byref(out)))
         try:
             return json.loads(ctypes.string_at(out.value).decode())
         finally:
@@ -527,13 +532,7 @@ class Optimizer:
         step().  Recording needs settings["device_checks"] and one uncaptured step first (moonstep.h, "Inside a
         trainer's CUDA graph")."""
         opts = _StepOptions(grad_scale or 0.0)
-        if self._order:
-            self._order.before()
-        try:
-            _check(_lib.ms_optimizer_prepare_replay_with(self._handle(), ctypes.byref(opts)))
-        finally:
-            if self._order:
-                self._order.after()
+        _check(self._ordered(_lib.ms_optimizer_prepare_replay_with, self._handle(), ctypes.byref(opts)))
 
     # --- state dicts -------------------------------------------------------------------------------
     def checkpoint_bytes(self):
@@ -686,6 +685,7 @@ def _make_torch_optimizer():
                     raise ValueError("capturable=True needs settings['device_checks']: captured steps check the "
                                      "gradients on the device")
                 settings = dict(settings or {}, device_checks=True)
+            self._capturable = bool(capturable or (settings or {}).get("device_checks"))
             self._building = True
             super().__init__([p for _, p in named], {"lr": lr})
             self._building = False
@@ -744,6 +744,9 @@ def _make_torch_optimizer():
             if closure is not None:
                 with torch.enable_grad():
                     loss = closure()
+            if not self._capturable and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+                raise MoonstepError("MS_E_UNSUPPORTED", "step() inside torch.cuda.graph needs "
+                                    "TorchOptimizer(..., capturable=True) and one uncaptured step() first")
             self._push_lr()
             for name, p in zip(self.param_names, self.param_groups[0]["params"]):
                 key = self._grad_key(p.grad)

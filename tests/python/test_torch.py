@@ -9,7 +9,13 @@ no GPU):
 - parameters are updated in place (same storage), on torch's current stream (a side stream too);
 - a torch.optim.AdamW state dict moves into moonstep mid-run and the run goes on as torch's would;
 - state_dict / load_state_dict through torch.save resumes bit for bit;
-- CuPy arrays (DLPack) with moonstep's AdamW against an f64 AdamW.
+- CuPy arrays (DLPack) with moonstep's AdamW against an f64 AdamW;
+- inside torch.cuda.graph (capturable=True): a 2-layer MLP's forward, backward and moonstep step captured
+  and replayed under a torch LR scheduler tracks the same run done eagerly, step for step (AdamW, SinkGD);
+  the optimizer step alone, recorded between torch copies, replays bit for bit like eager steps (with a NaN
+  gradient skipped on the device, and moonstep's state compared byte for byte); the refusals (no warm-up,
+  no device checks, prepare_replay inside the capture or before any recording) leave the capture valid;
+  prepare_replay on a CPU optimizer is refused.
 Prints one line per test and "N passed, N failed[, N skipped]"; exits 1 on a failure.
 """
 import copy
@@ -261,6 +267,252 @@ def cupy_arrays_with_adamw():
     err = np.abs(cupy.asnumpy(w) - ref).max()
     assert err <= 1e-5, "CuPy AdamW vs f64: %g" % err
     opt.close()
+
+
+# ---------------------------------------------------------------------------------------------------
+# Inside torch.cuda.graph
+# ---------------------------------------------------------------------------------------------------
+GRAPH_STEPS, GRAPH_WARMUP = 24, 3
+GRAPH_RECIPES = [("adamw", {"weight_decay": 0.01}),
+                 ("sinkgd", {"sinkhorn_iters": 5, "sinkgd_lr_scale": 1.0, "adamw_state": "f32"})]
+
+
+def lr_factor(step):
+    """A learning rate that changes at every step (LambdaLR's multiplier)."""
+    return 1.0 / (1.0 + 0.15 * step)
+
+
+def graph_batches(n, seed):
+    """n batches (x, y) of a fixed teacher, on the GPU."""
+    g = torch.Generator().manual_seed(seed)
+    teacher = torch.randn(16, 4, generator=g)
+    out = []
+    for _ in range(n):
+        x = torch.randn(64, 16, generator=g)
+        out.append((x.cuda(), torch.tanh(x @ teacher).cuda()))
+    return out
+
+
+def graph_mlp(recipe, options):
+    torch.manual_seed(11)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 48), torch.nn.Tanh(), torch.nn.Linear(48, 4)).cuda()
+    import moonstep
+    opt = moonstep.TorchOptimizer(model.named_parameters(), recipe, lr=1e-2, options=options, capturable=True)
+    return model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lr_factor)
+
+
+def mlp_step(model, x, y):
+    loss = torch.nn.functional.mse_loss(model(x), y)
+    loss.backward()
+    return loss
+
+
+def expect_moonstep_error(status, needle, fn, *args):
+    import moonstep
+    try:
+        fn(*args)
+    except moonstep.MoonstepError as e:
+        assert e.status == status and needle in str(e), "%s, want %s with %r" % (e.status, status, needle) + ": %s" % e
+        return
+    raise AssertionError("no error; wanted %s with %r" % (status, needle))
+
+
+@test({"torch", "cuda"})
+def an_mlp_step_captured_in_a_torch_graph_tracks_the_eager_run():
+    import moonstep
+    batches = graph_batches(GRAPH_STEPS, 31)
+    side = torch.cuda.Stream()            # both runs on the capture's stream: the same cuBLAS handle
+    for recipe, options in GRAPH_RECIPES:
+        # eager: zero_grad, forward, backward, step, scheduler step
+        ref, ref_opt, ref_sched = graph_mlp(recipe, options)
+        ref_losses = []
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for x, y in batches:
+                ref_opt.zero_grad(set_to_none=True)
+                ref_losses.append(mlp_step(ref, x, y).detach().clone())
+                ref_opt.step()
+                ref_sched.step()
+        torch.cuda.current_stream().wait_stream(side)
+
+        # the same run: warm-up steps uncaptured on the side stream, then one captured step replayed
+        model, opt, sched = graph_mlp(recipe, options)
+        pointers = [p.data_ptr() for p in model.parameters()]
+        static_x, static_y = torch.empty_like(batches[0][0]), torch.empty_like(batches[0][1])
+        losses = []
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for x, y in batches[:GRAPH_WARMUP]:
+                static_x.copy_(x)
+                static_y.copy_(y)
+                opt.zero_grad(set_to_none=True)
+                losses.append(mlp_step(model, static_x, static_y).detach().clone())
+                opt.step()
+                sched.step()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        opt.zero_grad(set_to_none=True)      # backward allocates the gradients from the graph's pool
+        with torch.cuda.graph(graph, stream=side):
+            static_loss = mlp_step(model, static_x, static_y)
+            opt.step()
+        assert opt.moonstep.stats()["step"] == GRAPH_WARMUP, "recording counts no step"
+        for x, y in batches[GRAPH_WARMUP:]:
+            static_x.copy_(x)
+            static_y.copy_(y)
+            opt.prepare_replay()
+            graph.replay()
+            losses.append(static_loss.detach().clone())
+            sched.step()
+        torch.cuda.synchronize()
+
+        la, lb = [v.item() for v in ref_losses], [v.item() for v in losses]
+        assert lb[-1] < lb[0], "%s: trained: %g -> %g" % (recipe, lb[0], lb[-1])
+        assert_tracks(la, lb, 1e-5, "%s: captured vs eager losses" % recipe)
+        assert_params_close(model, ref, 1e-5, "%s: captured vs eager parameters" % recipe)
+        assert [p.data_ptr() for p in model.parameters()] == pointers, "updated in place"
+        for o in (opt, ref_opt):
+            st = o.moonstep.stats()
+            assert st["step"] == GRAPH_STEPS and st["skipped_steps"] == 0, st
+            assert st["lr"] == 1e-2 * lr_factor(GRAPH_STEPS - 1), st      # the last step's (replay's) lr
+        diff = max((a.detach() - b.detach()).abs().max().item() for a, b in zip(model.parameters(), ref.parameters()))
+        print("     %s: %d replays; largest parameter difference from the eager run %.3g%s"
+              % (recipe, GRAPH_STEPS - GRAPH_WARMUP, diff, " (bit for bit)" if diff == 0 else ""))
+        del graph
+        opt.moonstep.close()
+        ref_opt.moonstep.close()
+
+
+def checkpoint_tensors(opt):
+    import moonstep
+    tensors, _ = moonstep._read_safetensors(opt.moonstep.checkpoint_bytes())
+    return tensors
+
+
+@test({"torch", "cuda"})
+def the_recorded_step_replays_bit_for_bit_between_torch_work():
+    import moonstep
+    steps, nan_at = 12, 6
+    shapes = {"block.weight": (40, 24), "block.bias": (40,), "head.weight": (8, 40)}
+    for recipe, options in GRAPH_RECIPES:
+        gen = torch.Generator().manual_seed(41)
+        start = {n: 0.5 * torch.randn(s, generator=gen) for n, s in shapes.items()}
+        grads = [{n: torch.randn(s, generator=gen) for n, s in shapes.items()} for _ in range(steps)]
+        grads[nan_at]["head.weight"][3, 5] = float("nan")
+
+        def make():
+            params = {n: torch.nn.Parameter(start[n].cuda()) for n in shapes}
+            for p in params.values():
+                p.grad = torch.zeros_like(p)       # registered now: the same buffers for every step
+            opt = moonstep.TorchOptimizer(list(params.items()), recipe, lr=2e-2, options=options, capturable=True)
+            return params, opt, torch.optim.lr_scheduler.LambdaLR(opt, lr_factor)
+
+        ref, ref_opt, ref_sched = make()
+        cap, opt, sched = make()
+        src = {n: torch.empty_like(p) for n, p in cap.items()}
+        snap = {n: torch.empty_like(p) for n, p in cap.items()}
+        expect_moonstep_error("MS_E_ARG", "no step has been recorded into a CUDA graph", opt.prepare_replay)
+        for params, o, sc in ((ref, ref_opt, ref_sched), (cap, opt, sched)):     # step 1, uncaptured
+            for n, p in params.items():
+                p.grad.copy_(grads[0][n])
+            o.step()
+            sc.step()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=side):
+            for n, p in cap.items():
+                p.grad.copy_(src[n])               # torch work the step must follow
+            opt.step()
+            for n, p in cap.items():
+                snap[n].copy_(p)                   # torch work that must see the step's result
+            expect_moonstep_error("MS_E_UNSUPPORTED", "being captured", opt.prepare_replay)
+        for t in range(1, steps):
+            before = {n: p.detach().clone() for n, p in cap.items()}
+            for n, p in ref.items():
+                p.grad.copy_(grads[t][n])
+                src[n].copy_(grads[t][n])
+            ref_opt.step()
+            ref_sched.step()
+            opt.prepare_replay()
+            graph.replay()
+            last = opt.moonstep.stats()["last"]
+            assert last["step"] == t + 1 and last["lr"] == opt.param_groups[0]["lr"], (last, opt.param_groups[0]["lr"])
+            sched.step()
+            for n, p in cap.items():
+                assert torch.equal(p, ref[n]), "%s: step %d: %s differs from the eager step" % (recipe, t + 1, n)
+                assert torch.equal(snap[n], p), "%s: step %d: the torch copy after the step missed it" % (recipe, t + 1)
+                if t == nan_at:
+                    assert torch.equal(p, before[n]), "%s: the NaN step was not skipped" % recipe
+                else:
+                    assert torch.isfinite(p).all() and not torch.equal(p, before[n]), "%s: step %d moved %s" % (recipe, t + 1, n)
+        for o in (opt, ref_opt):
+            st = o.moonstep.stats()
+            assert st["step"] == steps and st["skipped_steps"] == 1, st
+        a, b = checkpoint_tensors(opt), checkpoint_tensors(ref_opt)
+        assert sorted(a) == sorted(b) and len(a) >= 2, sorted(a)
+        for name in a:
+            assert a[name] == b[name], "%s: state %s differs" % (recipe, name)
+        del graph
+        opt.moonstep.close()
+        ref_opt.moonstep.close()
+
+
+@test({"torch", "cuda"})
+def captures_are_refused_clearly_and_the_torch_capture_stays_valid():
+    import moonstep
+    x = torch.randn(32, 8, device="cuda")
+    for capturable, warm, needle in ((True, False, "the first step cannot be captured"),
+                                     (False, True, "capturable=True")):
+        torch.manual_seed(5)
+        model = torch.nn.Linear(8, 4).cuda()
+        opt = moonstep.TorchOptimizer(model.named_parameters(), "adamw", lr=1e-3, capturable=capturable)
+        model(x).square().mean().backward()
+        if warm:
+            opt.step()
+        before = [p.detach().clone() for p in model.parameters()]
+        graph = torch.cuda.CUDAGraph()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        try:
+            with torch.cuda.graph(graph, stream=side):
+                doubled = x * 2                     # torch work in the same capture
+                opt.step()
+        except moonstep.MoonstepError as e:
+            assert e.status == "MS_E_UNSUPPORTED" and needle in str(e), "%s: %s" % (e.status, e)
+        else:
+            raise AssertionError("a step was recorded (capturable=%s, warm=%s)" % (capturable, warm))
+        graph.replay()                              # the capture ended well: its torch work replays
+        torch.cuda.synchronize()
+        assert torch.equal(doubled, x * 2)
+        assert all(torch.equal(a, b) for a, b in zip(model.parameters(), before)), "nothing changed"
+        assert opt.moonstep.stats()["step"] == (1 if warm else 0)
+        opt.step()                                  # still usable
+        assert opt.moonstep.stats()["step"] == (2 if warm else 1)
+        del graph
+        opt.moonstep.close()
+    with_false = dict(capturable=True, settings={"device_checks": False})
+    try:
+        moonstep.TorchOptimizer(torch.nn.Linear(2, 2).cuda().named_parameters(), "adamw", **with_false)
+    except ValueError as e:
+        assert "device_checks" in str(e), e
+    else:
+        raise AssertionError("capturable=True with device_checks false was accepted")
+
+
+@test({"torch"})
+def prepare_replay_is_refused_for_a_cpu_optimizer():
+    import moonstep
+    torch.manual_seed(6)
+    model = torch.nn.Linear(6, 3)
+    opt = moonstep.TorchOptimizer(model.named_parameters(), "adamw", lr=1e-3, capturable=True)
+    before = [p.detach().clone() for p in model.parameters()]
+    expect_moonstep_error("MS_E_UNSUPPORTED", "the optimizer runs on cpu, whose steps are never captured",
+                          opt.prepare_replay)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), before)), "nothing changed"
+    assert opt.moonstep.stats()["step"] == 0
+    model(torch.randn(4, 6)).sum().backward()
+    opt.step()
+    assert opt.moonstep.stats()["step"] == 1 and not torch.equal(model.weight, before[0])
 
 
 def main():
