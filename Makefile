@@ -6,7 +6,7 @@
 #   make memcheck     the suite with AddressSanitizer + LeakSanitizer (build-asan/)
 #   make install PREFIX=/usr/local
 #
-# Knobs: CUDA=auto|0|1  NVTX=1|0  PREFIX=/usr/local  BUILD=build  SANITIZE=address  V=1 (echo commands)
+# Knobs: CUDA=auto|0|1  NCCL=auto|0|1 (communicators; with CUDA only)  NVTX=1|0  PREFIX=/usr/local  BUILD=build  SANITIZE=address  V=1 (echo commands)
 
 # ------------------------------------------------------------------------------------------------------
 # Configuration
@@ -42,11 +42,31 @@ endif
 Q := $(if $(V),,@)
 E := $(if $(V),@true,@printf '  %-6s %s\n')
 
+# NCCL (communicators, engine/cuda/comm.c): found beside the CUDA toolkit or in the system's folders
+NCCL ?= auto
+ifneq ($(filter $(NCCL),auto 0 1),$(NCCL))
+$(error NCCL must be auto, 0 or 1 (got '$(NCCL)'))
+endif
+NCCL_HEADER := $(firstword $(wildcard $(CUDA_HOME)/include/nccl.h /usr/include/nccl.h))
+NCCL_LIBDIR := $(patsubst %/,%,$(dir $(firstword $(wildcard $(CUDA_HOME)/lib/libnccl.so $(CUDA_HOME)/lib64/libnccl.so \
+                 /usr/lib/x86_64-linux-gnu/libnccl.so /usr/lib64/libnccl.so))))
+WITH_NCCL := 0
+ifeq ($(WITH_CUDA),1)
+ifeq ($(NCCL),auto)
+WITH_NCCL := $(if $(and $(NCCL_HEADER),$(NCCL_LIBDIR)),1,0)
+else
+WITH_NCCL := $(NCCL)
+endif
+endif
+ifeq ($(WITH_NCCL)$(NCCL_HEADER)$(NCCL_LIBDIR),1)
+$(error NCCL=1 but nccl.h or libnccl.so was not found (looked in $(CUDA_HOME) and /usr))
+endif
+
 LUAJIT_CFLAGS := $(shell pkg-config --cflags luajit 2>/dev/null || echo -I/usr/include/luajit-2.1)
 LUAJIT_LIBS   := $(shell pkg-config --libs luajit 2>/dev/null || echo -lluajit-5.1)
 HAVE_READLINE := $(shell test -f /usr/include/readline/readline.h && echo 1 || echo 0)
 
-$(info moonstep $(VERSION) (abi $(ABI)): CC=$(CC), CUDA=$(CUDA) -> $(if $(filter 1,$(WITH_CUDA)),with CUDA ($(NVCC)),CPU only), readline=$(HAVE_READLINE)$(if $(SANITIZE), sanitize=$(SANITIZE)))
+$(info moonstep $(VERSION) (abi $(ABI)): CC=$(CC), CUDA=$(CUDA) -> $(if $(filter 1,$(WITH_CUDA)),with CUDA ($(NVCC)),CPU only), NCCL=$(NCCL) -> $(if $(filter 1,$(WITH_NCCL)),with NCCL ($(NCCL_LIBDIR)),no NCCL), readline=$(HAVE_READLINE)$(if $(SANITIZE), sanitize=$(SANITIZE)))
 
 # ------------------------------------------------------------------------------------------------------
 # Flags
@@ -64,6 +84,10 @@ NVCCFLAGS  := -O3 -std=c++17 -Xcompiler -fPIC,-fvisibility=hidden -DMS_BUILDING_
 ifeq ($(WITH_CUDA),1)
 LIB_CFLAGS += -DMS_WITH_CUDA -I$(CUDA_HOME)/include -Ikernels
 LIB_LIBS   += -L$(CUDA_HOME)/lib64 -Wl,-rpath,$(CUDA_HOME)/lib64 -lcublas -lcusolver -lcudart -lstdc++
+endif
+ifeq ($(WITH_NCCL),1)
+LIB_CFLAGS += -DMS_WITH_NCCL -I$(dir $(NCCL_HEADER))
+LIB_LIBS   += -L$(NCCL_LIBDIR) -Wl,-rpath,$(NCCL_LIBDIR) -lnccl
 endif
 
 # NVTX v3 profiler ranges (header-only, in the CUDA toolkit; no library to link); NVTX=0 leaves them out

@@ -13,6 +13,6 @@ for t in build/tests/test_*; do
     case "$t" in *.d) continue ;; esac
     if [ "${1:-}" = "--tests" ] || [ "$(stat -c %s "$t")" -lt 2000000 ]; then cp "$t" build-gpu/build/tests/; fi
 done
-cp -r lua tests recipes bench python examples scripts .busted Makefile build-gpu/ 2>/dev/null || true
+cp -r lua tests recipes bench python examples scripts .busted Makefile README.md build-gpu/ 2>/dev/null || true
 mkdir -p build-gpu/engine && cp -r engine/include build-gpu/engine/
 du -sh build-gpu

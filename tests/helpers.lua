@@ -112,4 +112,13 @@ function H.cuda_it(name, fn)
   if H.has_cuda then env.it(name, fn) else env.pending(name .. " (no CUDA device)") end
 end
 
+--- it() for specs tagged #multigpu (several ranks, one GPU each): runs where two CUDA devices are usable, else
+--- pending with the reason.  Add "#multigpu" to the name so `busted --tags=multigpu` selects them.
+H.cuda_devices = ms.device_count("cuda")
+function H.multigpu_it(name, fn)
+  local env = getfenv(2)
+  if H.cuda_devices >= 2 then env.it(name, fn)
+  else env.pending(("%s (needs 2 CUDA devices, found %d)"):format(name, H.cuda_devices)) end
+end
+
 return H

@@ -168,6 +168,16 @@ struct ms_backend {
     ms_status (*graph_leave)(ms_ctx *ctx);
     void      (*profile_push)(ms_ctx *ctx, const char *name);
     void      (*profile_pop)(ms_ctx *ctx);
+    /* Communicators (engine/core/comm.c validates; engine/cuda/comm.c binds NCCL); NULL: MS_E_UNSUPPORTED.
+    ** comm_init blocks until the world has joined or timeout_ms has passed; the collectives queue on ctx's
+    ** stream.  Counts are elements of dst (all_reduce, reduce_scatter), of src (all_gather), of t. */
+    ms_status (*comm_init)(ms_ctx *ctx, const unsigned char id[MS_COMM_ID_BYTES], int rank, int world_size,
+                           int timeout_ms, void **out);
+    void      (*comm_destroy)(ms_ctx *ctx, void *comm);
+    ms_status (*comm_all_reduce)(ms_ctx *ctx, void *comm, ms_tensor *dst, const ms_tensor *src, ms_comm_op op);
+    ms_status (*comm_broadcast)(ms_ctx *ctx, void *comm, ms_tensor *t, int root);
+    ms_status (*comm_all_gather)(ms_ctx *ctx, void *comm, ms_tensor *dst, const ms_tensor *src);
+    ms_status (*comm_reduce_scatter)(ms_ctx *ctx, void *comm, ms_tensor *dst, const ms_tensor *src, ms_comm_op op);
 };
 
 /* Backends compiled into this build (the CUDA one only with MS_WITH_CUDA). */
@@ -177,6 +187,10 @@ extern const ms_backend ms_cuda_backend;
 int ms_cuda_device_count(void);
 /* Why ms_cuda_device_count() found no device (the CUDA runtime's words), for messages. */
 const char *ms_cuda_probe_error(void);
+#endif
+#ifdef MS_WITH_NCCL
+/* out <- a new NCCL unique id (engine/cuda/comm.c). */
+ms_status ms_nccl_unique_id(unsigned char out[MS_COMM_ID_BYTES]);
 #endif
 
 /* --- errors ------------------------------------------------------------------------------------- */

@@ -105,4 +105,10 @@ const ms_backend ms_cpu_backend = {
     /* .graph_leave      = */ NULL,
     /* .profile_push     = */ NULL,
     /* .profile_pop      = */ NULL,
+    /* .comm_init        = */ NULL,   /* no communicators: NCCL runs on CUDA devices (MS_E_UNSUPPORTED) */
+    /* .comm_destroy     = */ NULL,
+    /* .comm_all_reduce  = */ NULL,
+    /* .comm_broadcast   = */ NULL,
+    /* .comm_all_gather  = */ NULL,
+    /* .comm_reduce_scatter = */ NULL,
 };

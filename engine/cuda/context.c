@@ -401,6 +401,18 @@ static void cuda_graph_free(ms_graph *base)
     ms_ctx_release(ctx);
 }
 
+#ifdef MS_WITH_NCCL
+/* communicators (engine/cuda/comm.c) */
+ms_status ms_cuda_comm_init(ms_ctx *ctx, const unsigned char id[MS_COMM_ID_BYTES], int rank, int world_size,
+                            int timeout_ms, void **out);
+void ms_cuda_comm_destroy(ms_ctx *ctx, void *comm);
+ms_status ms_cuda_comm_all_reduce(ms_ctx *ctx, void *comm, ms_tensor *dst, const ms_tensor *src, ms_comm_op op);
+ms_status ms_cuda_comm_broadcast(ms_ctx *ctx, void *comm, ms_tensor *t, int root);
+ms_status ms_cuda_comm_all_gather(ms_ctx *ctx, void *comm, ms_tensor *dst, const ms_tensor *src);
+ms_status ms_cuda_comm_reduce_scatter(ms_ctx *ctx, void *comm, ms_tensor *dst, const ms_tensor *src,
+                                      ms_comm_op op);
+#endif
+
 const ms_backend ms_cuda_backend = {
     .name             = "cuda",
     .ctx_init         = cuda_ctx_init,
@@ -452,4 +464,12 @@ const ms_backend ms_cuda_backend = {
     .dash_graft       = ms_cuda_dash_graft,
     .inv_root         = ms_cuda_inv_root,
     .spectrum_estimate = ms_cuda_spectrum_estimate,
+#ifdef MS_WITH_NCCL
+    .comm_init        = ms_cuda_comm_init,
+    .comm_destroy     = ms_cuda_comm_destroy,
+    .comm_all_reduce  = ms_cuda_comm_all_reduce,
+    .comm_broadcast   = ms_cuda_comm_broadcast,
+    .comm_all_gather  = ms_cuda_comm_all_gather,
+    .comm_reduce_scatter = ms_cuda_comm_reduce_scatter,
+#endif
 };

@@ -1012,6 +1012,94 @@ MS_API void ms_profile_push(ms_ctx *ctx, const char *name);
 /* Closes the innermost range opened on this thread (a no-op where ms_profile_push is one). */
 MS_API void ms_profile_pop(ms_ctx *ctx);
 
+/* ---------------------------------------------------------------------------------------------------
+** Communicators (NCCL)
+**
+** A communicator joins one context per process (rank) of a job of world_size ranks, and runs collectives
+** over their tensors through NCCL, queued on the context's stream (no host sync: the results are there when
+** the stream reaches them).  Every rank makes the same calls in the same order, with tensors of the same
+** shapes and dtypes.  Tensors are contiguous (MS_E_LAYOUT), of f32, bf16, f16, f64, i32 or u8 (MS_E_DTYPE),
+** on the communicator's context's device (MS_E_DEVICE); shapes that do not fit are MS_E_SHAPE.
+** CUDA contexts only: a CPU context gets MS_E_UNSUPPORTED, and so does every call of a build without NCCL
+** (ms_rendezvous excepted: it needs nothing but sockets).
+**
+** The ranks agree on NCCL's unique id (128 bytes, made by rank 0) either through the caller (a PyTorch
+** trainer broadcasts it with torch.distributed and passes it to every rank), or through moonstep's TCP
+** rendezvous: rank 0 listens on addr:port, the other ranks connect to it (retrying until the timeout) and
+** receive the id; the world size is checked on both sides.  A rank that never arrives makes rank 0 fail
+** with MS_E_IO naming the missing ranks once the timeout has passed (and the waiting ranks with it).
+** NVLink multicast (NVLS) is left to NCCL's environment: moonstep never enables it (`moonstep launch` sets
+** NCCL_NVLS_ENABLE=0 in its ranks' environment).
+** ------------------------------------------------------------------------------------------------- */
+
+#define MS_COMM_ID_BYTES 128
+enum { MS_COMM_ID_SIZE = MS_COMM_ID_BYTES };   /* the same number for the generated cdef */
+
+typedef struct ms_comm ms_comm;
+
+typedef enum ms_comm_op {
+    MS_COMM_SUM = 0,
+    MS_COMM_MAX = 1,
+    MS_COMM_MIN = 2,
+    MS_COMM_AVG = 3      /* floating dtypes only (MS_E_DTYPE for i32 and u8) */
+} ms_comm_op;
+
+typedef struct ms_comm_options {
+    int                  rank;         /* this process's rank, in [0, world_size) */
+    int                  world_size;   /* >= 1 */
+    const unsigned char *unique_id;    /* MS_COMM_ID_BYTES bytes from rank 0's ms_comm_unique_id, the same on
+                                       ** every rank; NULL = exchange it through the rendezvous */
+    const char          *addr;         /* rendezvous address (rank 0's host); NULL = $MASTER_ADDR */
+    int                  port;         /* rendezvous TCP port; 0 = $MASTER_PORT */
+    int                  timeout_ms;   /* for the rendezvous and NCCL's set-up together; 0 = 300000 (5 min) */
+} ms_comm_options;
+
+/* out <- a new NCCL unique id (on rank 0, to be handed to every rank).
+** Errors: MS_E_UNSUPPORTED (built without NCCL), MS_E_BACKEND. */
+MS_API ms_status ms_comm_unique_id(unsigned char out[MS_COMM_ID_BYTES]);
+
+/* The rendezvous alone: rank 0 listens on addr:port and sends `id` (MS_COMM_ID_BYTES, read on rank 0) to
+** ranks 1 .. world_size-1, which connect to it and receive it into `id`.  addr NULL means $MASTER_ADDR,
+** port 0 $MASTER_PORT; timeout_ms 0 means 300000; world_size 1 returns at once.  Rank 0 binds the address
+** given (so 127.0.0.1 stays local).
+** Errors: MS_E_ARG (rank out of [0, world_size), port out of [1, 65535], no address, an address that does
+** not resolve, a rank reporting another world size, or a rank claimed twice), MS_E_IO (rank 0 cannot listen,
+** a rank cannot reach rank 0 in time, ranks missing at the timeout: named), MS_E_FORMAT (the peer speaks
+** something other than this rendezvous).  Connections to rank 0 that send anything else are dropped (and
+** counted in the timeout's message). */
+MS_API ms_status ms_rendezvous(const char *addr, int port, int rank, int world_size, int timeout_ms,
+                               unsigned char id[MS_COMM_ID_BYTES]);
+
+/* Creates this rank's communicator on ctx (a CUDA context: its device and stream).  opts NULL means
+** {rank 0, world_size 1}.  Blocks until every rank has joined, or the timeout (MS_E_IO, and nothing made).
+** Errors: MS_E_ARG (NULL ctx or out, options out of range), MS_E_UNSUPPORTED (CPU context, built without
+** NCCL), those of ms_rendezvous, MS_E_BACKEND (NCCL). */
+MS_API ms_status ms_comm_new(ms_ctx *ctx, const ms_comm_options *opts, ms_comm **out);
+/* ms_comm_new with rank and world size from the launcher's environment (torchrun, `moonstep launch`):
+** RANK and WORLD_SIZE (required), MASTER_ADDR and MASTER_PORT (the rendezvous, when WORLD_SIZE > 1).
+** LOCAL_RANK is checked to be a number when set, but the device is the caller's choice: create ctx on
+** "cuda:" .. LOCAL_RANK (as the launchers expect, one GPU per rank).  Errors: MS_E_ARG (a variable missing
+** or malformed, named), and those of ms_comm_new. */
+MS_API ms_status ms_comm_new_from_env(ms_ctx *ctx, int timeout_ms, ms_comm **out);
+/* Destroys the communicator (NULL is fine); call it on every rank. */
+MS_API void ms_comm_free(ms_comm *comm);
+
+MS_API int ms_comm_rank(const ms_comm *comm);   /* -1 for NULL */
+MS_API int ms_comm_size(const ms_comm *comm);   /* the world size; -1 for NULL */
+
+/* dst <- op over the ranks of src (elementwise); dst == src works in place.  dst and src: the same shape
+** and dtype, and otherwise disjoint (MS_E_LAYOUT). */
+MS_API ms_status ms_comm_all_reduce(ms_comm *comm, ms_tensor *dst, const ms_tensor *src, ms_comm_op op);
+/* t <- root's t on every rank.  Errors: MS_E_ARG (root out of range). */
+MS_API ms_status ms_comm_broadcast(ms_comm *comm, ms_tensor *t, int root);
+/* dst <- the ranks' src concatenated in rank order: dst has world_size times src's elements, as the shape
+** [world_size, ...src's shape] or src's shape with dim 0 multiplied by world_size.  src may be rank's own
+** slice of dst (in place); otherwise they must not overlap (MS_E_LAYOUT). */
+MS_API ms_status ms_comm_all_gather(ms_comm *comm, ms_tensor *dst, const ms_tensor *src);
+/* dst <- slice `rank` of op over the ranks of src: src has world_size times dst's elements (shapes as in
+** ms_comm_all_gather, reversed); dst may be rank's own slice of src (in place), otherwise disjoint. */
+MS_API ms_status ms_comm_reduce_scatter(ms_comm *comm, ms_tensor *dst, const ms_tensor *src, ms_comm_op op);
+
 #ifdef __cplusplus
 }
 #endif

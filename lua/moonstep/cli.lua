@@ -670,6 +670,172 @@ library, Lua modules and recipes were found, and the versions of the libraries a
   end,
 }
 
+-- launch --------------------------------------------------------------------------------------------------
+pcall(ffi.cdef, [[
+int posix_spawn(int *pid, const char *path, const void *file_actions, const void *attrp, char *const argv[],
+                char *const envp[]);
+int waitpid(int pid, int *status, int options);
+int kill(int pid, int sig);
+long readlink(const char *path, char *buf, size_t size);
+int usleep(unsigned int usec);
+extern char **environ;
+]])
+
+-- variables the launcher decides for its ranks (an inherited value would mislead them)
+local launch_owned = { RANK = true, WORLD_SIZE = true, LOCAL_RANK = true, LOCAL_WORLD_SIZE = true,
+                       MASTER_ADDR = true, MASTER_PORT = true, CUDA_VISIBLE_DEVICES = true, NCCL_NVLS_ENABLE = true }
+
+-- this process's environment minus the launcher's variables, plus `extra` (an array of "K=V")
+local function rank_environment(extra)
+  local env = {}
+  local e = ffi.C.environ
+  local i = 0
+  while e[i] ~= nil do
+    local kv = ffi.string(e[i])
+    if not launch_owned[kv:match("^([^=]*)")] then env[#env + 1] = kv end
+    i = i + 1
+  end
+  for _, kv in ipairs(extra) do env[#env + 1] = kv end
+  return env
+end
+
+-- a NULL-terminated char *[] of strings; `keep` holds the Lua strings it points into
+local function cstrings(list, keep)
+  local arr = ffi.new("char *[?]", #list + 1)
+  for i, s in ipairs(list) do
+    keep[#keep + 1] = s
+    arr[i - 1] = ffi.cast("char *", s)
+  end
+  arr[#list] = nil
+  return arr
+end
+
+local function self_executable()
+  local exe = os.getenv("MOONSTEP_EXE")
+  if exe and exe ~= "" then return exe end
+  local buf = ffi.new("char[4096]")
+  local n = tonumber(ffi.C.readlink("/proc/self/exe", buf, 4095))
+  exe = n > 0 and ffi.string(buf, n) or nil
+  if exe == nil or not exe:match("moonstep[^/]*$") then
+    error("launch: cannot tell where the moonstep executable is (run it as `moonstep launch`, or set MOONSTEP_EXE)", 0)
+  end
+  return exe
+end
+
+-- the exit status of a waitpid status word: the code, or 128 + the signal
+local function exit_code(w)
+  local sig = bit.band(w, 0x7f)
+  if sig == 0 then return bit.band(bit.rshift(w, 8), 0xff) end
+  return 128 + sig
+end
+
+--- Starts n ranks of `exe run script args...`; waits for them all; returns the first non-zero exit status
+--- (0 when all succeeded).  When one fails the others get SIGTERM, and SIGKILL after `grace` seconds.
+function M.launch(n, script, args, opts)
+  opts = opts or {}
+  local exe = opts.exe or self_executable()
+  local port = opts.port or ms.comm.free_port()
+  local keep = {}
+  local argv = cstrings((function()
+    local a = { exe, "run", script }
+    for _, v in ipairs(args or {}) do a[#a + 1] = v end
+    return a
+  end)(), keep)
+  local pids, rank_of = {}, {}
+  local pid = ffi.new("int[1]")
+  for r = 0, n - 1 do
+    local envp = cstrings(rank_environment {
+      "RANK=" .. r, "WORLD_SIZE=" .. n, "LOCAL_RANK=" .. r, "LOCAL_WORLD_SIZE=" .. n,
+      "MASTER_ADDR=127.0.0.1", "MASTER_PORT=" .. port, "NCCL_NVLS_ENABLE=0",
+    }, keep)
+    local rc = ffi.C.posix_spawn(pid, exe, nil, nil, argv, envp)
+    if rc ~= 0 then
+      for _, p in ipairs(pids) do ffi.C.kill(p, 9) ffi.C.waitpid(p, nil, 0) end
+      error(("launch: cannot start rank %d (%s): error %d"):format(r, exe, rc), 0)
+    end
+    pids[#pids + 1] = pid[0]
+    rank_of[pid[0]] = r
+  end
+  local status = ffi.new("int[1]")
+  local alive, first_failure, kill_at = n, nil, nil
+  local grace = opts.grace or 3
+  while alive > 0 do
+    local exited = false
+    for p, r in pairs(rank_of) do                    -- only our ranks (waitpid(-1) would reap others' children)
+      local w = ffi.C.waitpid(p, status, 1)          -- WNOHANG
+      if w ~= 0 then
+        exited = true
+        alive = alive - 1
+        rank_of[p] = nil
+        local code = w > 0 and exit_code(status[0]) or 1
+        if code ~= 0 and first_failure == nil then
+          first_failure = code
+          io.stderr:write(("moonstep launch: rank %d exited with status %d; stopping the other ranks\n"):format(r, code))
+          for q in pairs(rank_of) do ffi.C.kill(q, 15) end   -- SIGTERM
+          kill_at = os.time() + grace
+        end
+        break                                        -- rank_of changed: iterate afresh
+      end
+    end
+    if not exited then
+      if kill_at and os.time() >= kill_at then
+        for q in pairs(rank_of) do ffi.C.kill(q, 9) end
+        kill_at = nil
+      end
+      ffi.C.usleep(5000)
+    end
+  end
+  return first_failure or 0
+end
+
+command {
+  name = "launch",
+  summary = "run a script as N local ranks: moonstep launch -n N FILE.lua [args...]",
+  help = [=[usage: moonstep launch -n N [--port P] FILE.lua [args...]
+
+Starts N processes of `moonstep run FILE.lua args...` on this host, one per GPU, with the environment
+that torchrun would give them: RANK and LOCAL_RANK (0 .. N-1), WORLD_SIZE and LOCAL_WORLD_SIZE (N),
+MASTER_ADDR=127.0.0.1 and MASTER_PORT (a free port, or P), and NCCL_NVLS_ENABLE=0 (no NVLink multicast).
+CUDA_VISIBLE_DEVICES is removed: each rank uses cuda:LOCAL_RANK (ms.comm.from_env() does).
+Waits for all ranks and exits with the first non-zero status among them; when a rank fails, the others are
+stopped (SIGTERM, then SIGKILL after 3 s).]=],
+  run = function(argv)
+    local n, port, i = nil, nil, 1
+    while i <= #argv do
+      local a = argv[i]
+      local name, value = a:match("^(%-%-?[%w-]+)=(.*)$")
+      name = name or a
+      if name == "-h" or name == "--help" then show_help(by_name.launch) return 0
+      elseif name == "-n" or name == "--nproc" or name == "--port" then
+        if value == nil then i = i + 1 value = argv[i] end
+        local v = tonumber(value)
+        if v == nil or v ~= math.floor(v) then usage_error(("%s: %q is not an integer"):format(name, tostring(value)), "launch") end
+        if name == "--port" then
+          if v < 1 or v > 65535 then usage_error(("--port %d is outside [1, 65535]"):format(v), "launch") end
+          port = v
+        else
+          if v < 1 or v > 1024 then usage_error(("%s %d: the number of ranks must be in [1, 1024]"):format(name, v), "launch") end
+          n = v
+        end
+      elseif a:sub(1, 1) == "-" then
+        usage_error(("unknown flag '%s' for 'moonstep launch'"):format(a), "launch")
+      else
+        break
+      end
+      i = i + 1
+    end
+    if n == nil then usage_error("launch needs the number of ranks: moonstep launch -n N FILE.lua [args...]", "launch") end
+    local script = argv[i]
+    if script == nil then usage_error("launch needs a script: moonstep launch -n N FILE.lua [args...]", "launch") end
+    local f = io.open(script, "r")
+    if not f then usage_error(("launch: cannot read the script '%s'"):format(script), "launch") end
+    f:close()
+    local args = {}
+    for k = i + 1, #argv do args[#args + 1] = argv[k] end
+    return M.launch(n, script, args, { port = port })
+  end,
+}
+
 -- help ----------------------------------------------------------------------------------------------------
 local function usage_text()
   local lines = { "usage: moonstep [COMMAND] [ARGS...]", "", "commands:" }

@@ -121,6 +121,7 @@ end
 ms.recipe = require("moonstep.recipe")
 ms.graph = require("moonstep.graph")
 ms.schedule = require("moonstep.schedule")
+ms.comm = require("moonstep.comm")          -- communicators (NCCL) and the rendezvous
 package.loaded.moonstep = ms     -- moonstep.optim requires moonstep: give it this table
 ms.optim = require("moonstep.optim")
 

@@ -1,0 +1,415 @@
+/*
+** The TCP rendezvous that hands NCCL's unique id from rank 0 to the other ranks (ms_rendezvous): plain
+** POSIX sockets, so it works (and is tested) without NCCL or a GPU.
+**
+** Protocol (integers big-endian):
+**   hello, rank r -> rank 0:  "MSRZ" | version | r | world_size                         (16 bytes)
+**   reply, rank 0 -> rank r:  "MSRZ" | version | status | world_size | payload[128]      (144 bytes)
+** status 0: payload is the id; otherwise payload is a NUL-terminated message, status 1 for a refused request
+** (MS_E_ARG: wrong world size, rank claimed twice) and 2 for a timeout (MS_E_IO).  Rank 0 answers only once
+** every rank has said hello, so that no rank goes on to NCCL's set-up (which would wait forever) when one
+** is missing: all of them fail instead.
+*/
+#include "internal.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <poll.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <time.h>
+#include <unistd.h>
+
+#define FN "ms_rendezvous"
+#define RZ_MAGIC "MSRZ"
+#define RZ_VERSION 1u
+#define RZ_HELLO_BYTES 16
+#define RZ_REPLY_BYTES (16 + MS_COMM_ID_BYTES)
+#define RZ_DEFAULT_TIMEOUT_MS 300000
+#define RZ_MAX_WORLD (1 << 20)
+#define RZ_MAX_STRAYS 64          /* unidentified connections held at once; more are refused at once */
+
+enum { RZ_OK = 0, RZ_REFUSED = 1, RZ_TIMEOUT = 2 };
+
+static int64_t now_ms(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
+static void put_u32(unsigned char *p, uint32_t v)
+{
+    p[0] = (unsigned char)(v >> 24); p[1] = (unsigned char)(v >> 16);
+    p[2] = (unsigned char)(v >> 8);  p[3] = (unsigned char)v;
+}
+static uint32_t get_u32(const unsigned char *p)
+{
+    return (uint32_t)p[0] << 24 | (uint32_t)p[1] << 16 | (uint32_t)p[2] << 8 | p[3];
+}
+
+static void set_nonblocking(int fd) { fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) | O_NONBLOCK); }
+
+/* Sends all of buf before the deadline (the socket is non-blocking); false on failure. */
+static bool send_all(int fd, const unsigned char *buf, size_t n, int64_t deadline)
+{
+    size_t done = 0;
+    while (done < n) {
+        ssize_t k = send(fd, buf + done, n - done, MSG_NOSIGNAL);   /* a peer gone must not raise SIGPIPE */
+        if (k > 0) { done += (size_t)k; continue; }
+        if (k < 0 && errno == EINTR) continue;
+        if (k < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+            int64_t left = deadline - now_ms();
+            if (left <= 0) return false;
+            struct pollfd p = { .fd = fd, .events = POLLOUT };
+            if (poll(&p, 1, (int)left) < 0 && errno != EINTR) return false;
+            continue;
+        }
+        return false;
+    }
+    return true;
+}
+
+static void send_reply(int fd, uint32_t status, int world_size, const unsigned char *id, const char *msg)
+{
+    unsigned char r[RZ_REPLY_BYTES] = { 0 };
+    memcpy(r, RZ_MAGIC, 4);
+    put_u32(r + 4, RZ_VERSION);
+    put_u32(r + 8, status);
+    put_u32(r + 12, (uint32_t)world_size);
+    if (id) memcpy(r + 16, id, MS_COMM_ID_BYTES);
+    else snprintf((char *)r + 16, MS_COMM_ID_BYTES, "%s", msg);
+    send_all(fd, r, sizeof r, now_ms() + 1000);   /* best effort: the peer may be gone */
+}
+
+/* getaddrinfo for addr:port; MS_E_ARG naming the address when it does not resolve. */
+static ms_status resolve(const char *addr, int port, bool passive, struct addrinfo **out)
+{
+    char service[16];
+    snprintf(service, sizeof service, "%d", port);
+    struct addrinfo hints = { .ai_family = AF_UNSPEC, .ai_socktype = SOCK_STREAM,
+                              .ai_flags = passive ? AI_PASSIVE : 0 };
+    int e = getaddrinfo(addr, service, &hints, out);
+    if (e != 0)
+        return MS_FAIL(NULL, MS_E_ARG, FN ": cannot resolve the rendezvous address '%s': %s", addr, gai_strerror(e));
+    return MS_OK;
+}
+
+/* --- rank 0 ---------------------------------------------------------------------------------------- */
+
+typedef struct rz_conn {
+    int           fd;
+    size_t        got;
+    unsigned char hello[RZ_HELLO_BYTES];
+} rz_conn;
+
+typedef struct rz_server {
+    int      listen_fd;
+    int      world_size;
+    int     *rank_fd;          /* [world_size]: the connection of each rank that has said hello, else -1 */
+    int      arrived;          /* ranks other than 0 that have said hello */
+    rz_conn  strays[RZ_MAX_STRAYS];   /* connections that have not said a full hello yet */
+    int      nstrays;
+    int      dropped;          /* connections that sent something else than a hello */
+} rz_server;
+
+static void drop_stray(rz_server *s, int i, bool counted)
+{
+    close(s->strays[i].fd);
+    if (counted) s->dropped++;
+    s->strays[i] = s->strays[--s->nstrays];
+}
+
+/* Sends `msg` with `status` to every rank that has said hello (the others are dropped), and closes all. */
+static void server_close(rz_server *s, uint32_t status, const unsigned char *id, const char *msg)
+{
+    for (int r = 1; r < s->world_size; r++) {
+        if (s->rank_fd[r] < 0) continue;
+        send_reply(s->rank_fd[r], status, s->world_size, id, msg);
+        close(s->rank_fd[r]);
+        s->rank_fd[r] = -1;
+    }
+    while (s->nstrays > 0) drop_stray(s, 0, false);
+    close(s->listen_fd);
+}
+
+/* A complete hello from stray i: accepted (moved to rank_fd), dropped as garbage, or a refusal of the
+** whole rendezvous (returns MS_E_ARG with the message in msg). */
+static ms_status take_hello(rz_server *s, int i, char *msg, size_t msg_size)
+{
+    rz_conn *c = &s->strays[i];
+    if (memcmp(c->hello, RZ_MAGIC, 4) != 0 || get_u32(c->hello + 4) != RZ_VERSION) {
+        drop_stray(s, i, true);
+        return MS_OK;
+    }
+    uint32_t rank = get_u32(c->hello + 8), world = get_u32(c->hello + 12);
+    if (world != (uint32_t)s->world_size)
+        snprintf(msg, msg_size, "rank %u reports world size %u, rank 0 has %d", rank, world, s->world_size);
+    else if (rank == 0 || rank >= (uint32_t)s->world_size)
+        snprintf(msg, msg_size, "a process reports rank %u, outside [1, %d)", rank, s->world_size);
+    else if (s->rank_fd[rank] >= 0)
+        snprintf(msg, msg_size, "two processes claim rank %u", rank);
+    else {
+        s->rank_fd[rank] = c->fd;
+        s->arrived++;
+        s->strays[i] = s->strays[--s->nstrays];
+        return MS_OK;
+    }
+    char why[2 * MS_COMM_ID_BYTES];
+    snprintf(why, sizeof why, "rank 0 refused the rendezvous: %s", msg);
+    send_reply(c->fd, RZ_REFUSED, s->world_size, NULL, why);
+    drop_stray(s, i, false);
+    return MS_E_ARG;
+}
+
+/* "2, 3, 5" (the first ranks missing, then how many more) */
+static void missing_ranks(const rz_server *s, char *buf, size_t n)
+{
+    size_t k = 0;
+    int listed = 0, more = 0;
+    buf[0] = '\0';
+    for (int r = 1; r < s->world_size; r++) {
+        if (s->rank_fd[r] >= 0) continue;
+        if (listed < 16 && k < n) {
+            k += (size_t)snprintf(buf + k, n - k, listed ? ", %d" : "%d", r);
+            listed++;
+        } else {
+            more++;
+        }
+    }
+    if (more && k < n) snprintf(buf + k, n - k, " and %d more", more);
+}
+
+static ms_status serve(const char *addr, int port, int world_size, int timeout_ms, const unsigned char *id)
+{
+    int64_t deadline = now_ms() + timeout_ms;
+    struct addrinfo *ai;
+    MS_TRY(resolve(addr, port, true, &ai));
+    int fd = -1, err = 0;
+    for (struct addrinfo *a = ai; a != NULL && fd < 0; a = a->ai_next) {
+        fd = socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC, a->ai_protocol);
+        if (fd < 0) { err = errno; continue; }
+        int one = 1;
+        setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);   /* a port in TIME_WAIT from a past job */
+        if (bind(fd, a->ai_addr, a->ai_addrlen) != 0 || listen(fd, 128) != 0) {
+            err = errno;
+            close(fd);
+            fd = -1;
+        }
+    }
+    freeaddrinfo(ai);
+    if (fd < 0)
+        return MS_FAIL(NULL, MS_E_IO, FN ": rank 0 cannot listen on %s:%d: %s", addr, port, strerror(err));
+    set_nonblocking(fd);
+
+    rz_server s = { .listen_fd = fd, .world_size = world_size };
+    s.rank_fd = malloc(sizeof(int) * (size_t)world_size);
+    if (s.rank_fd == NULL) {
+        close(fd);
+        return MS_FAIL(NULL, MS_E_OOM, FN ": no host memory for %d ranks", world_size);
+    }
+    for (int r = 0; r < world_size; r++) s.rank_fd[r] = -1;
+
+    char msg[MS_COMM_ID_BYTES] = "";
+    ms_status st = MS_OK;
+    struct pollfd fds[1 + RZ_MAX_STRAYS];
+    while (s.arrived < world_size - 1) {
+        int64_t left = deadline - now_ms();
+        if (left <= 0) {
+            char missing[256];
+            missing_ranks(&s, missing, sizeof missing);
+            snprintf(msg, sizeof msg, "rank 0 timed out after %d ms; missing ranks: %.60s", timeout_ms, missing);
+            server_close(&s, RZ_TIMEOUT, NULL, msg);
+            st = MS_FAIL(NULL, MS_E_IO,
+                         FN ": timed out after %d ms at %s:%d waiting for ranks %s of world size %d (%d of %d "
+                         "arrived)%s", timeout_ms, addr, port, missing, world_size, s.arrived + 1, world_size,
+                         s.dropped ? "; connections that were no moonstep ranks were dropped" : "");
+            free(s.rank_fd);
+            return st;
+        }
+        fds[0] = (struct pollfd){ .fd = fd, .events = POLLIN };
+        for (int i = 0; i < s.nstrays; i++) fds[1 + i] = (struct pollfd){ .fd = s.strays[i].fd, .events = POLLIN };
+        int nfds = 1 + s.nstrays;
+        if (poll(fds, (nfds_t)nfds, (int)left) < 0 && errno != EINTR) {
+            err = errno;
+            server_close(&s, RZ_TIMEOUT, NULL, "rank 0 failed while waiting");
+            free(s.rank_fd);
+            return MS_FAIL(NULL, MS_E_IO, FN ": poll failed on %s:%d: %s", addr, port, strerror(err));
+        }
+        /* strays first, from the last (drop_stray moves the last one into the slot) */
+        for (int i = nfds - 2; i >= 0 && st == MS_OK; i--) {
+            if (fds[1 + i].revents == 0) continue;
+            rz_conn *c = &s.strays[i];
+            ssize_t k = recv(c->fd, c->hello + c->got, RZ_HELLO_BYTES - c->got, 0);
+            if (k < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) continue;
+            if (k <= 0) { drop_stray(&s, i, c->got > 0); continue; }   /* closed before a whole hello */
+            c->got += (size_t)k;
+            if (c->got == RZ_HELLO_BYTES) st = take_hello(&s, i, msg, sizeof msg);
+        }
+        if (st != MS_OK) {
+            char why[2 * MS_COMM_ID_BYTES];
+            snprintf(why, sizeof why, "rank 0 refused the rendezvous: %s", msg);
+            server_close(&s, RZ_REFUSED, NULL, why);
+            free(s.rank_fd);
+            return MS_FAIL(NULL, st, FN ": at %s:%d: %s", addr, port, msg);
+        }
+        if (fds[0].revents & POLLIN) {
+            int c = accept4(fd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
+            if (c >= 0) {
+                if (s.nstrays == RZ_MAX_STRAYS) { close(c); s.dropped++; }
+                else s.strays[s.nstrays++] = (rz_conn){ .fd = c };
+            }
+        }
+    }
+    server_close(&s, RZ_OK, id, NULL);
+    free(s.rank_fd);
+    return MS_OK;
+}
+
+/* --- ranks 1 .. world_size-1 ----------------------------------------------------------------------- */
+
+/* A connected non-blocking socket to addr:port, retrying (rank 0 may not listen yet) until the deadline. */
+static ms_status connect_retrying(const char *addr, int port, int rank, int timeout_ms, int64_t deadline, int *out)
+{
+    int err = 0;
+    for (;;) {
+        struct addrinfo *ai;
+        MS_TRY(resolve(addr, port, false, &ai));
+        for (struct addrinfo *a = ai; a != NULL; a = a->ai_next) {
+            int fd = socket(a->ai_family, a->ai_socktype | SOCK_NONBLOCK | SOCK_CLOEXEC, a->ai_protocol);
+            if (fd < 0) { err = errno; continue; }
+            int rc = connect(fd, a->ai_addr, a->ai_addrlen);
+            if (rc != 0 && errno == EINPROGRESS) {
+                int64_t left = deadline - now_ms();
+                struct pollfd p = { .fd = fd, .events = POLLOUT };
+                if (left > 0 && poll(&p, 1, (int)(left < 1000 ? left : 1000)) == 1) {
+                    socklen_t len = sizeof err;
+                    getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &len);
+                    rc = err == 0 ? 0 : -1;
+                } else if (err == 0) {
+                    err = ETIMEDOUT;
+                }
+            } else if (rc != 0) {
+                err = errno;
+            }
+            if (rc == 0) {
+                freeaddrinfo(ai);
+                int one = 1;
+                setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+                *out = fd;
+                return MS_OK;
+            }
+            close(fd);
+        }
+        freeaddrinfo(ai);
+        int64_t left = deadline - now_ms();
+        if (left <= 0)
+            return MS_FAIL(NULL, MS_E_IO, FN ": rank %d could not reach rank 0 at %s:%d within %d ms (%s)",
+                           rank, addr, port, timeout_ms, strerror(err));
+        struct timespec pause = { 0, (left < 50 ? left : 50) * 1000000L };
+        nanosleep(&pause, NULL);
+    }
+}
+
+static ms_status join(const char *addr, int port, int rank, int world_size, int timeout_ms, unsigned char *id)
+{
+    int64_t deadline = now_ms() + timeout_ms;
+    int fd = -1;
+    MS_TRY(connect_retrying(addr, port, rank, timeout_ms, deadline, &fd));
+    unsigned char hello[RZ_HELLO_BYTES];
+    memcpy(hello, RZ_MAGIC, 4);
+    put_u32(hello + 4, RZ_VERSION);
+    put_u32(hello + 8, (uint32_t)rank);
+    put_u32(hello + 12, (uint32_t)world_size);
+    if (!send_all(fd, hello, sizeof hello, deadline)) {
+        int err = errno;
+        close(fd);
+        return MS_FAIL(NULL, MS_E_IO, FN ": rank %d cannot send to rank 0 at %s:%d: %s", rank, addr, port,
+                       strerror(err));
+    }
+    unsigned char r[RZ_REPLY_BYTES];
+    size_t got = 0;
+    while (got < sizeof r) {
+        int64_t left = deadline - now_ms();
+        struct pollfd p = { .fd = fd, .events = POLLIN };
+        if (left <= 0 || (poll(&p, 1, (int)left) == 0)) {
+            close(fd);
+            return MS_FAIL(NULL, MS_E_IO, FN ": rank %d reached rank 0 at %s:%d but had no answer within %d ms "
+                           "(rank 0 waits for every rank of world size %d: some never arrived)", rank, addr,
+                           port, timeout_ms, world_size);
+        }
+        ssize_t k = recv(fd, r + got, sizeof r - got, 0);
+        if (k < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) continue;
+        if (k <= 0) break;
+        got += (size_t)k;
+        if (got >= 4 && memcmp(r, RZ_MAGIC, 4) != 0) break;   /* not our peer: say so now, not at the timeout */
+        if (got >= 8 && get_u32(r + 4) != RZ_VERSION) break;
+    }
+    close(fd);
+    if (got >= 4 && memcmp(r, RZ_MAGIC, 4) != 0)
+        return MS_FAIL(NULL, MS_E_FORMAT, FN ": rank %d: the peer at %s:%d is not a moonstep rendezvous (it sent "
+                       "%02x %02x %02x %02x ...)", rank, addr, port, r[0], r[1], r[2], r[3]);
+    if (got >= 8 && get_u32(r + 4) != RZ_VERSION)
+        return MS_FAIL(NULL, MS_E_FORMAT, FN ": rank %d: rank 0 at %s:%d speaks rendezvous version %u, this is %u",
+                       rank, addr, port, get_u32(r + 4), RZ_VERSION);
+    if (got < sizeof r)
+        return MS_FAIL(NULL, MS_E_IO, FN ": rank %d: rank 0 at %s:%d closed the connection after %zu of %d bytes",
+                       rank, addr, port, got, RZ_REPLY_BYTES);
+    uint32_t status = get_u32(r + 8);
+    if (status != RZ_OK) {
+        r[sizeof r - 1] = '\0';
+        return MS_FAIL(NULL, status == RZ_REFUSED ? MS_E_ARG : MS_E_IO, FN ": rank %d: %s", rank, (char *)r + 16);
+    }
+    if (get_u32(r + 12) != (uint32_t)world_size)
+        return MS_FAIL(NULL, MS_E_ARG, FN ": rank %d has world size %d, rank 0 has %u", rank, world_size,
+                       get_u32(r + 12));
+    memcpy(id, r + 16, MS_COMM_ID_BYTES);
+    return MS_OK;
+}
+
+/* --- the public call -------------------------------------------------------------------------------- */
+
+static ms_status resolve_env(const char *fn, const char **addr, int *port)
+{
+    if (*addr == NULL) {
+        *addr = getenv("MASTER_ADDR");
+        if (*addr == NULL || **addr == '\0')
+            return MS_FAIL(NULL, MS_E_ARG, "%s: no rendezvous address (pass one, or set MASTER_ADDR)", fn);
+    }
+    if (*port == 0) {
+        const char *p = getenv("MASTER_PORT");
+        if (p == NULL || *p == '\0')
+            return MS_FAIL(NULL, MS_E_ARG, "%s: no rendezvous port (pass one, or set MASTER_PORT)", fn);
+        char *end;
+        long v = strtol(p, &end, 10);
+        if (*end != '\0' || v < 1 || v > 65535)
+            return MS_FAIL(NULL, MS_E_ARG, "%s: MASTER_PORT='%s' is not a port in [1, 65535]", fn, p);
+        *port = (int)v;
+    }
+    if (*port < 1 || *port > 65535)
+        return MS_FAIL(NULL, MS_E_ARG, "%s: port %d is outside [1, 65535]", fn, *port);
+    return MS_OK;
+}
+
+MS_API ms_status ms_rendezvous(const char *addr, int port, int rank, int world_size, int timeout_ms,
+                               unsigned char id[MS_COMM_ID_BYTES])
+{
+    if (id == NULL) return MS_FAIL(NULL, MS_E_ARG, FN ": id is NULL");
+    if (world_size < 1) return MS_FAIL(NULL, MS_E_ARG, FN ": world_size %d is below 1", world_size);
+    if (world_size > RZ_MAX_WORLD)
+        return MS_FAIL(NULL, MS_E_ARG, FN ": world_size %d is above %d", world_size, RZ_MAX_WORLD);
+    if (rank < 0 || rank >= world_size)
+        return MS_FAIL(NULL, MS_E_ARG, FN ": rank %d is outside [0, %d)", rank, world_size);
+    if (timeout_ms < 0) return MS_FAIL(NULL, MS_E_ARG, FN ": timeout_ms %d is negative", timeout_ms);
+    if (port < 0 || port > 65535) return MS_FAIL(NULL, MS_E_ARG, FN ": port %d is outside [1, 65535]", port);
+    if (world_size == 1) return MS_OK;
+    MS_TRY(resolve_env(FN, &addr, &port));
+    if (timeout_ms == 0) timeout_ms = RZ_DEFAULT_TIMEOUT_MS;
+    return rank == 0 ? serve(addr, port, world_size, timeout_ms, id)
+                     : join(addr, port, rank, world_size, timeout_ms, id);
+}
