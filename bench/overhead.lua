@@ -20,8 +20,12 @@ Method (DESIGN.md, "Performance"; medians, after 3 warm-up steps per mode):
   gpu       the device time of one step: CUDA events around opt:step() of the captured optimizer queued
             behind ~2 ms of other GPU work, so that the host has queued the whole step before the first event
             runs and the events time only the step's kernels (the same kernels every mode runs)
-  call      host wall time of the opt:step() call alone (CLOCK_MONOTONIC), from an idle GPU: the time the
-            trainer's thread spends in it; for "host" it includes the wait for the check's read-back
+  call      host wall time of the opt:step() call alone (CLOCK_MONOTONIC), after a synchronisation and then 32
+            tiny kernels queued, as the tail of a trainer's backward pass is: the time the trainer's thread
+            spends in it; for "host" it includes the wait for the check's read-back.  (The first few launches
+            after a pause of ~80 ms -- one Llama step's GPU time -- cost 30-95 us each of driver time on the H200
+            host whatever the launch, measured by probes (bench/RESULTS.md, "overhead"): a cost of the pause,
+            which the backward pass's own launches absorb in training.)
   overhead  host wall time from the call's start to the end of the step's work (a synchronisation right
             after the call), minus gpu: what a step costs beyond its GPU work when nothing else hides it
             (it includes the synchronisation's own wake-up latency, a few us)
@@ -74,6 +78,10 @@ end
 
 print(("moonstep %s host-overhead bench on %s  [%s]"):format(ms.version, ctx:name(), ms.build_info))
 ms.manual_seed(20261201)
+
+-- the tail of the trainer's backward pass before opt:step() (see "call" above)
+local primer = ms.zeros({ 1 }, { ctx = ctx })
+local function prime() for i = 1, 32 do primer:fill_(i) end end
 
 -- ~2 ms of GPU work to queue a step behind (a 512 MiB buffer scaled in place, 8 times)
 local blocker = ms.ones({ 2 ^ 27 }, { ctx = ctx })
@@ -131,6 +139,7 @@ local function breakdown(opt, n, r)
   opt.host_clock = now_us
   for i = 1, n do
     ctx:sync()
+    prime()
     opt:step()
     local hu = assert(opt.last.host_us, "the optimizer gave no host_us breakdown")
     for k, v in pairs(parts) do v[i] = hu[k] end
@@ -143,10 +152,12 @@ local function breakdown(opt, n, r)
   local launch, fill, paired = {}, {}, {}
   for i = 1, n do
     ctx:sync()
+    prime()
     local t0 = now_us()
     core.check(C.ms_graph_launch(h, e.graph.h))
     launch[i] = now_us() - t0
     ctx:sync()
+    prime()
     t0 = now_us()
     opt.step_t:fill_(i)
     fill[i] = now_us() - t0
@@ -184,6 +195,7 @@ local function measure(model, mode, gpu_ms)
   local calls, totals = {}, {}
   for i = 1, n do
     ctx:sync()
+    prime()
     local t0 = now_us()
     opt:step()
     local t1 = now_us()
