@@ -52,6 +52,18 @@ static inline bool ms_cuda_capturing(const ms_ctx *ctx)
     return c->capture != NULL || c->joined;
 }
 
+/* A scalar argument for the kernels: the double v, or the 1-element device tensor t when given (read when the
+** kernel runs, so a captured graph replays with new values). */
+static inline msk_scalar ms_cuda_scalar(double v, const ms_tensor *t)
+{
+    msk_scalar k = { v, NULL, 0 };
+    if (t) {
+        k.ptr = ms_tensor_ptr(t);
+        k.dtype = t->dtype;
+    }
+    return k;
+}
+
 /* --- errors --------------------------------------------------------------------------------------- */
 
 /* MS_E_BACKEND (MS_E_OOM for out-of-memory codes) naming the call and the library's error; while the

@@ -202,16 +202,6 @@ static msk_dash_block block_of(const ms_block *b, int k)
     return k_b;
 }
 
-static msk_scalar scalar_of(double v, const ms_tensor *t)
-{
-    msk_scalar k = { v, NULL, 0 };
-    if (t) {
-        k.ptr = ms_tensor_ptr(t);
-        k.dtype = t->dtype;
-    }
-    return k;
-}
-
 static ms_status blocks_table(ms_ctx *ctx, const char *fn, int n, const ms_block *blocks, msk_dash_block **out)
 {
     msk_dash_block *b = malloc((size_t)(n > 0 ? n : 1) * sizeof *b);
@@ -255,9 +245,9 @@ ms_status ms_cuda_blocks_apply(ms_ctx *ctx, int n, const ms_block *blocks, const
     msk_dash_apply k_o;
     memset(&k_o, 0, sizeof k_o);
     if (o) {
-        k_o.lr = scalar_of(o->lr, o->lr_t);
-        k_o.step = scalar_of(o->step, o->step_t);
-        k_o.skip = scalar_of(0, o->skip_t);
+        k_o.lr = ms_cuda_scalar(o->lr, o->lr_t);
+        k_o.step = ms_cuda_scalar(o->step, o->step_t);
+        k_o.skip = ms_cuda_scalar(0, o->skip_t);
         k_o.weight_decay = o->weight_decay;
         k_o.update = 1;
         k_o.stochastic = o->stochastic_round != 0;
@@ -292,7 +282,7 @@ ms_status ms_cuda_dash_graft(ms_ctx *ctx, ms_tensor *grad_ema, ms_tensor *adam_v
     if (N == 0) return MS_OK;
     if (rc == 0) return ms_cuda_fill_tensor(ctx, norm, 0.0);
     msk_dash_graft k_o = {
-        .step = scalar_of(o->step, o->step_t), .skip = scalar_of(0, o->skip_t), .beta_grad = o->beta_grad,
+        .step = ms_cuda_scalar(o->step, o->step_t), .skip = ms_cuda_scalar(0, o->skip_t), .beta_grad = o->beta_grad,
         .beta_graft = o->beta_graft, .eps = o->eps, .bias_correction = o->bias_correction != 0,
     };
     const size_t bytes = msk_dash_graft_scratch(N, rc);

@@ -32,15 +32,7 @@ static void iter_of(msk_iter *k, const ms_nary *it)
     }
 }
 
-static msk_scalar scalar_of(ms_scalar s)
-{
-    msk_scalar k = { s.v, NULL, 0 };
-    if (s.t) {
-        k.ptr = ms_tensor_ptr(s.t);
-        k.dtype = s.t->dtype;
-    }
-    return k;
-}
+static msk_scalar scalar_of(ms_scalar s) { return ms_cuda_scalar(s.v, s.t); }
 
 static void track_nary(ms_ctx *ctx, const ms_nary *it, const ms_scalar *s)
 {

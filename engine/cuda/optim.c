@@ -137,16 +137,6 @@ static void track_all(ms_ctx *ctx, int n, const ms_tensor *const *a, const ms_te
     }
 }
 
-static msk_scalar scalar_of(double v, const ms_tensor *t)
-{
-    msk_scalar k = { v, NULL, 0 };
-    if (t) {
-        k.ptr = ms_tensor_ptr(t);
-        k.dtype = t->dtype;
-    }
-    return k;
-}
-
 /* The kernels and copies of a call queued: the core counted one launch, the others are added here. */
 static ms_status finish(call *c, ms_status st, int launches)
 {
@@ -167,7 +157,7 @@ ms_status ms_cuda_adamw_step(ms_ctx *ctx, int n, ms_tensor *const *params, const
     MS_TRY(call_new(ctx, n, &c));
     ms_status st = step_members(&c, n, params, grads, exp_avg, exp_avg_sq, scales);
     msk_adamw k = {
-        .lr = scalar_of(o->lr, o->lr_t), .step = scalar_of(o->step, o->step_t), .skip = scalar_of(0, o->skip_t),
+        .lr = ms_cuda_scalar(o->lr, o->lr_t), .step = ms_cuda_scalar(o->step, o->step_t), .skip = ms_cuda_scalar(0, o->skip_t),
         .beta1 = o->beta1, .beta2 = o->beta2, .omb1 = 1.0 - o->beta1, .omb2 = 1.0 - o->beta2, .eps = o->eps,
         .weight_decay = o->weight_decay, .bc1 = 1.0, .bc2_sqrt = 1.0, .bias_correction = o->bias_correction != 0,
         .stochastic = o->stochastic_round != 0, .state_dtype = n > 0 ? exp_avg[0]->dtype : MS_DTYPE_F32,
@@ -198,7 +188,7 @@ ms_status ms_cuda_sgd_step(ms_ctx *ctx, int n, ms_tensor *const *params, const m
     MS_TRY(call_new(ctx, n, &c));
     ms_status st = step_members(&c, n, params, grads, momentum_buf, NULL, scales);
     msk_sgd k = {
-        .lr = scalar_of(o->lr, o->lr_t), .step = scalar_of(o->step, o->step_t), .skip = scalar_of(0, o->skip_t),
+        .lr = ms_cuda_scalar(o->lr, o->lr_t), .step = ms_cuda_scalar(o->step, o->step_t), .skip = ms_cuda_scalar(0, o->skip_t),
         .momentum = o->momentum, .omd = 1.0 - o->dampening, .weight_decay = o->weight_decay,
         .nesterov = o->nesterov != 0, .has_buf = momentum_buf != NULL, .stochastic = o->stochastic_round != 0,
         .state_dtype = momentum_buf && n > 0 ? momentum_buf[0]->dtype : MS_DTYPE_F32, .seed = o->seed,
@@ -237,7 +227,7 @@ ms_status ms_cuda_foreach_scale(ms_ctx *ctx, int n, ms_tensor *const *tensors, m
     }
     int launches = 0;
     if (st == MS_OK)
-        st = ms_cuda_note_failure(ctx, msk_scale_run(ctx, STREAM(ctx), scalar_of(s.v, s.t), c.n, c.m, &launches));
+        st = ms_cuda_note_failure(ctx, msk_scale_run(ctx, STREAM(ctx), ms_cuda_scalar(s.v, s.t), c.n, c.m, &launches));
     /* members scaled in a temporary: their results go back where they belong */
     for (int k = 0; k < c.n && st == MS_OK; k++) {
         if (c.tmp[k] == NULL) continue;
@@ -340,7 +330,7 @@ ms_status ms_cuda_adamw8_step(ms_ctx *ctx, int n, ms_tensor *const *params, cons
             mm[j].v_scale = ms_tensor_ptr(exp_avg_sq_scale[i]);
         }
         k->a = (msk_adamw){
-            .lr = scalar_of(o->lr, o->lr_t), .step = scalar_of(o->step, o->step_t), .skip = scalar_of(0, o->skip_t),
+            .lr = ms_cuda_scalar(o->lr, o->lr_t), .step = ms_cuda_scalar(o->step, o->step_t), .skip = ms_cuda_scalar(0, o->skip_t),
             .beta1 = o->beta1, .beta2 = o->beta2, .omb1 = 1.0 - o->beta1, .omb2 = 1.0 - o->beta2, .eps = o->eps,
             .weight_decay = o->weight_decay, .bc1 = 1.0, .bc2_sqrt = 1.0, .bias_correction = o->bias_correction != 0,
             .stochastic = o->stochastic_round != 0, .state_dtype = MS_DTYPE_U8, .seed = o->seed,

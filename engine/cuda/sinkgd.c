@@ -10,16 +10,6 @@
 
 _Static_assert((int)MSK_SINKGD_CAP <= (int)MSK_OPTIM_CAP, "the SinkGD launches use the context's MSK_OPTIM_CAP tickets");
 
-static msk_scalar scalar_of(double v, const ms_tensor *t)
-{
-    msk_scalar k = { v, NULL, 0 };
-    if (t) {
-        k.ptr = ms_tensor_ptr(t);
-        k.dtype = t->dtype;
-    }
-    return k;
-}
-
 ms_status ms_cuda_sinkgd_step(ms_ctx *ctx, int n, ms_tensor *const *params, const ms_tensor *const *grads,
                               ms_tensor *const *specnorm_u, ms_tensor *const *md_target_norm,
                               const double *scales, const ms_sinkgd_options *o)
@@ -73,7 +63,7 @@ ms_status ms_cuda_sinkgd_step(ms_ctx *ctx, int n, ms_tensor *const *params, cons
     }
 
     msk_sinkgd k_o = {
-        .lr = scalar_of(o->lr, o->lr_t), .step = scalar_of(o->step, o->step_t), .skip = scalar_of(0, o->skip_t),
+        .lr = ms_cuda_scalar(o->lr, o->lr_t), .step = ms_cuda_scalar(o->step, o->step_t), .skip = ms_cuda_scalar(0, o->skip_t),
         .mode = (int)o->mode, .iters = o->iters, .sn_iters = o->sn_iters, .target = (int)o->target,
         .stochastic = o->stochastic_round != 0, .eps = o->eps, .weight_decay = o->weight_decay, .seed = o->seed,
     };
