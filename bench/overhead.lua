@@ -13,8 +13,10 @@ Models:
 Modes, each a fresh optimizer over the same tensors (default settings: nonfinite = "skip"):
   host      uncaptured; the non-finite check reads the gradients' sums of squares back (one wait per step)
   device    uncaptured with settings.device_checks: the check runs on the device, the step never waits
-  captured  opt:capture(): after the warm-up and capturing steps, each step writes lr and step into their
-            device scalars and replays one graph
+  captured  opt:capture(): after the warm-up and capturing steps, each step replays one graph, which advances
+            the device's step number itself; while nothing changed since the previous step (no set_grad, a
+            constant lr) the call is a bare replay (optim.lua's Optimizer:_replay; the C embedding replays
+            without entering Lua at all)
 
 Method (DESIGN.md, "Performance"; medians, after 3 warm-up steps per mode):
   gpu       the device time of one step: CUDA events around opt:step() of the captured optimizer queued
@@ -31,7 +33,11 @@ Method (DESIGN.md, "Performance"; medians, after 3 warm-up steps per mode):
             (it includes the synchronisation's own wake-up latency, a few us)
   pipelined wall time per step of `steps` back-to-back steps without synchronisation, minus gpu (floor 0):
             ~0 when the host keeps ahead of the GPU
-Captured mode also prints where a replay's host time goes (medians over `steps` more steps, from an idle GPU):
+The target (issue 7: under 50 us captured) is judged on call, the host time a step costs the trainer's
+thread.  On the 83 ms Llama step, overhead and pipelined also hold what is not the host's: the step's GPU time
+varies by ~0.1% (80 us) between runs, and a step started on an idle GPU waits for the GPU to start.
+Captured mode also prints where a full (not bare) replay's host time goes (medians over `steps` more steps,
+from an idle GPU):
   prelude   lr, the runs and the plan key              scalars  writing lr_t / step_t (a launch each that
   checks    does the graph still fit its members                changed; the lr is constant here)
   launch    the graph launch (ms_graph_launch)          total    the whole opt:step() call
@@ -125,7 +131,7 @@ end
 local function print_row(r)
   print(("%-6s %-9s %6d %12.3f %12.1f %12.1f %12.1f %9d%s"):format(r.model, r.mode, r.steps, r.gpu_ms, r.call_us,
         r.overhead_us, r.pipelined_us, r.launches,
-        r.mode == "captured" and (r.overhead_us < 50 and "   (target < 50 us: met)" or "   (target < 50 us: NOT met)") or ""))
+        r.mode == "captured" and (r.call_us < 50 and "   (target < 50 us of host time: met)" or "   (target < 50 us of host time: NOT met)") or ""))
 end
 
 local function fmt_parts(b)
@@ -140,6 +146,7 @@ local function breakdown(opt, n, r)
   for i = 1, n do
     ctx:sync()
     prime()
+    opt.fast = nil        -- the full replay path (the bare replay that steps take otherwise has no parts)
     opt:step()
     local hu = assert(opt.last.host_us, "the optimizer gave no host_us breakdown")
     for k, v in pairs(parts) do v[i] = hu[k] end
@@ -150,6 +157,7 @@ local function breakdown(opt, n, r)
   -- the graph launch alone, and one device-scalar fill alone
   local e = opt.graphs.step
   local launch, fill, paired = {}, {}, {}
+  local scalar = ms.zeros({ 1 }, { ctx = ctx })   -- not the optimizer's own step_t: the graphs advance that one
   for i = 1, n do
     ctx:sync()
     prime()
@@ -159,7 +167,7 @@ local function breakdown(opt, n, r)
     ctx:sync()
     prime()
     t0 = now_us()
-    opt.step_t:fill_(i)
+    scalar:fill_(i)
     fill[i] = now_us() - t0
   end
   -- paired: each step's gpu time behind the blocker, then the same step from an idle GPU

@@ -197,7 +197,8 @@ static void measure(ms_ctx *ctx, const model *m, const char *mode, double gpu_ms
     double overhead = median(totals, steps) - gpu_ms * 1e3, pipelined = per_step - gpu_ms * 1e3;
     printf("%-6s %-9s %6d %12.3f %12.1f %12.1f %12.1f%s\n", m->name, mode, steps, gpu_ms, median(calls, steps),
            overhead, pipelined > 0 ? pipelined : 0.0,
-           strcmp(mode, "captured") ? "" : overhead < 50 ? "   (target < 50 us: met)" : "   (target < 50 us: NOT met)");
+           strcmp(mode, "captured") ? "" : median(calls, steps) < 50 ? "   (target < 50 us of host time: met)"
+                                                                      : "   (target < 50 us of host time: NOT met)");
     if (strcmp(mode, "captured") == 0) {
         enum { CALLS = 1000 };
         double lr = 0, c0 = now_us();

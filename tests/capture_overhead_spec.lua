@@ -4,7 +4,7 @@
 --
 -- On the CPU: device-checked steps and prepare_replay keep lr_t / step_t / the unscale factor right under a
 -- schedule, set_lr and changing grad scales, a recipe that overwrites ctx.lr_t gets it rewritten, and the
--- breakdown.  On a GPU (cuda_it): replays with a constant lr launch one scalar fill less, stay bit for bit
+-- breakdown.  On a GPU (cuda_it): replays with a constant lr launch the graph alone (it advances step_t), stay bit for bit
 -- with uncaptured steps through lr, grad-scale and gradient changes, and a moved gradient still re-captures.
 local ms = require("moonstep")
 
@@ -122,7 +122,7 @@ describe("captured-step host work", function()
     assert.equals(40, hu.total)
   end)
 
-  cuda_it("replays a constant lr with one fill and a graph, bit for bit through lr, scale and grad changes", function()
+  cuda_it("replays a constant lr with the graph alone (it advances step_t), bit for bit through lr, scale and grad changes", function()
     local GPU = ms.device("cuda")
     local seed = H.seed()
     local a, b = set_of(GPU, 5, seed), set_of(GPU, 5, seed)
@@ -138,10 +138,12 @@ describe("captured-step host work", function()
     for i = 1, 3 do both(nil, "warm-up step " .. i) end
     assert.equals("step", cap.last.captured)
     both(nil, "constant lr")
-    assert.equals(2, cap.last.launches, "step_t and the graph: lr_t holds the lr already")
+    assert.equals(1, cap.last.launches, "the graph alone: lr_t holds the lr already, the graph advances step_t")
+    assert.equals(cap.step_count, cap.step_t:item(), "step_t")
     ref:set_lr(0.02) cap:set_lr(0.02)
     both(nil, "new lr")
-    assert.equals(3, cap.last.launches, "lr_t, step_t and the graph")
+    assert.equals(2, cap.last.launches, "lr_t and the graph")
+    assert.equals(cap.step_count, cap.step_t:item(), "step_t")
     H.assert_close(cap.lr_t:item(), 0.02, 1e-7, 0, "lr_t")
     for i, s in ipairs { 8, 8, 16, 16, 8 } do both({ grad_scale = s }, "grad scale " .. s .. " (" .. i .. ")") end
     -- the same gradient memory through another tensor: adopted (checked once), the replays go on

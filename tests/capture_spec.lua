@@ -387,6 +387,7 @@ describe("captured steps on CUDA", function()
         if step == 1 then assert.is_nil(cap.last.captured, "the first step of a key runs uncaptured")
         else assert.equals("step", cap.last.captured) end
         assert.equals(step == 2, cap.last.capture == true, "captured on the second step")
+        assert.equals(step, cap.step_t:item(), "step_t: the graph advances it itself")
         same_bits(values(b), values(a), ("%s params after step %d"):format(case[1], step))
       end
       assert.is_true(same_states(cap, ref, case[1]) > 0 or case[1] == "sgd")
@@ -619,6 +620,45 @@ describe("captured steps on CUDA", function()
     assert.equals(0, left)
     rt.cudaGraphExecDestroy(exec[0])
     rt.cudaGraphDestroy(cgraph[0])
+  end)
+
+  cuda_it("replay from the C embedding without entering Lua, bit for bit, with the step count kept", function()
+    -- engine/core/embed.c replays the previous step's graph by itself while the lr is constant (here set by
+    -- ms_optimizer_set_lr half-way) and no other call came in between; any other call tells Lua the count
+    local spec = { { "w", { 33, 17 } }, { "b", { 17 } }, { "h", { 24, 40 } } }
+    local a, b = model(GPU, spec)
+    local ref = ms.optim.new("sinkgd", a, { lr = 0.02, sinkgd_spectral_norm = true }, { ctx = GPU })
+    local out = ffi.new("ms_optimizer *[1]")
+    core.check(C.ms_optimizer_new(T.handle_ctx(GPU), "sinkgd", '{"lr": 0.02, "sinkgd_spectral_norm": true}', "{}", out))
+    local opt = ffi.gc(out[0], C.ms_optimizer_free)
+    for _, p in ipairs(b) do core.check(C.ms_optimizer_add_param(opt, p.name, T.handle(p.param), T.handle(p.grad), nil)) end
+    core.check(C.ms_optimizer_capture(opt))
+    local applied = ffi.new("int[1]")
+    local function info()
+      local s = ffi.new("char *[1]")
+      core.check(C.ms_optimizer_info(opt, s))
+      local text = ffi.string(s[0])
+      C.ms_string_free(s[0])
+      return text
+    end
+    for step = 1, 9 do
+      if step == 6 then
+        ref:set_lr(0.01)
+        core.check(C.ms_optimizer_set_lr(opt, 0.01))
+      end
+      fill_grads(H.seed(), a, b)
+      ref:step()
+      core.check(C.ms_optimizer_step_with(opt, nil, applied))
+      assert.equals(-1, applied[0], "the device decides a captured step")
+      same_bits(values(b), values(a), ("params after step %d"):format(step))
+    end
+    local stats = ffi.new("char *[1]")
+    core.check(C.ms_optimizer_stats(opt, stats))
+    local text = ffi.string(stats[0])
+    C.ms_string_free(stats[0])
+    assert.truthy(text:find('"skipped_steps":0', 1, true), text)
+    assert.truthy(text:find('"step":9,', 1, true) or text:find('"step":9}', 1, true), text)
+    assert.truthy(info():find('"name":"w"', 1, true))
   end)
 
   cuda_it("report the capture state of a moonstep capture", function()

@@ -23,6 +23,12 @@ struct ms_optimizer {
     ms_ctx    *ctx;       /* the caller's context; the Lua side holds the optimizer's reference to it */
     int        handler;   /* registry references: moonstep.embed's message handler, */
     int        object;    /* and this optimizer's Lua object */
+    /* A captured step the next ms_optimizer_step may replay without entering Lua (moonstep.embed's step names
+    ** it when nothing the graph depends on can change by itself: see optim.lua's _bare_replay_graph); any
+    ** other call into Lua drops it and first tells the Lua side how many steps were replayed so. */
+    ms_graph  *replay;
+    int        replay_applied;   /* what such a step reports through *applied */
+    long       replayed;
 };
 
 /* --- finding the Lua modules ------------------------------------------------------------------- */
@@ -107,8 +113,26 @@ static ms_status lua_failure(lua_State *L, ms_ctx *ctx, const char *fn, int rc, 
 
 /* Pushes the message handler, object[method] and the object (self); returns the handler's index.  The
 ** caller pushes the arguments, then calls call_end. */
+/* Tells the Lua side about the steps replayed without it, and drops the replay graph (the call about to run
+** may change what the graph depends on). */
+static void sync_replays(ms_optimizer *opt)
+{
+    opt->replay = NULL;
+    if (opt->replayed == 0) return;
+    lua_State *L = opt->L;
+    int top = lua_gettop(L);
+    lua_rawgeti(L, LUA_REGISTRYINDEX, opt->object);
+    lua_getfield(L, -1, "replayed");
+    lua_insert(L, -2);
+    lua_pushnumber(L, (lua_Number)opt->replayed);
+    opt->replayed = 0;
+    lua_pcall(L, 2, 0, 0);   /* a step count and a cache entry: nothing that can fail but memory */
+    lua_settop(L, top);
+}
+
 static int call_begin(ms_optimizer *opt, const char *method)
 {
+    sync_replays(opt);
     lua_State *L = opt->L;
     int base = lua_gettop(L) + 1;
     lua_rawgeti(L, LUA_REGISTRYINDEX, opt->handler);
@@ -366,11 +390,29 @@ MS_API ms_status ms_optimizer_step_with(ms_optimizer *opt, const ms_step_options
     CHECK_OPT(fn);
     double scale;
     MS_TRY(grad_scale_of(opt, fn, opts, &scale));
+    if (opt->replay != NULL && !(scale > 0) && !ms_ctx_is_capturing(opt->ctx)) {
+        /* the previous step's graph again: a step's whole host cost is this launch (issue 7: < 50 us) */
+        ms_profile_push(opt->ctx, "moonstep:graph:step");
+        ms_status st = ms_graph_launch(opt->ctx, opt->replay);
+        ms_profile_pop(opt->ctx);
+        if (st != MS_OK) {
+            opt->replay = NULL;
+            return st;
+        }
+        opt->replayed++;
+        if (applied) *applied = opt->replay_applied;
+        return MS_OK;
+    }
     int base = call_begin(opt, "step");
     if (scale > 0) lua_pushnumber(opt->L, scale); else lua_pushnil(opt->L);
-    ms_status st = call_end(opt, fn, base, 1, 1, MS_E_ARG);
+    ms_status st = call_end(opt, fn, base, 1, 2, MS_E_ARG);
     if (st != MS_OK) return st;
-    if (applied) *applied = lua_isnil(opt->L, -1) ? -1 : lua_toboolean(opt->L, -1);
+    int a = lua_isnil(opt->L, -2) ? -1 : lua_toboolean(opt->L, -2);
+    if (applied) *applied = a;
+    if (lua_isnumber(opt->L, -1)) {
+        opt->replay = (ms_graph *)(uintptr_t)lua_tonumber(opt->L, -1);
+        opt->replay_applied = a;
+    }
     lua_settop(opt->L, base - 1);
     return MS_OK;
 }

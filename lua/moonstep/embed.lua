@@ -212,7 +212,12 @@ end
 
 function methods:step(grad_scale)
   local args = grad_scale and { grad_scale = grad_scale } or nil
-  if not self.in_capture then return start(self):step(args) end
+  if not self.in_capture then
+    local opt = start(self)
+    local applied = opt:step(args)
+    -- the graph the next ms_optimizer_step may replay without entering Lua (engine/core/embed.c)
+    return applied, args == nil and opt._bare_replay_graph and opt:_bare_replay_graph() or nil
+  end
   -- recorded into the capturer's graph: what a capture cannot do (create the recipe's state, the context's
   -- handles, the memory the step's temporaries take) must have happened in an uncaptured step
   local opt = self.opt
@@ -261,6 +266,11 @@ function methods:prepare_replay(grad_scale)
          .. "(record a step with one)")
   end
   self.opt:prepare_replay(grad_scale and { grad_scale = grad_scale } or nil)
+end
+
+-- steps engine/core/embed.c replayed without calling in (the graph _bare_replay_graph named)
+function methods:replayed(n)
+  if self.opt then self.opt:_replayed(n) end
 end
 
 function methods:set_lr(lr)

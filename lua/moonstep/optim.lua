@@ -409,6 +409,14 @@ end
 --- Returns true when the step was applied, false when it was skipped (non-finite gradients), nil when the
 --- device decided (captured or device-checked steps: opt:stats() tells).
 function Optimizer:step(args)
+  local fast = self.fast
+  if fast and args == nil then
+    self.fast = nil
+    if tonumber(C.ms_ctx_is_capturing(self.ctx_h)) == 0 then
+      local applied, done = self:_replay(fast)
+      if done then return applied end
+    end
+  end
   args = args or {}
   if args.grads then for name, g in pairs(args.grads) do self:set_grad(name, g) end end
   local grad_scale = args.grad_scale
@@ -672,21 +680,11 @@ function Optimizer:_step_device(grad_scale)
     plans, key = self:_plans(runs, c, scaled)
   end
   local t1 = clock and clock()
-  if scaled and #active > 0 then
-    self:_write_scalars(lr, step, self:_checks(#active).inv, 1 / grad_scale)
-  else
-    self:_write_scalars(lr, step)
-  end
-  local before = self.settings.stats and self:_params_before(active)
-  local rec = self.timing and self:_timing_slot(step)
-  local t2 = clock and clock()
-
   local e = self.graphs and #runs > 0 and self.graphs[key]
   if e and e.graph then
     local why = replay_change(self, e, active)
     if why then
       if self.settings.capture_on_change == "error" then
-        if rec then self:_timing_mark(rec, nil) end
         error(("step %d: the graph captured for plan '%s' no longer fits: %s (settings.capture_on_change = 'error'; "
                .. "opt:uncapture() or 'recapture')"):format(step, key, why), 2)
       end
@@ -697,24 +695,40 @@ function Optimizer:_step_device(grad_scale)
       e = nil             -- this step runs uncaptured; the next one with this key captures again
     end
   end
+  local t2 = clock and clock()
+  -- a graph adds 1 to step_t itself (its first node), so before a replay the device must hold step - 1, which
+  -- the previous replay left there: no write at all while the lr is constant
+  local graphed = e and (e.graph or (e.warm and self:_skip_known(runs)))
+  local step_w = graphed and step - 1 or step
+  if scaled and #active > 0 then
+    self:_write_scalars(lr, step_w, self:_checks(#active).inv, 1 / grad_scale)
+  else
+    self:_write_scalars(lr, step_w)
+  end
+  local before = self.settings.stats and self:_params_before(active)
+  local rec = self.timing and self:_timing_slot(step)
   local t3 = clock and clock()
   if e and e.graph then
     if rec then self:_timing_mark(rec, "graph") end
     C.ms_profile_push(h, e.nvtx)
     local st = C.ms_graph_launch(h, e.graph.h)
     C.ms_profile_pop(h)
+    if self.scalars_written then self.scalars_written[self.step_t] = st == 0 and step or nil end
     core.check(st, 2)
     if rec then self:_timing_mark(rec, nil) end
     last.captured = key
     self.last_checks = e.checks
-  elseif e and e.warm and self:_skip_known(runs) then
+  elseif graphed then
     -- the second step of this key: its temporaries are in the pool's cache once the collector ran
     if rec then self:_timing_mark(rec, nil) rec = nil end
     c = c or step_ctx(self, step, lr)
     collectgarbage()
     collectgarbage()
     local checks
-    local ok, g = pcall(graph.capture, self.ctx, function() checks = self:_device_body(runs, active, plans, c, scaled) end)
+    local ok, g = pcall(graph.capture, self.ctx, function()
+      tensor.add(self.step_t, 1, self.step_t)
+      checks = self:_device_body(runs, active, plans, c, scaled)
+    end)
     if not ok then
       error(("step %d: capturing plan '%s' failed (the step was not applied; opt:uncapture() runs steps "
              .. "uncaptured): %s"):format(step, key, tostring(g)), 2)
@@ -725,6 +739,7 @@ function Optimizer:_step_device(grad_scale)
     C.ms_profile_push(h, e.nvtx)
     local st = C.ms_graph_launch(h, e.graph.h)
     C.ms_profile_pop(h)
+    if self.scalars_written then self.scalars_written[self.step_t] = st == 0 and step or nil end
     core.check(st, 2)
     last.captured, last.capture = key, true
     self.last_checks = checks
@@ -761,9 +776,11 @@ function Optimizer:_step_device(grad_scale)
   self.step_count = step
   last.reports = self.reports
   last.launches = launches(h) - launches0
+  -- the next step may be a bare replay of this graph when nothing it depends on can change by itself
+  self.fast = last.captured and self.step_plans and not scaled and not rec and not before and e or nil
   if clock then
     local t4 = clock()
-    last.host_us = { prelude = t1 - t0, scalars = t2 - t1, checks = t3 - t2, launch = t4 - t3, total = t4 - t0 }
+    last.host_us = { prelude = t1 - t0, checks = t2 - t1, scalars = t3 - t2, launch = t4 - t3, total = t4 - t0 }
   end
   -- applied for certain when there is no skip flag; otherwise the device decided (stats() reads it)
   if self.settings.nonfinite == "apply" or #active == 0 then
@@ -771,6 +788,61 @@ function Optimizer:_step_device(grad_scale)
     return true
   end
   return nil
+end
+
+-- The bare replay of the previous step's graph (self.fast, set by _step_device when the step's key has no plan
+-- and neither timings, stats nor a grad_scale are involved): what a replay in _step_device does, without
+-- recomputing what cannot have changed.  Returns (applied, true), or (nil, false) when the full path must run
+-- (a set_grad since, the lr or the device's step count not what the graph expects).
+function Optimizer:_replay(e)
+  local step, lr = self.step_count + 1, self:get_lr()
+  local w = self.scalars_written
+  if e.graph == nil or e.graph.h == nil or w == nil or w[self.step_t] ~= step - 1 or e.fits_version ~= self.grads_version
+     or self.settings.stats or self.timing then
+    return nil, false
+  end
+  if w[self.lr_t] ~= lr then self:_write_scalars(lr, step - 1) end
+  local h = self.ctx_h
+  local launches0 = launches(h)
+  C.ms_profile_push(h, e.nvtx)
+  local st = C.ms_graph_launch(h, e.graph.h)
+  C.ms_profile_pop(h)
+  w[self.step_t] = st == 0 and step or nil
+  core.check(st, 3)
+  self.step_count = step
+  self.reports = {}
+  self.last = { step = step, lr = lr, device_checks = true, captured = "step", reports = self.reports,
+                launches = launches(h) - launches0 }
+  self.last_checks = e.checks
+  self.fast = e
+  if self.settings.nonfinite == "apply" or #self.active == 0 then
+    self.last.skipped = false
+    return true, true
+  end
+  return nil, true
+end
+
+--- For the C embedding (engine/core/embed.c): the graph the next ms_optimizer_step may replay by itself, as a
+--- number (its address), or nil.  Only while the lr cannot change by itself (no schedule, or a set lr): C
+--- cannot evaluate the schedule.  C reports the steps it replayed with _replayed(n) before any other call.
+function Optimizer:_bare_replay_graph()
+  local e = self.fast
+  if e == nil or e.graph == nil or e.graph.h == nil or self.settings.stats or self.timing then return nil end
+  if self.schedule_kind ~= "constant" and self.lr_override == nil then return nil end
+  local w = self.scalars_written
+  if w == nil or w[self.step_t] ~= self.step_count or w[self.lr_t] ~= self:get_lr() then return nil end
+  return tonumber(ffi.cast("uintptr_t", e.graph.h))
+end
+
+--- n steps replayed by the C embedding from _bare_replay_graph's graph: the host's step count and the device
+--- scalars' cache follow.
+function Optimizer:_replayed(n)
+  local e = self.fast
+  self.step_count = self.step_count + n
+  if self.scalars_written then self.scalars_written[self.step_t] = self.step_count end
+  self.last = { step = self.step_count, lr = self:get_lr(), device_checks = true, captured = "step", reports = {},
+                replayed_by_c = n }
+  if e then self.last_checks = e.checks end
 end
 
 -- opt:step() while the context's stream is being captured: by a moonstep graph (cap 1) or by its owner (cap 2,
@@ -845,6 +917,7 @@ end
 
 --- Frees the captured graphs; the following steps run uncaptured.  Idempotent.
 function Optimizer:uncapture()
+  self.fast = nil
   for _, e in pairs(self.graphs or {}) do
     if e.graph then e.graph:free() end
   end
