@@ -128,6 +128,7 @@ __global__ void __launch_bounds__(T_ELEM) apply_kernel(const __grid_constant__ b
     }
     const bool sr = o.update && o.stochastic && (B.dt == MS_DTYPE_BF16 || B.dt == MS_DTYPE_F16);
     const uint32_t k0 = (uint32_t)o.seed, k1 = (uint32_t)(o.seed >> 32);
+    const uint32_t member = sr ? (uint32_t)(o.ids ? o.ids[k] : B.tag) : 0u;
     const int64_t e0 = (int64_t)blockIdx.x * T_ELEM * PER_THREAD + threadIdx.x;
 #pragma unroll
     for (int u = 0; u < PER_THREAD; u++) {
@@ -136,8 +137,8 @@ __global__ void __launch_bounds__(T_ELEM) apply_kernel(const __grid_constant__ b
         const int64_t i = e / A.c, j = e - i * A.c, off = i * B.rs + j * B.cs;
         const float s = src[e];
         const float x = o.update ? msk_sub(msk_mul(load_f(B.p, off, B.dt), dec), msk_mul(f, s)) : msk_mul(f, s);
-        if (sr) ((uint16_t *)B.p)[off] = msk_sr_16(x, B.dt == MS_DTYPE_BF16, (uint64_t)(B.e0 + off), stepw,
-                                                   (uint32_t)B.tag, k0, k1);
+        if (sr) ((uint16_t *)B.p)[off] = msk_sr_16(x, B.dt == MS_DTYPE_BF16, (uint64_t)(B.e0 + off), stepw, member,
+                                                   k0, k1);
         else msk_store<float>(B.p, off, B.dt, x);
     }
 }
@@ -874,39 +875,45 @@ __device__ __forceinline__ float normal_at(uint64_t seed, uint64_t off, uint64_t
     return (float)__dmul_rn(sqrt(__dmul_rn(-2.0, log(u1))), cos(__dmul_rn(6.283185307179586476925286766559, u2)));
 }
 
+/* block b's stream (moonstep.h, "Random vectors"): base + b, or base + its id read on the device */
 template <class V>
 __global__ void __launch_bounds__(T_ELEM) randn_kernel(msk_dash_pos P, int64_t m, V *v, uint64_t seed, uint64_t base,
-                                                        int64_t y0)
+                                                        const int *rng_ids, int64_t y0)
 {
     const int64_t per = P.n * m, t = (int64_t)blockIdx.x * T_ELEM + threadIdx.x;
     if (t >= per) return;
     const int64_t p = y0 + blockIdx.y, b = id_of(P, orig_of(P, p));
-    v[p * per + t] = b >= 0 ? (V)normal_at(seed, base + (uint64_t)b, (uint64_t)t) : (V)0;
+    if (b < 0) {
+        v[p * per + t] = (V)0;
+        return;
+    }
+    const uint64_t slot = rng_ids ? (uint64_t)(uint32_t)rng_ids[b] : (uint64_t)b;
+    v[p * per + t] = (V)normal_at(seed, base + slot, (uint64_t)t);
 }
 
 template <class V>
 static ms_status randn_run(ms_ctx *ctx, cudaStream_t s, const msk_dash_pos *pos, int64_t m, V *v, uint64_t seed,
-                           uint64_t base)
+                           uint64_t base, const int *rng_ids)
 {
     for (int64_t y0 = 0; y0 < pos->batch; y0 += MAX_GRID_Y) {
         const int64_t cnt = pos->batch - y0 < MAX_GRID_Y ? pos->batch - y0 : MAX_GRID_Y;
         randn_kernel<V><<<dim3((unsigned)cdiv(pos->n * m, T_ELEM), (unsigned)cnt), T_ELEM, 0, s>>>(*pos, m, v, seed,
-                                                                                                  base, y0);
+                                                                                                  base, rng_ids, y0);
         LAUNCH_CHECK("inv_root (random vectors)");
     }
     return MS_OK;
 }
 
 extern "C" ms_status msk_dash_randn(ms_ctx *ctx, cudaStream_t s, const msk_dash_pos *pos, int64_t m, float *v,
-                                    uint64_t seed, uint64_t base)
+                                    uint64_t seed, uint64_t base, const int *rng_ids)
 {
-    return randn_run<float>(ctx, s, pos, m, v, seed, base);
+    return randn_run<float>(ctx, s, pos, m, v, seed, base, rng_ids);
 }
 
 extern "C" ms_status msk_dash_randn64(ms_ctx *ctx, cudaStream_t s, const msk_dash_pos *pos, int64_t m, double *v,
-                                      uint64_t seed, uint64_t base)
+                                      uint64_t seed, uint64_t base, const int *rng_ids)
 {
-    return randn_run<double>(ctx, s, pos, m, v, seed, base);
+    return randn_run<double>(ctx, s, pos, m, v, seed, base, rng_ids);
 }
 
 /* W = M V per position.  A CTA of THIN_WARPS warps owns THIN_WARPS * R consecutive rows; V goes through

@@ -178,6 +178,10 @@ typedef struct msk_sinkgd_mat {
     double      scale;        /* learning-rate multiplier of the member */
     int32_t     member;       /* the member's index in the call */
     int8_t      gdt, pdt;
+    /* sharded runs (msk_sinkgd_run_sharded; 0 otherwise): the global matrix's dims, and the first row (rows) or
+    ** column (cols) of this slice in it.  e0 is then the slice's first element's index in the global member, and
+    ** for cols the counter of element (i, j) is e0 + i * ng + j. */
+    int64_t     mg, ng, off;
 } msk_sinkgd_mat;
 
 /* Scalars of a call (moonstep.h, ms_sinkgd_options); lr, step and skip may be device scalars. */
@@ -195,6 +199,22 @@ size_t msk_sinkgd_scratch(int n, const msk_sinkgd_mat *m);
 ** caller across calls, as msk_sumsq_run's). */
 ms_status msk_sinkgd_run(ms_ctx *ctx, cudaStream_t s, const msk_sinkgd *o, int n, const msk_sinkgd_mat *m,
                          void *scratch, unsigned *tickets, int *launches);
+
+/* The sharded step (ms_sinkgd_step_sharded's CUDA member): every matrix of a run is the slice of a global matrix
+** along the same dim (MSK_SHARD_ROWS or MSK_SHARD_COLS), a rank with an empty slice included (m or n 0), the
+** matrices in the same order on every rank.  x->sum adds a buffer of the scratch over the ranks in place; it is
+** called between launches (enqueued on the stream, no synchronisation), with sizes that depend on the global
+** dims alone, one buffer per exchange point for all matrices of a chunk.  Rows: the fused passes, each fold split
+** around its exchange.  Cols: simpler passes (row partials, exchange, whole columns). */
+enum { MSK_SHARD_ROWS = 1, MSK_SHARD_COLS = 2 };
+typedef struct msk_exchange {
+    ms_status (*sum)(void *user, void *buf, int64_t count, ms_dtype dt);
+    void *user;
+} msk_exchange;
+size_t msk_sinkgd_sharded_scratch(int dim, int n, const msk_sinkgd_mat *m);
+ms_status msk_sinkgd_run_sharded(ms_ctx *ctx, cudaStream_t s, const msk_sinkgd *o, int dim, int n,
+                                 const msk_sinkgd_mat *m, const msk_exchange *x, void *scratch, unsigned *tickets,
+                                 int *launches);
 
 /* --- kernels/adamw8.cu: AdamW with 8-bit block-quantized moments (ms_adamw8_step) --------------------
 ** A member is a msk_member of the step (x = param, g = grad, s0 = exp_avg codes, s1 = exp_avg_sq codes) and its
@@ -244,6 +264,7 @@ typedef struct msk_dash_apply {
     double     weight_decay;
     int        update, stochastic;
     uint64_t   seed;
+    const int *ids;        /* the rounding's member word of block k (device, [n]); NULL: the block's tag */
 } msk_dash_apply;
 
 /* Every block r x c with r, c >= 1; scale may be NULL (1).  Launches: ceil(n / MSK_DASH_CAP). */
@@ -361,11 +382,12 @@ ms_status msk_dash_iota(ms_ctx *ctx, cudaStream_t s, int64_t K, int *map);
 ms_status msk_dash_iters_out(ms_ctx *ctx, cudaStream_t s, const msk_dash_pos *pos, const int *acc, int *out);
 
 /* --- power iteration and sketches (moonstep.h, "Random vectors" and "Power iteration") ---------------------
-** v [batch, n, m] f32 <- the normals of block id(q) with key seed and offset base + id(q). */
+** v [batch, n, m] f32 <- the normals of block id(q) with key seed and offset base + id(q), or base +
+** (uint32_t)rng_ids[id(q)] when rng_ids (device, [N]) is not NULL. */
 ms_status msk_dash_randn(ms_ctx *ctx, cudaStream_t s, const msk_dash_pos *pos, int64_t m, float *v, uint64_t seed,
-                         uint64_t base);
+                         uint64_t base, const int *rng_ids);
 ms_status msk_dash_randn64(ms_ctx *ctx, cudaStream_t s, const msk_dash_pos *pos, int64_t m, double *v,
-                           uint64_t seed, uint64_t base);
+                           uint64_t seed, uint64_t base, const int *rng_ids);
 
 /* A thin product W = M V per position: M n x n (f32, by block id or position; M_ii + d1 + d2 as f32 adds, then
 ** rounded to bf16 when bf16; the f64 form: (double)M_ii + dd), V and W [n, m] row-major.  f32 accumulation

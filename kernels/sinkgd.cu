@@ -21,6 +21,14 @@
 ** every CTA has the same work.  Consecutive passes walk each range in opposite directions, so a pass starts on
 ** the rows the previous one left in L2.  Sums are f32 (the sphere sums f64) in an order fixed by the shapes and
 ** the SM count alone, with no float atomics: a step is bitwise reproducible.
+**
+** Sharded (ms_sinkgd_step_sharded, msk_sinkgd_run_sharded).  Rows: the same passes on this rank's rows, each fold
+** split in two around the exchange -- PART sums the bands into one buffer for all matrices of the chunk, the ranks
+** add it, FINISH makes c (or w, sigma, u and the restart decision) from the sums, so every rank takes the same
+** branch; the sphere sums are exchanged before the apply, and every rank captures t from their global s0.  Cols:
+** a row's sums cross ranks, so each SR-Sinkhorn iteration is a pass of row partials (crow), their exchange, the
+** row scales, and a pass over whole columns (ccol) for c; the power step likewise.  A rank without rows (columns)
+** of a matrix keeps it in the table and adds zeros.
 */
 #include "common.cuh"
 #include "sr.cuh"
@@ -59,6 +67,8 @@ enum { K_SINK = 0, K_POWER = 1 };       /* sweeps */
 enum { E_SUMS = 0, E_APPLY = 1 };       /* elementwise passes */
 /* the per-matrix scalars (f64) */
 enum { SC_F2 = 0, SC_UU, SC_SIGMA, SC_S0, SC_S1, SC_S2, SC_RESTARTED, SC_REDO, SC_N = 8 };
+/* cols-sharded only (the scalars' second half): ||v|| of the power step; this rank's part of ||u||^2 */
+enum { SC_NV = SC_N, SC_UUL };
 
 /* --- the launch table ------------------------------------------------------------------------------- */
 
@@ -70,18 +80,29 @@ struct skmat {
     int64_t     m, n, rs, cs, e0, b;
     int64_t     g0;           /* its first row group in the launch (ascending) */
     double      scale;
+    double      tau;          /* the muon target sqrt(m / n) of the global matrix */
     int32_t     f0;           /* its first fold block (ascending) */
     int32_t     member, band0, nbands;
     int16_t     K, Cp, P, GR; /* the fast path's thread map (below); GR: rows per group */
     int8_t      gdt, pdt;
     uint8_t     fast, pvec;
+    float       root;         /* sharded: sqrt of the global size of the sharded dim (rows: m, cols: n) */
 };
+
+/* cols-sharded: where the slice lies in the global matrix */
+struct skcol {
+    int64_t ng, off;          /* global n; the slice's first column */
+};
+template <int CAP> struct alignas(16) skcols { skcol c[CAP]; };
 
 template <int CAP> struct alignas(16) skargs {
     msk_sinkgd o;
     int        flags, nmat, grid, nfold;
     int64_t    gtot;          /* row groups in all */
     unsigned  *tickets;
+    void      *xch;           /* sharded: the exchange buffer of the chunk (NULL otherwise) */
+    float     *rvb;           /* cols-sharded: r v of the power step, one value a row */
+    const skcol *cols;        /* cols-sharded: per matrix */
     skmat      m[CAP];
 };
 
@@ -596,6 +617,7 @@ __global__ void __launch_bounds__(T_SWEEP, 1) sweep_kernel(const skargs<CAP> *__
         if ((A.flags & FL_REDO) && __ldcg(S.scal + SC_REDO) == 0) continue;   /* no restart pending */
         const int64_t end = i + 1 < A.nmat ? A.m[i + 1].g0 : A.gtot;
         const int64_t sa = ga > M.g0 ? ga : M.g0, sb = gb < end ? gb : end;
+        if (sb <= sa) continue;   /* a sharded rank's matrix without rows here */
         const int band = (int)blockIdx.x - M.band0;
         switch (M.gdt) {
         case MS_DTYPE_BF16: sweep_typed<__nv_bfloat16, KIND>(A, M, S, band, sa - M.g0, sb - M.g0, rev, smem); break;
@@ -612,9 +634,14 @@ __global__ void __launch_bounds__(T_SWEEP, 1) sweep_kernel(const skargs<CAP> *__
 **        the block's sum of c_j^2 T_j (= ||X||_F^2 by columns, for the power step's restart test).
 ** POWER: w_j = c_j (G^T r v)_j / max(||v||, eps); the restart test of engine/cpu/sinkgd.c; the matrix's last
 **        block (ticket) makes sigma = max(||w||, eps) and u = w / sigma (kept when w = 0), and with FL_LAST
-**        stores u. */
+**        stores u.
+** Rows-sharded, a fold is two launches around the exchange: FOLD_PART stores T_j at A.xch[block * 32 + lane]
+** (f32 for SINK; f64 for POWER, followed by |v|^2 and ||G||^2, two per matrix: exact for one rank, so its step
+** is the single-GPU one bit for bit), FOLD_FINISH reads the ranks' sums back and goes on as a whole fold, with
+** the global m's root for c. */
+enum { FOLD_WHOLE = 0, FOLD_PART = 1, FOLD_FINISH = 2 };
 
-template <int CAP, int KIND>
+template <int CAP, int KIND, int STAGE = FOLD_WHOLE>
 __global__ void __launch_bounds__(FOLD_THREADS) fold_kernel(const skargs<CAP> *__restrict__ tables, int flags)
 {
     const skargs<CAP> &A = tables[flags];
@@ -634,35 +661,49 @@ __global__ void __launch_bounds__(FOLD_THREADS) fold_kernel(const skargs<CAP> *_
     const int64_t j0 = (int64_t)lbk * FOLD_COLS, jl = j0 + lane;
     const bool unit = (A.flags & FL_UNIT) != 0;
     const float eps = (float)A.o.eps;
-
-    /* warp w adds the bands w, w + 8, ... of its lane's column (a warp reads 128 contiguous bytes a band) */
-    float s1 = 0;
-    if (jl < n) {
-        const float *col = S.part + jl;
-        int bb = warp;
-        for (; bb + 3 * (FOLD_THREADS / 32) < M.nbands; bb += 4 * (FOLD_THREADS / 32)) {   /* 4 loads in flight */
-            float v[4];
-#pragma unroll
-            for (int u = 0; u < 4; u++) v[u] = __ldcg(col + (int64_t)(bb + u * (FOLD_THREADS / 32)) * n);
-#pragma unroll
-            for (int u = 0; u < 4; u++) s1 += v[u];
-        }
-        for (; bb < M.nbands; bb += FOLD_THREADS / 32) s1 += __ldcg(col + (int64_t)bb * n);
-    }
-    sm[warp][lane] = s1;
-    __syncthreads();
     const int64_t j = j0 + t;
     const bool jv = t < FOLD_COLS && j < n;
+    /* sharded: this block's column sums, and the matrix's two scalars after every column (A.nfold blocks) */
+    float *const xs = (float *)A.xch;
+    double *const xd = (double *)A.xch;
+    const int64_t xcol = (int64_t)blk * FOLD_COLS + t, xsc = (int64_t)A.nfold * FOLD_COLS + 2 * (int64_t)i;
+
     float T2 = 0;
-    if (jv)
+    if (STAGE == FOLD_FINISH) {
+        if (jv) T2 = KIND == K_SINK ? __ldcg(xs + xcol) : (float)__ldcg(xd + xcol);
+    } else {
+        /* warp w adds the bands w, w + 8, ... of its lane's column (a warp reads 128 contiguous bytes a band) */
+        float s1 = 0;
+        if (jl < n) {
+            const float *col = S.part + jl;
+            int bb = warp;
+            for (; bb + 3 * (FOLD_THREADS / 32) < M.nbands; bb += 4 * (FOLD_THREADS / 32)) {   /* 4 loads in flight */
+                float v[4];
 #pragma unroll
-        for (int w = 0; w < FOLD_THREADS / 32; w++) T2 += sm[w][t];
+                for (int u = 0; u < 4; u++) v[u] = __ldcg(col + (int64_t)(bb + u * (FOLD_THREADS / 32)) * n);
+#pragma unroll
+                for (int u = 0; u < 4; u++) s1 += v[u];
+            }
+            for (; bb < M.nbands; bb += FOLD_THREADS / 32) s1 += __ldcg(col + (int64_t)bb * n);
+        }
+        sm[warp][lane] = s1;
+        __syncthreads();
+        if (jv)
+#pragma unroll
+            for (int w = 0; w < FOLD_THREADS / 32; w++) T2 += sm[w][t];
+        if (STAGE == FOLD_PART && t < FOLD_COLS) {   /* (zeros past n: the buffer is dense) */
+            if (KIND == K_SINK) xs[xcol] = T2;
+            else xd[xcol] = T2;
+        }
+        if (STAGE == FOLD_PART && KIND == K_SINK) return;
+    }
 
     if (KIND == K_SINK) {
         double q = 0;
         if (jv) {
             const float c_old = (A.flags & FL_FIRST) ? 1.f : S.c[j];
-            const float cn = T2 == 0 ? c_old : sqrtf((float)m) * c_old / clampf(c_old * sqrtf(T2), eps);
+            const float sqm = STAGE == FOLD_FINISH ? M.root : sqrtf((float)m);
+            const float cn = T2 == 0 ? c_old : sqm * c_old / clampf(c_old * sqrtf(T2), eps);
             S.c[j] = cn;
             q = (double)cn * cn * T2;
         }
@@ -675,12 +716,25 @@ __global__ void __launch_bounds__(FOLD_THREADS) fold_kernel(const skargs<CAP> *_
 
     /* POWER: the matrix's scalars, the same bits in every block */
     double nv2 = 0, ffs = 0;
-    for (int bb = t; bb < M.nbands; bb += FOLD_THREADS) {
-        nv2 += __ldcg(S.bsc + bb * BSC);
-        ffs += __ldcg(S.bsc + bb * BSC + 1);
+    if (STAGE == FOLD_FINISH) {
+        nv2 = __ldcg(xd + xsc);
+        ffs = __ldcg(xd + xsc + 1);
+    } else {
+        if (STAGE == FOLD_PART && lbk != 0) return;   /* the matrix's first block stores them */
+        for (int bb = t; bb < M.nbands; bb += FOLD_THREADS) {
+            nv2 += __ldcg(S.bsc + bb * BSC);
+            ffs += __ldcg(S.bsc + bb * BSC + 1);
+        }
+        nv2 = block_sum<FOLD_THREADS>(nv2, dred);
+        ffs = block_sum<FOLD_THREADS>(ffs, dred);
+        if (STAGE == FOLD_PART) {
+            if (t == 0) {
+                xd[xsc] = nv2;
+                xd[xsc + 1] = ffs;
+            }
+            return;
+        }
     }
-    nv2 = block_sum<FOLD_THREADS>(nv2, dred);
-    ffs = block_sum<FOLD_THREADS>(ffs, dred);
     const double nv = sqrt(nv2), f2 = unit ? ffs : __ldcg(S.scal + SC_F2);
     const bool restart = __ldcg(S.scal + SC_RESTARTED) == 0 && f2 > 0 &&
                          nv <= U_DEGENERATE * sqrt(f2) * sqrt(__ldcg(S.scal + SC_UU));
@@ -985,7 +1039,7 @@ __device__ __forceinline__ coefs coefs_of(const skargs<CAP> &A, const skmat &M, 
     const double lr = msk_scalar_value(A.o.lr), eta = lr * M.scale;
     double dec = 1.0 - eta * A.o.weight_decay, coef = eta, fac = 1.0;
     if (A.o.mode == MS_SINKGD_SPECTRAL) {
-        const double tau = A.o.target == MS_SINKGD_TARGET_MUON ? sqrt((double)M.m / (double)M.n) : 1.0;
+        const double tau = A.o.target == MS_SINKGD_TARGET_MUON ? M.tau : 1.0;   /* the global matrix's */
         coef = eta * tau / __ldcg(S.scal + SC_SIGMA);
     } else if (A.o.mode == MS_SINKGD_SPHERE) {
         const double s0 = __ldcg(S.scal + SC_S0), s1 = __ldcg(S.scal + SC_S1), s2 = __ldcg(S.scal + SC_S2);
@@ -1040,6 +1094,7 @@ __global__ void __launch_bounds__(T_SWEEP, 1) elem_kernel(const skargs<CAP> *__r
         scr_layout(M.scr, M.m, M.n, M.nbands, &S);
         const int64_t end = i + 1 < A.nmat ? A.m[i + 1].g0 : A.gtot;
         const int64_t sa = (ga > M.g0 ? ga : M.g0) - M.g0, sb = (gb < end ? gb : end) - M.g0;
+        if (sb <= sa) continue;   /* a sharded rank's matrix without rows here */
         const int64_t r0 = sa * M.GR, r1 = sb * M.GR < M.m ? sb * M.GR : M.m;
         const int band = b - M.band0;
         coefs cf = {};
@@ -1073,6 +1128,376 @@ __global__ void __launch_bounds__(T_SWEEP, 1) elem_kernel(const skargs<CAP> *__r
             __syncthreads();
         }
     }
+}
+
+/* --- sharded: the sphere sums' exchange -------------------------------------------------------------------
+** X_PACK: each matrix's s0, s1, s2 (the E_SUMS pass's; zeros where this rank holds none of its rows) to
+** A.xch[3 i + k].  X_UNPACK, after the ranks' sum: back into the matrix's scalars, and t captured from the global
+** ||p||^2 as the apply would (the f32 sqrt(s0)), here, so that a rank without rows of the matrix stores it too. */
+enum { X_PACK = 0, X_UNPACK = 1 };
+
+template <int CAP, int OP>
+__global__ void __launch_bounds__(256) sphere_xch_kernel(const skargs<CAP> *__restrict__ tables, int flags)
+{
+    const skargs<CAP> &A = tables[flags];
+    if (A.o.skip.ptr && msk_scalar_value(A.o.skip) != 0) return;
+    double *xd = (double *)A.xch;
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < A.nmat; i += gridDim.x * blockDim.x) {
+        const skmat &M = A.m[i];
+        skscr S;
+        scr_layout(M.scr, M.m, M.n, M.nbands, &S);
+        if (OP == X_PACK) {
+            for (int k = 0; k < 3; k++) xd[3 * i + k] = M.nbands > 0 ? __ldcg(S.scal + SC_S0 + k) : 0.0;
+        } else {
+            for (int k = 0; k < 3; k++) S.scal[SC_S0 + k] = __ldcg(xd + 3 * i + k);
+            if (*M.t < 0) *M.t = (float)sqrt(__ldcg(xd + 3 * i));
+        }
+    }
+}
+
+/* --- columns sharded ----------------------------------------------------------------------------------------
+** A rank holds columns [off, off + n) of all m rows: a row's sums are split across the ranks, a column's are
+** whole.  A group is one row (GR = 1), so a matrix's g0 is its first row among the chunk's, and the exchanges of
+** row sums hold one value a row at A.xch[g0 + i]:
+**   crow      a warp per row: S_i = sum_j (G_ij c_j)^2 (SINK, f32), or sum_j G_ij c_j u_j (POWER, f64; FL_UNIT:
+**             also sum_j G_ij^2 at [gtot + g]; then per matrix this rank's part of ||u||^2, uu_at)
+**   crow_fin  r_i <- sqrt(n) r_i / max(r_i sqrt(S_i), eps) from the ranks' sums (S_i = 0 keeps r_i)
+**   ccol      a block per 32 columns of a matrix, its 8 warps splitting the rows: T_j = sum_i (r_i G_ij)^2 and c
+**             as the fold makes it (SINK), or w_j = c_j sum_i (r v)_i G_ij / max(||v||, eps) and the block's part
+**             of ||w||^2 (POWER)
+**   cvec      one block a matrix, the power step's vector work around its exchanges (below)
+**   capply    the apply over a CTA's rows; the stochastic rounding keyed by the element's global index */
+
+#define CROW_WARPS 8
+
+/* the POWER row exchange's per-matrix ||u||^2 parts, after the rows' sums (and ||G||^2's when FL_UNIT) */
+template <int CAP> __device__ __forceinline__ int64_t uu_at(const skargs<CAP> &A, bool unit)
+{
+    return A.gtot * (unit ? 2 : 1);
+}
+
+template <class T, int KIND>
+__device__ __forceinline__ float2 crow_sums(const skmat &M, const skscr &S, int64_t row, bool first, bool unit)
+{
+    const T *g = (const T *)M.g + row * M.rs;
+    float s = 0, f = 0;
+    for (int64_t j = threadIdx.x & 31; j < M.n; j += 32) {
+        const float x = msk_f(g[j * M.cs]);
+        if (KIND == K_SINK) {
+            const float y = x * (first ? 1.f : __ldcg(S.c + j));
+            s = fmaf(y, y, s);
+        } else {
+            s = fmaf(x, (unit ? 1.f : __ldcg(S.c + j)) * __ldcg(S.uv + j), s);
+            if (unit) f = fmaf(x, x, f);
+        }
+    }
+    s = warp_sum(s);
+    if (KIND == K_POWER && unit) f = warp_sum(f);
+    return make_float2(s, f);
+}
+
+template <int CAP, int KIND>
+__global__ void __launch_bounds__(CROW_WARPS * 32) crow_kernel(const skargs<CAP> *__restrict__ tables, int flags)
+{
+    const skargs<CAP> &A = tables[flags];
+    if (A.o.skip.ptr && msk_scalar_value(A.o.skip) != 0) return;
+    const bool first = (A.flags & FL_FIRST) != 0, unit = (A.flags & FL_UNIT) != 0, redo = (A.flags & FL_REDO) != 0;
+    const int64_t stride = (int64_t)gridDim.x * CROW_WARPS;
+    /* the loop is warp-uniform: every lane of a warp takes the same rows (the butterfly needs all 32) */
+    for (int64_t g = (int64_t)blockIdx.x * CROW_WARPS + (threadIdx.x >> 5); g < A.gtot; g += stride) {
+        const int i = mat_of_group(A, g);
+        const skmat &M = A.m[i];
+        skscr S;
+        scr_layout(M.scr, M.m, M.n, M.nbands, &S);
+        if (KIND == K_POWER && redo && __ldcg(S.scal + SC_REDO) == 0) continue;
+        const int64_t row = g - M.g0;
+        float2 r;
+        switch (M.gdt) {
+        case MS_DTYPE_BF16: r = crow_sums<__nv_bfloat16, KIND>(M, S, row, first, unit); break;
+        case MS_DTYPE_F16:  r = crow_sums<__half, KIND>(M, S, row, first, unit); break;
+        default:            r = crow_sums<float, KIND>(M, S, row, first, unit); break;
+        }
+        if ((threadIdx.x & 31) != 0) continue;
+        if (KIND == K_SINK) {
+            ((float *)A.xch)[g] = r.x;
+        } else {
+            double *xd = (double *)A.xch;
+            xd[g] = r.x;
+            if (unit) xd[A.gtot + g] = r.y;
+            if (row == 0) xd[uu_at(A, unit) + i] = __ldcg(S.scal + SC_UUL);
+        }
+    }
+}
+
+template <int CAP>
+__global__ void __launch_bounds__(256) crow_fin_kernel(const skargs<CAP> *__restrict__ tables, int flags)
+{
+    const skargs<CAP> &A = tables[flags];
+    if (A.o.skip.ptr && msk_scalar_value(A.o.skip) != 0) return;
+    const bool first = (A.flags & FL_FIRST) != 0;
+    const float eps = (float)A.o.eps;
+    const float *xs = (const float *)A.xch;
+    for (int64_t g = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; g < A.gtot; g += (int64_t)gridDim.x * blockDim.x) {
+        const skmat &M = A.m[mat_of_group(A, g)];
+        skscr S;
+        scr_layout(M.scr, M.m, M.n, M.nbands, &S);
+        const int64_t row = g - M.g0;
+        const float ps = __ldcg(xs + g), rold = first ? 1.f : S.r[row];
+        S.r[row] = ps == 0 ? rold : M.root * rold / clampf(rold * sqrtf(ps), eps);
+    }
+}
+
+/* column j's sum over the rows taken by this warp (rows warp, warp + 8, ...) */
+template <class T, int KIND>
+__device__ __forceinline__ float ccol_sum(const skmat &M, const skscr &S, const float *rv, int64_t j)
+{
+    const T *g = (const T *)M.g + j * M.cs;
+    float s = 0;
+    for (int64_t i = threadIdx.x >> 5; i < M.m; i += FOLD_THREADS / 32) {
+        const float x = msk_f(g[i * M.rs]);
+        if (KIND == K_SINK) {
+            const float y = __ldcg(S.r + i) * x;
+            s = fmaf(y, y, s);
+        } else {
+            s = fmaf(__ldcg(rv + i), x, s);
+        }
+    }
+    return s;
+}
+
+template <int CAP, int KIND>
+__global__ void __launch_bounds__(FOLD_THREADS) ccol_kernel(const skargs<CAP> *__restrict__ tables, int flags)
+{
+    const skargs<CAP> &A = tables[flags];
+    __shared__ float sm[FOLD_THREADS / 32][FOLD_COLS];
+    __shared__ double dred[FOLD_THREADS / 32];
+    if (A.o.skip.ptr && msk_scalar_value(A.o.skip) != 0) return;
+    const int blk = blockIdx.x, i = mat_of_fold(A, blk);
+    const skmat &M = A.m[i];
+    skscr S;
+    scr_layout(M.scr, M.m, M.n, M.nbands, &S);
+    const int t = threadIdx.x, lane = t & 31, warp = t >> 5;
+    const int64_t n = M.n;
+    const int lbk = blk - M.f0;
+    const int64_t j0 = (int64_t)lbk * FOLD_COLS, jl = j0 + lane;
+    const bool unit = (A.flags & FL_UNIT) != 0;
+    const float eps = (float)A.o.eps;
+
+    float s = 0;
+    if (jl < n) {
+        const float *rv = A.rvb + M.g0;
+        switch (M.gdt) {
+        case MS_DTYPE_BF16: s = ccol_sum<__nv_bfloat16, KIND>(M, S, rv, jl); break;
+        case MS_DTYPE_F16:  s = ccol_sum<__half, KIND>(M, S, rv, jl); break;
+        default:            s = ccol_sum<float, KIND>(M, S, rv, jl); break;
+        }
+    }
+    sm[warp][lane] = s;
+    __syncthreads();
+    const int64_t j = j0 + t;
+    const bool jv = t < FOLD_COLS && j < n;
+    float T2 = 0;
+    if (jv)
+#pragma unroll
+        for (int w = 0; w < FOLD_THREADS / 32; w++) T2 += sm[w][t];
+
+    double q = 0;
+    if (KIND == K_SINK) {
+        if (jv) {
+            const float c_old = (A.flags & FL_FIRST) ? 1.f : S.c[j];
+            const float cn = T2 == 0 ? c_old : sqrtf((float)M.m) * c_old / clampf(c_old * sqrtf(T2), eps);
+            S.c[j] = cn;
+            q = (double)cn * cn * T2;
+        }
+        if (!(A.flags & FL_LAST)) return;
+    } else if (jv) {
+        const float w = (float)((double)(unit ? 1.f : S.c[j]) * T2 / clampd(__ldcg(S.scal + SC_NV), A.o.eps));
+        S.wv[j] = w;
+        q = (double)w * w;
+    }
+    q = block_sum<FOLD_THREADS>(q, dred);   /* SINK: ||X||_F^2 by columns; POWER: ||w||^2 */
+    if (t == 0) S.fsc[lbk] = q;
+}
+
+/* The power step's vector work of one matrix (a block each), around the exchanges of the cols-sharded sequence:
+**   CV_PREP   before:  is this rank's slice of u nonzero; its part of ||X||_F^2 (the last SINK ccol's sums)
+**   CV_START  after:   u (its first value, at global indices, when every rank's slice is zero), as prep_kernel
+**   CV_V      after the POWER rows' exchange: v = r (X u partials summed), ||v||, the restart test on the global
+**             sums (every rank takes the same branch), r v for ccol
+**   CV_W      before:  this rank's part of ||w||^2
+**   CV_U      after:   sigma, u = w / sigma (kept when w = 0), this rank's part of ||u||^2; FL_LAST stores u */
+enum { CV_PREP = 0, CV_START, CV_V, CV_W, CV_U };
+
+template <int CAP, int OP>
+__global__ void __launch_bounds__(PREP_THREADS) cvec_kernel(const skargs<CAP> *__restrict__ tables, int flags)
+{
+    const skargs<CAP> &A = tables[flags];
+    __shared__ double dred[PREP_THREADS / 32];
+    if (A.o.skip.ptr && msk_scalar_value(A.o.skip) != 0) return;
+    const int i = blockIdx.x, t = threadIdx.x;
+    const skmat &M = A.m[i];
+    skscr S;
+    scr_layout(M.scr, M.m, M.n, M.nbands, &S);
+    const int64_t m = M.m, n = M.n, off = A.cols[i].off;
+    const int nf = (int)nfold_of(n);
+    const bool unit = (A.flags & FL_UNIT) != 0;
+    double *xd = (double *)A.xch;
+
+    if (OP == CV_PREP) {
+        int nonzero = 0;
+        for (int64_t j = t; j < n; j += PREP_THREADS) nonzero |= M.u[j] != 0;   /* NaN counts as nonzero */
+        nonzero = __syncthreads_or(nonzero);
+        double f2 = 0;
+        if (!unit) {
+            for (int k = t; k < nf; k += PREP_THREADS) f2 += __ldcg(S.fsc + k);
+            f2 = block_sum<PREP_THREADS>(f2, dred);
+        }
+        if (t == 0) {
+            xd[2 * i] = nonzero ? 1 : 0;
+            xd[2 * i + 1] = f2;
+        }
+    } else if (OP == CV_START) {
+        const bool zero = __ldcg(xd + 2 * i) == 0;
+        double uu = 0;
+        for (int64_t j = t; j < n; j += PREP_THREADS) {
+            const float u = zero ? u_start(A.o.seed, M.b, off + j) : M.u[j];
+            S.uv[j] = u;
+            uu += (double)u * u;
+        }
+        uu = block_sum<PREP_THREADS>(uu, dred);
+        if (t == 0) {
+            S.scal[SC_F2] = __ldcg(xd + 2 * i + 1);
+            S.scal[SC_UUL] = uu;
+            S.scal[SC_SIGMA] = A.o.eps;
+            S.scal[SC_RESTARTED] = zero ? 1 : 0;
+            S.scal[SC_REDO] = 0;
+        }
+    } else if (OP == CV_V) {
+        if ((A.flags & FL_REDO) && __ldcg(S.scal + SC_REDO) == 0) return;   /* no restart pending */
+        /* read before the sums' barriers; thread 0 writes after them */
+        const double restarted = __ldcg(S.scal + SC_RESTARTED), f2s = __ldcg(S.scal + SC_F2);
+        const double *vs = xd + M.g0;
+        double nv2 = 0, ff = 0;
+        for (int64_t r = t; r < m; r += PREP_THREADS) {
+            const float v = (unit ? 1.f : S.r[r]) * (float)__ldcg(vs + r);
+            nv2 += (double)v * v;
+            if (unit) ff += __ldcg(vs + A.gtot + r);
+        }
+        nv2 = block_sum<PREP_THREADS>(nv2, dred);
+        if (unit) ff = block_sum<PREP_THREADS>(ff, dred);
+        const double nv = sqrt(nv2), f2 = unit ? ff : f2s, uu = __ldcg(xd + uu_at(A, unit) + i);
+        if (restarted == 0 && f2 > 0 && nv <= U_DEGENERATE * sqrt(f2) * sqrt(uu)) {
+            for (int64_t j = t; j < n; j += PREP_THREADS) S.uv[j] = u_start(A.o.seed, M.b, off + j);
+            if (t == 0) {
+                S.scal[SC_RESTARTED] = 1;
+                S.scal[SC_REDO] = 1;
+            }
+            return;
+        }
+        float *rv = A.rvb + M.g0;
+        for (int64_t r = t; r < m; r += PREP_THREADS) {
+            const float rr = unit ? 1.f : S.r[r];
+            rv[r] = rr * (rr * (float)__ldcg(vs + r));
+        }
+        if (t == 0) {
+            S.scal[SC_NV] = nv;
+            S.scal[SC_REDO] = 0;
+        }
+    } else if (OP == CV_W) {
+        double w2 = 0;
+        for (int k = t; k < nf; k += PREP_THREADS) w2 += __ldcg(S.fsc + k);
+        w2 = block_sum<PREP_THREADS>(w2, dred);
+        if (t == 0) xd[i] = w2;
+    } else {
+        const double nw = sqrt(__ldcg(xd + i)), sigma = clampd(nw, A.o.eps);
+        const bool store = (A.flags & FL_LAST) && M.u;
+        double uu = 0;
+        for (int64_t j = t; j < n; j += PREP_THREADS) {
+            float u = S.uv[j];
+            if (nw != 0) {   /* X^T v = 0 keeps u, so no later step starts from a zero vector */
+                u = (float)(__ldcg(S.wv + j) / sigma);
+                S.uv[j] = u;
+            }
+            uu += (double)u * u;
+            if (store) M.u[j] = u;
+        }
+        uu = block_sum<PREP_THREADS>(uu, dred);
+        if (t == 0) {
+            S.scal[SC_SIGMA] = sigma;
+            S.scal[SC_UUL] = uu;
+        }
+    }
+}
+
+/* rows [r0, r1) of a cols-sharded matrix: p <- (p dec - coef X) fac, the counter of element (i, j) e0 + i ng + j */
+template <class TG, class TP>
+__device__ __forceinline__ void capply_rows(const skmat &M, const skscr &S, int64_t ng, int64_t r0, int64_t r1,
+                                            bool unit, const coefs &cf)
+{
+    const TG *g = (const TG *)M.g;
+    TP *p = (TP *)M.p;
+    const int64_t n = M.n;
+    double none[3];
+    for (int64_t i = r0; i < r1; i++) {
+        const float ri = unit ? 1.f : __ldcg(S.r + i);
+        for (int64_t j = threadIdx.x; j < n; j += blockDim.x) {
+            const float gv = msk_f(g[i * M.rs + j * M.cs]);
+            const float x = unit ? gv : ri * gv * __ldcg(S.c + j);
+            const int64_t e = i * n + j;
+            const float v = elem_op<E_APPLY>(msk_f(p[e]), x, cf, none);
+            if (sizeof(TP) == 2 && cf.stochastic)
+                reinterpret_cast<uint16_t *>(p)[e] = msk_sr_16(v, M.pdt == MS_DTYPE_BF16, (uint64_t)(M.e0 + i * ng + j),
+                                                               cf.step, (uint32_t)M.member, cf.k0, cf.k1);
+            else
+                p[e] = msk_store_of<TP>::cvt(v);
+        }
+    }
+}
+
+template <class TG>
+__device__ __forceinline__ void capply_typed(const skmat &M, const skscr &S, int64_t ng, int64_t r0, int64_t r1,
+                                             bool unit, const coefs &cf)
+{
+    switch (M.pdt) {
+    case MS_DTYPE_BF16: capply_rows<TG, __nv_bfloat16>(M, S, ng, r0, r1, unit, cf); break;
+    case MS_DTYPE_F16:  capply_rows<TG, __half>(M, S, ng, r0, r1, unit, cf); break;
+    default:            capply_rows<TG, float>(M, S, ng, r0, r1, unit, cf); break;
+    }
+}
+
+template <int CAP>
+__global__ void __launch_bounds__(T_SWEEP) capply_kernel(const skargs<CAP> *__restrict__ tables, int flags)
+{
+    const skargs<CAP> &A = tables[flags];
+    __shared__ float t_sh;
+    if (A.o.skip.ptr && msk_scalar_value(A.o.skip) != 0) return;
+    const int64_t ga = range_start(blockIdx.x, A.gtot, A.grid), gb = range_start(blockIdx.x + 1, A.gtot, A.grid);
+    const int i0 = mat_of_group(A, ga), i1 = mat_of_group(A, gb - 1);
+    const bool unit = (A.flags & FL_UNIT) != 0;
+    for (int i = i0; i <= i1; i++) {
+        const skmat &M = A.m[i];
+        skscr S;
+        scr_layout(M.scr, M.m, M.n, M.nbands, &S);
+        const int64_t end = i + 1 < A.nmat ? A.m[i + 1].g0 : A.gtot;
+        const int64_t r0 = (ga > M.g0 ? ga : M.g0) - M.g0, r1 = (gb < end ? gb : end) - M.g0;   /* GR = 1 */
+        if (r1 <= r0) continue;
+        const coefs cf = coefs_of(A, M, S, false, &t_sh);   /* (t was captured by the sphere's unpack) */
+        const int64_t ng = A.cols[i].ng;
+        switch (M.gdt) {
+        case MS_DTYPE_BF16: capply_typed<__nv_bfloat16>(M, S, ng, r0, r1, unit, cf); break;
+        case MS_DTYPE_F16:  capply_typed<__half>(M, S, ng, r0, r1, unit, cf); break;
+        default:            capply_typed<float>(M, S, ng, r0, r1, unit, cf); break;
+        }
+    }
+}
+
+/* A plain struct of 16-byte words copied to device memory (the cols-sharded side table). */
+template <class T>
+__global__ void __launch_bounds__(256) blob_kernel(const __grid_constant__ T src, T *dst)
+{
+    const uint4 *s = reinterpret_cast<const uint4 *>(&src);
+    uint4 *d = reinterpret_cast<uint4 *>(dst);
+    for (size_t w = threadIdx.x; w < sizeof(T) / 16; w += blockDim.x) d[w] = s[w];
 }
 
 /* --- planning and launching (host) ---------------------------------------------------------------------- */
@@ -1124,9 +1549,11 @@ static int pow2ceil(int x)
 }
 
 /* The thread map, groups and bands of matrices [0, cnt) of mm for one launch sequence on `maxgrid` CTAs;
-** scratch laid out from `base` (NULL: sizes only).  Returns the scratch bytes. */
+** scratch laid out from `base` (NULL: sizes only).  Returns the scratch bytes.  dim: a sharded run's
+** (MSK_SHARD_ROWS: a slice may have no rows, and then no groups or bands; MSK_SHARD_COLS: a group is a row and
+** nothing is swept), 0 otherwise. */
 static int64_t plan_chunk(int cnt, const msk_sinkgd_mat *mm, int maxgrid, char *base, skmat *out, int64_t *gtot_out,
-                          int *grid_out, int *nfold_out)
+                          int *grid_out, int *nfold_out, int dim = 0)
 {
     int64_t g0 = 0;
     for (int k = 0; k < cnt; k++) {
@@ -1144,14 +1571,22 @@ static int64_t plan_chunk(int cnt, const msk_sinkgd_mat *mm, int maxgrid, char *
         x.e0 = a.e0;
         x.b = a.b;
         x.scale = a.scale;
+        /* the global matrix's dims: a sharded slice's, else this matrix's (host sqrt and division are IEEE, as
+        ** the device's: the same bits the kernels computed from m and n) */
+        const int64_t gm = a.mg > 0 ? a.mg : a.m, gn = a.ng > 0 ? a.ng : a.n;
+        x.tau = sqrt((double)gm / (double)gn);
+        x.root = dim == MSK_SHARD_ROWS ? sqrtf((float)gm) : dim == MSK_SHARD_COLS ? sqrtf((float)gn) : 0.f;
         x.member = a.member;
         x.gdt = a.gdt;
         x.pdt = a.pdt;
         const int es = dtype_size(a.gdt), E = 16 / es;
         const bool dense = a.cs == 1 && (a.rs == a.n || a.m == 1);
-        x.fast = dense && aligned16(a.g) && a.n % E == 0 && a.n / E <= 4 * T_SWEEP;
-        x.pvec = dense && aligned16(a.g) && aligned16(a.p) && a.n % 8 == 0 && a.m * a.n / 8 < ((int64_t)1 << 31);
-        if (x.fast) {
+        x.fast = dim != MSK_SHARD_COLS && dense && aligned16(a.g) && a.n % E == 0 && a.n / E <= 4 * T_SWEEP;
+        x.pvec = dense && aligned16(a.g) && aligned16(a.p) && a.n > 0 && a.n % 8 == 0 &&
+                 a.m * a.n / 8 < ((int64_t)1 << 31);
+        if (dim == MSK_SHARD_COLS) {
+            x.GR = 1;   /* the cols passes' exchanges hold a value a row */
+        } else if (x.fast) {
             /* 4 chunks (32 bf16 or 16 f32 elements) of a row per thread whenever the row has 4 chunks: the row's
             ** reduction and scale update are paid once per 32 elements, not per 8 */
             const int C = (int)(a.n / E);
@@ -1186,8 +1621,13 @@ static int64_t plan_chunk(int cnt, const msk_sinkgd_mat *mm, int maxgrid, char *
     for (int k = 0; k < cnt; k++) {
         skmat &x = out[k];
         const int64_t last = (k + 1 < cnt ? out[k + 1].g0 : gtot) - 1;
-        x.band0 = cta_of(x.g0);
-        x.nbands = cta_of(last) - x.band0 + 1;
+        if (last < x.g0) {   /* a sharded rank's slice without rows: no CTA visits it */
+            x.band0 = 0;
+            x.nbands = 0;
+        } else {
+            x.band0 = cta_of(x.g0);
+            x.nbands = cta_of(last) - x.band0 + 1;
+        }
         x.f0 = nfold;
         nfold += (int)nfold_of(x.n);
         x.scr = base ? base + bytes : NULL;
@@ -1326,6 +1766,204 @@ extern "C" ms_status msk_sinkgd_run(ms_ctx *ctx, cudaStream_t s, const msk_sinkg
         ms_status st = cnt <= SMALL_CAP
             ? run_chunk<SMALL_CAP>(ctx, s, o, cnt, m + first, (char *)scratch, tickets, launches)
             : run_chunk<MSK_SINKGD_CAP>(ctx, s, o, cnt, m + first, (char *)scratch, tickets, launches);
+        if (st != MS_OK) return st;
+    }
+    return MS_OK;
+}
+
+/* --- sharded runs (msk_sinkgd_run_sharded) ------------------------------------------------------------------
+** The scratch of a chunk: the launch tables, the cols side table, the matrices' scratch, then the exchange
+** region: rows: the fold's column sums (f32, or f64 with two scalars a matrix after them) and the sphere sums
+** (f64, three a matrix); cols: one f64 a row twice plus three a matrix (the largest of its exchanges), then r v. */
+
+static size_t side_bytes() { return sizeof(skcols<MSK_SINKGD_CAP>); }
+
+static int64_t xch_bytes(int dim, int cnt, int64_t gtot, int nfold)
+{
+    if (dim == MSK_SHARD_ROWS) return ((int64_t)nfold * FOLD_COLS + 3 * (int64_t)cnt) * 8;
+    return (2 * gtot + 3 * (int64_t)cnt) * 8 + up4(gtot) * 4;
+}
+
+extern "C" size_t msk_sinkgd_sharded_scratch(int dim, int n, const msk_sinkgd_mat *m)
+{
+    skmat *tmp = new (std::nothrow) skmat[MSK_SINKGD_CAP];
+    if (tmp == NULL) return (size_t)-1;
+    const int G = ctas_per_pass();
+    int64_t most = 0, gtot;
+    int grid, nfold;
+    for (int first = 0; first < n; first += MSK_SINKGD_CAP) {
+        const int cnt = n - first < MSK_SINKGD_CAP ? n - first : MSK_SINKGD_CAP;
+        const int64_t b = plan_chunk(cnt, m + first, G, NULL, tmp, &gtot, &grid, &nfold, dim);
+        const int64_t total = b + xch_bytes(dim, cnt, gtot, nfold);
+        most = total > most ? total : most;
+    }
+    delete[] tmp;
+    return (size_t)most + table_bytes() + side_bytes();
+}
+
+template <int CAP>
+static ms_status write_tables(ms_ctx *ctx, cudaStream_t s, const skargs<CAP> &a, skargs<CAP> *tables, unsigned used,
+                              const skcols<CAP> *side, skcols<CAP> *side_dev, int *launches)
+{
+    table_kernel<CAP><<<TABLE_SLOTS, 256, 0, s>>>(a, tables, used);
+    MSK_CHECK_LAUNCH(ctx, "sinkgd launch tables");
+    ++*launches;
+    if (side) {
+        blob_kernel<skcols<CAP>><<<1, 256, 0, s>>>(*side, side_dev);
+        MSK_CHECK_LAUNCH(ctx, "sinkgd cols table");
+        ++*launches;
+    }
+    return MS_OK;
+}
+
+/* The launch sequence of one sharded chunk: run_chunk's with the exchanges (x->sum on the chunk's exchange
+** region, in stream order between launches).  Every rank issues the same exchanges with the same sizes: they
+** depend on the options, the matrix count and the global dims alone; passes with no work here (a grid of 0) are
+** left out, exchanges never. */
+template <int CAP>
+static ms_status run_sharded(ms_ctx *ctx, cudaStream_t s, const msk_sinkgd *o, int dim, int cnt,
+                             const msk_sinkgd_mat *mm, const msk_exchange *x, char *scratch, unsigned *tickets,
+                             int *launches)
+{
+    cudaError_t e = sweep_setup<CAP, K_SINK>();
+    if (e == cudaSuccess) e = sweep_setup<CAP, K_POWER>();
+    if (e != cudaSuccess)
+        return ms_error_at(ctx, MS_E_BACKEND, __FILE__, __LINE__, "cuda sinkgd: cudaFuncSetAttribute failed: %s",
+                           cudaGetErrorString(e));
+    skargs<CAP> *a = new (std::nothrow) skargs<CAP>;
+    skcols<CAP> *side = dim == MSK_SHARD_COLS ? new (std::nothrow) skcols<CAP>() : NULL;
+    if (a == NULL || (dim == MSK_SHARD_COLS && side == NULL)) {
+        delete a;
+        delete side;
+        return ms_error_at(ctx, MS_E_OOM, __FILE__, __LINE__, "cuda sinkgd: no host memory for the launch table");
+    }
+    a->o = *o;
+    a->nmat = cnt;
+    a->tickets = tickets;
+    a->flags = 0;
+    skargs<CAP> *tables = reinterpret_cast<skargs<CAP> *>(scratch);
+    char *side_dev = scratch + table_bytes(), *base = side_dev + side_bytes();
+    const int64_t bytes = plan_chunk(cnt, mm, ctas_per_pass(), base, a->m, &a->gtot, &a->grid, &a->nfold, dim);
+    char *xr = base + bytes;
+    const int64_t gtot = a->gtot;
+    a->xch = xr;
+    a->rvb = dim == MSK_SHARD_COLS ? reinterpret_cast<float *>(xr + (2 * gtot + 3 * (int64_t)cnt) * 8) : NULL;
+    a->cols = dim == MSK_SHARD_COLS ? reinterpret_cast<const skcol *>(side_dev) : NULL;
+    if (side)
+        for (int k = 0; k < cnt; k++) side->c[k] = skcol{ mm[k].ng, mm[k].off };
+
+    const int P = ctas_per_pass();
+    const unsigned G = (unsigned)a->grid, F = (unsigned)a->nfold, NM = (unsigned)cnt;
+    const int64_t rw = (gtot + CROW_WARPS - 1) / CROW_WARPS, rt = (gtot + 255) / 256;
+    const unsigned RG = (unsigned)(rw < 16 * P ? rw : 16 * P), RT = (unsigned)(rt < 16 * P ? rt : 16 * P);
+    const int64_t cols32 = (int64_t)a->nfold * FOLD_COLS;
+    const int unit = o->iters == 0 ? FL_UNIT : 0;
+    const bool spectral = o->mode != MS_SINKGD_BASE, sphere = o->mode == MS_SINKGD_SPHERE;
+    bool rev = false;
+    ms_status st = MS_OK;
+    typedef void (*kernel_t)(const skargs<CAP> *, int);
+    /* two walks, as run_chunk's: the first collects the flags values, the second launches and exchanges */
+    unsigned used = 0;
+    bool collect = true;
+    auto go = [&](kernel_t K, int flags, unsigned grid, unsigned threads, size_t smem, const char *what) {
+        if (grid == 0) return;
+        if (collect) used |= 1u << flags;
+        else if (st == MS_OK) st = launch<CAP>(ctx, s, K, tables, flags, grid, threads, smem, what, launches);
+    };
+    auto xch = [&](int64_t count, ms_dtype dt) {
+        if (!collect && st == MS_OK) st = x->sum(x->user, xr, count, dt);
+    };
+    auto sphere_sums = [&](int flags) {
+        go(elem_kernel<CAP, E_SUMS>, flags, G * ESPLIT, T_SWEEP, ELEM_SMEM, "sinkgd sphere sums");
+        go(sphere_xch_kernel<CAP, X_PACK>, unit, 1, 256, 0, "sinkgd sphere sums (pack)");
+        xch(3 * (int64_t)cnt, MS_DTYPE_F64);
+        go(sphere_xch_kernel<CAP, X_UNPACK>, unit, 1, 256, 0, "sinkgd sphere sums (unpack)");
+    };
+    auto rows = [&]() {
+        for (int k = 1; k <= o->iters; k++) {
+            const int fl = (k == 1 ? FL_FIRST : 0) | (k == o->iters && spectral ? FL_LAST : 0);
+            go(sweep_kernel<CAP, K_SINK>, fl | (rev ? FL_REV : 0), G, T_SWEEP, SWEEP_SMEM, "sinkgd sweep");
+            go(fold_kernel<CAP, K_SINK, FOLD_PART>, fl, F, FOLD_THREADS, 0, "sinkgd fold (part)");
+            xch(cols32, MS_DTYPE_F32);
+            go(fold_kernel<CAP, K_SINK, FOLD_FINISH>, fl, F, FOLD_THREADS, 0, "sinkgd fold (finish)");
+            rev = !rev;
+        }
+        if (spectral) {
+            go(prep_kernel<CAP>, unit, NM, PREP_THREADS, 0, "sinkgd power prep");
+            for (int k = 0; k < o->sn_iters; k++) {
+                const int fl = unit | (k == o->sn_iters - 1 ? FL_LAST : 0);
+                for (int redo = 0; redo < 2; redo++) {   /* the step, then its restart (every other matrix skips) */
+                    const int f = fl | (redo ? FL_REDO : 0);
+                    go(sweep_kernel<CAP, K_POWER>, f | (rev != (redo == 1) ? FL_REV : 0), G, T_SWEEP, SWEEP_SMEM,
+                       redo ? "sinkgd power restart" : "sinkgd power");
+                    go(fold_kernel<CAP, K_POWER, FOLD_PART>, f, F, FOLD_THREADS, 0, "sinkgd power fold (part)");
+                    xch(cols32 + 2 * (int64_t)cnt, MS_DTYPE_F64);
+                    go(fold_kernel<CAP, K_POWER, FOLD_FINISH>, f, F, FOLD_THREADS, 0, "sinkgd power fold (finish)");
+                }
+                rev = !rev;
+            }
+        }
+        if (sphere) {
+            sphere_sums(unit | (rev ? FL_REV : 0));
+            rev = !rev;
+        }
+        go(elem_kernel<CAP, E_APPLY>, unit | (rev ? FL_REV : 0), G * ESPLIT, T_SWEEP, ELEM_SMEM, "sinkgd apply");
+    };
+    auto cols = [&]() {
+        for (int k = 1; k <= o->iters; k++) {
+            const int fl = (k == 1 ? FL_FIRST : 0) | (k == o->iters && spectral ? FL_LAST : 0);
+            go(crow_kernel<CAP, K_SINK>, fl, RG, CROW_WARPS * 32, 0, "sinkgd row sums (cols)");
+            xch(gtot, MS_DTYPE_F32);
+            go(crow_fin_kernel<CAP>, fl, RT, 256, 0, "sinkgd row scales (cols)");
+            go(ccol_kernel<CAP, K_SINK>, fl, F, FOLD_THREADS, 0, "sinkgd columns (cols)");
+        }
+        if (spectral) {
+            go(cvec_kernel<CAP, CV_PREP>, unit, NM, PREP_THREADS, 0, "sinkgd power prep (cols)");
+            xch(2 * (int64_t)cnt, MS_DTYPE_F64);
+            go(cvec_kernel<CAP, CV_START>, unit, NM, PREP_THREADS, 0, "sinkgd power start (cols)");
+            for (int k = 0; k < o->sn_iters; k++) {
+                const int fl = unit | (k == o->sn_iters - 1 ? FL_LAST : 0);
+                for (int redo = 0; redo < 2; redo++) {
+                    const int f = fl | (redo ? FL_REDO : 0);
+                    go(crow_kernel<CAP, K_POWER>, f, RG, CROW_WARPS * 32, 0, "sinkgd power rows (cols)");
+                    xch(gtot * (unit ? 2 : 1) + cnt, MS_DTYPE_F64);
+                    go(cvec_kernel<CAP, CV_V>, f, NM, PREP_THREADS, 0, "sinkgd power v (cols)");
+                }
+                go(ccol_kernel<CAP, K_POWER>, fl, F, FOLD_THREADS, 0, "sinkgd power columns (cols)");
+                go(cvec_kernel<CAP, CV_W>, fl, NM, PREP_THREADS, 0, "sinkgd power w (cols)");
+                xch(cnt, MS_DTYPE_F64);
+                go(cvec_kernel<CAP, CV_U>, fl, NM, PREP_THREADS, 0, "sinkgd power u (cols)");
+            }
+        }
+        if (sphere) sphere_sums(unit);
+        go(capply_kernel<CAP>, unit, G, T_SWEEP, 0, "sinkgd apply (cols)");
+    };
+    auto sequence = [&]() {
+        if (dim == MSK_SHARD_ROWS) rows();
+        else cols();
+    };
+    sequence();
+    st = write_tables<CAP>(ctx, s, *a, tables, used, side, reinterpret_cast<skcols<CAP> *>(side_dev), launches);
+    collect = false;
+    rev = false;
+    if (st == MS_OK) sequence();
+    delete a;
+    delete side;
+    return st;
+}
+
+extern "C" ms_status msk_sinkgd_run_sharded(ms_ctx *ctx, cudaStream_t s, const msk_sinkgd *o, int dim, int n,
+                                            const msk_sinkgd_mat *m, const msk_exchange *x, void *scratch,
+                                            unsigned *tickets, int *launches)
+{
+    *launches = 0;
+    if (dim != MSK_SHARD_ROWS && dim != MSK_SHARD_COLS)
+        return ms_error_at(ctx, MS_E_ARG, __FILE__, __LINE__, "cuda sinkgd: shard dim %d is not rows or columns", dim);
+    for (int first = 0; first < n; first += MSK_SINKGD_CAP) {
+        const int cnt = n - first < MSK_SINKGD_CAP ? n - first : MSK_SINKGD_CAP;
+        ms_status st = cnt <= SMALL_CAP
+            ? run_sharded<SMALL_CAP>(ctx, s, o, dim, cnt, m + first, x, (char *)scratch, tickets, launches)
+            : run_sharded<MSK_SINKGD_CAP>(ctx, s, o, dim, cnt, m + first, x, (char *)scratch, tickets, launches);
         if (st != MS_OK) return st;
     }
     return MS_OK;

@@ -101,8 +101,13 @@ and the GEMMs planned and run; plan() reports "dash.auto_classes", "dash.auto_ge
 
 State: per stack of blocks (key "r x c") grad_ema, adam_v (and momentum); per factor stack (key
 "<size>p<root>") factor and root, and for auto class (i32: the code of auto_pick), lam_max, lam_min,
-residual, fro; the block layout
-(a string checked against the parameters at every refresh) and the refresh count.  AdamW: exp_avg, exp_avg_sq.
+residual, fro; the refresh count.  The route's slots() names the block behind every slot of that state, so
+a checkpoint loads block by block (by parameter name, whatever the stacks' order).  AdamW: exp_avg, exp_avg_sq.
+Random vectors (power-iteration starts, residual sketches, stochastic rounding) are drawn by block identity:
+every call takes the whole stack and gives each block an id hashed from its parameter's name, its place in
+the parameter and its side (rng_ids; recipe code: "random streams by identity"), never its position in a
+stack.  So with several ranks (settings.distribute = "owner": each rank stacks only the parameters it owns)
+every parameter gets the update one rank would give it, and the solvers stay one batched call per stack.
 Device-side skipping (captured steps) is not offered by the dash route: its factor products have no skip
 flag, so a captured DASH step needs settings.nonfinite = "apply".
 ]]
@@ -311,7 +316,28 @@ local function plan_of(group, o)
   return ms.block_plan(params, { block_size = o.block_size })
 end
 
--- the transient tensors and block lists of a group (rebuilt lazily: they are not state)
+-- ---------------------------------------------------------------------------------------------------
+-- random streams by identity.  The engine draws a block's random vectors (power-iteration starts, residual
+-- sketches; stochastic rounding) from the call's seed and the block's id in the call's rng_ids (moonstep.h,
+-- "Random vectors").  Each block's id comes from what it is -- its parameter's name, its corner in the
+-- parameter, and for factors its side -- never from its position in a stack, so a block gets the same vectors
+-- whichever other parameters share its stacks: on one rank, or on a rank stepping only the parameters it owns
+-- (settings.distribute = "owner").  Ids are built with the plan, identically on every rank; two blocks whose
+-- ids collide only share start vectors.
+-- ---------------------------------------------------------------------------------------------------
+-- a number in [0, 2^31 - 1) from a string (a polynomial hash modulo the prime 2^31 - 1; exact in a Lua number,
+-- arithmetic only for the sandbox): an i32 id
+local function id_of(s)
+  local h = 0
+  for i = 1, #s do h = (h * 257 + string.byte(s, i)) % 2147483647 end
+  return h
+end
+
+-- a block's identity: "<param>@<row0>,<col0>" (its factors: "/L", "/R" appended); checkpoints name slots so too
+local function block_name(plan, blk) return ("%s@%d,%d"):format(plan.params[blk.param].name, blk.row0, blk.col0) end
+
+-- the transient tensors and block lists of a group (rebuilt lazily: they are not state), and the blocks' rng ids:
+-- per factor stack (roots, estimates) and, with stochastic rounding, per stack (the apply)
 local function work_of(group, o)
   local st = group.state
   local w = work[st]
@@ -319,7 +345,9 @@ local function work_of(group, o)
   local ctx = group[1].param:context()
   local plan = plan_of(group, o)
   w = { plan = plan, G = {}, T = {}, U = {}, P = {}, norm = {}, left = {}, right = {}, lroot = {}, rroot = {},
-        grads = {}, grad_list = {}, param_list = {} }
+        grads = {}, grad_list = {}, param_list = {}, rng_ids = {}, apply_ids = {} }
+  local factor_ids = {}
+  for _, f in ipairs(plan.factors) do factor_ids[f.key] = {} end
   for _, s in ipairs(plan.stacks) do
     local k, shape = s.key, { s.n, s.r, s.c }
     w.G[k], w.U[k], w.norm[k] = f32(shape, ctx), f32(shape, ctx), f32({ s.n }, ctx)
@@ -332,10 +360,18 @@ local function work_of(group, o)
       w.right[k] = st.factor[s.right.factor]:slice(0, s.right.offset, s.right.offset + s.n)
       w.rroot[k] = st.root[s.right.factor]:slice(0, s.right.offset, s.right.offset + s.n)
     end
-    local pb = {}
-    for j, blk in ipairs(s.blocks) do pb[j] = { tensor = group[blk.param].param, row0 = blk.row0, col0 = blk.col0 } end
+    local pb, ids = {}, {}
+    for j, blk in ipairs(s.blocks) do
+      pb[j] = { tensor = group[blk.param].param, row0 = blk.row0, col0 = blk.col0 }
+      local name = block_name(plan, blk)
+      ids[j] = id_of(name)
+      factor_ids[s.left.factor][s.left.offset + j] = id_of(name .. "/L")
+      if s.right then factor_ids[s.right.factor][s.right.offset + j] = id_of(name .. "/R") end
+    end
     w.param_list[k] = ms.block_list(pb)
+    if o.bf16_stochastic_round then w.apply_ids[k] = ms.tensor(ids, { dtype = "i32", ctx = ctx }) end
   end
+  for _, f in ipairs(plan.factors) do w.rng_ids[f.key] = ms.tensor(factor_ids[f.key], { dtype = "i32", ctx = ctx }) end
   work[st] = w
   return w
 end
@@ -461,12 +497,13 @@ local function auto_plan(group, o, w)
 end
 
 -- auto (device side, in step): the damping (following this refresh's lambda_max estimate), each class's call,
--- then, when the next refresh classifies, the estimates it reads
+-- then, when the next refresh classifies, the estimates it reads; every call on the whole factor stack, its
+-- random vectors keyed by the blocks' ids
 local function auto_refresh(o, st, w, f, seed)
-  local A, X = st.factor[f.key], st.root[f.key]
+  local A, X, ids = st.factor[f.key], st.root[f.key], w.rng_ids[f.key]
   local a, t = w.auto[f.key], w.auto_t[f.key]
   local pi = { vectors = o.matrix_scaling_pi_vectors, steps = o.matrix_scaling_pi_steps, eps = o.eps_power_iter,
-               bf16 = o.pi_bf16, root = f.root, seed = seed, lam_max = st.lam_max[f.key] }
+               bf16 = o.pi_bf16, root = f.root, seed = seed, rng_ids = ids, lam_max = st.lam_max[f.key] }
   if a.damped then
     ms.spectrum_estimate(A, pi)
     ms.mul(st.lam_max[f.key], t.mask, t.d)
@@ -474,7 +511,7 @@ local function auto_refresh(o, st, w, f, seed)
   end
   for _, call in ipairs(a.calls) do
     local ro = root_options(o, call.method, call.steps, f.root, seed)
-    ro.index, ro.out, ro.iters = call.index, X, t.iters
+    ro.index, ro.rng_ids, ro.out, ro.iters = call.index, ids, X, t.iters
     if w.auto_estimate then ro.residual = st.residual[f.key] end
     ms.inv_root(call.damped and t.damped or A, ro)
   end
@@ -524,12 +561,18 @@ local dash_route = {
   -- (1) the plan, and state: per stack grad EMA, Adam second moment (momentum); per factor stack factors, roots
   init = function(group, o)
     local st = group.state
+    for _, m in ipairs(group) do
+      if m.info.shard then
+        error(("dash: parameter '%s' is sharded across ranks; DASH preconditions whole parameters (leave it "
+               .. "unsharded: with settings.distribute = 'owner' each rank updates whole parameters of its own)"):format(m.name), 0)
+      end
+    end
     local ctx = group[1].param:context()
     local plan = plan_of(group, o)
     local names = {}
     for i, m in ipairs(group) do names[i] = m.name end
     member_names[st] = names
-    st.layout, st.refreshes, st.roots_ready = plan.layout, 0, false
+    st.refreshes, st.roots_ready = 0, false
     st.grad_ema, st.adam_v, st.factor, st.root = {}, {}, {}, {}
     if o.mu > 0 then st.momentum = {} end
     for _, s in ipairs(plan.stacks) do
@@ -549,15 +592,36 @@ local dash_route = {
     end
   end,
 
+  -- the block behind each slot of the stacked state (dim 0): "<param>@<row0>,<col0>", factors "/L" or "/R".
+  -- A checkpoint records them, so state loads block by block, whichever parameters a rank's stacks hold.
+  slots = function(group, o)
+    local st, plan = group.state, plan_of(group, o)
+    local map, factor_ids = {}, {}
+    for _, f in ipairs(plan.factors) do factor_ids[f.key] = {} end
+    for _, s in ipairs(plan.stacks) do
+      local ids = {}
+      for j, blk in ipairs(s.blocks) do
+        ids[j] = block_name(plan, blk)
+        factor_ids[s.left.factor][s.left.offset + j] = ids[j] .. "/L"
+        if s.right then factor_ids[s.right.factor][s.right.offset + j] = ids[j] .. "/R" end
+      end
+      for _, k in ipairs { "grad_ema", "adam_v", "momentum" } do
+        if st[k] then map[k .. "/" .. s.key] = ids end
+      end
+    end
+    for _, f in ipairs(plan.factors) do
+      for _, k in ipairs { "factor", "root", "class", "lam_max", "lam_min", "residual", "fro" } do
+        if st[k] then map[k .. "/" .. f.key] = factor_ids[f.key] end
+      end
+    end
+    return map
+  end,
+
   -- (2) refresh or apply; host-side bookkeeping and the auto policy live here (step() may be replayed)
   plan = function(group, o, ctx)
     local st = group.state
     check_members(group)
     local w = work_of(group, o)
-    if st.layout ~= w.plan.layout then
-      error("dash: the block layout in the optimizer's state does not match its parameters (a checkpoint of "
-            .. "another model or block_size?)", 0)
-    end
     local t = ctx.step
     if not preconditioning(o, t) then return "apply" end
     if not (t == 1 or t % o.inv_root_freq == 0 or not st.roots_ready) then return "apply" end
@@ -611,7 +675,7 @@ local dash_route = {
         else
           local steps = o.inv_root_method == "chebyshev" and o.cbshv_degree or o.newton_steps
           local ro = root_options(o, o.inv_root_method, steps, f.root, seed)
-          ro.out = st.root[f.key]
+          ro.out, ro.rng_ids = st.root[f.key], w.rng_ids[f.key]
           ms.inv_root(st.factor[f.key], ro)
         end
       end
@@ -638,6 +702,7 @@ local dash_route = {
       ms.blocks_apply {
         blocks = w.param_list[k], stack = P, scale = scale, lr = ctx.lr_t, step = ctx.step_t,
         weight_decay = s.one_dim and 0 or o.weight_decay, stochastic_round = o.bf16_stochastic_round, seed = o.seed,
+        rng_ids = w.apply_ids[k],
       }
     end
   end,

@@ -91,7 +91,15 @@ return {
   routes = {
     muon = {
       init = function(group, o)
-        for _, m in ipairs(group) do m.state.momentum_buffer = ms.zeros_like(m.param) end
+        for _, m in ipairs(group) do
+          -- Newton-Schulz orthogonalises the whole matrix: a slice of it would be orthogonalised on its own
+          if m.info.shard then
+            error(("muon: parameter '%s' is sharded across ranks; Muon orthogonalises whole matrices (leave it "
+                   .. "unsharded: with settings.distribute = 'owner' each rank updates whole parameters of its own)")
+                  :format(m.name), 0)
+          end
+          m.state.momentum_buffer = ms.zeros_like(m.param)
+        end
       end,
       step = function(group, o, ctx)
         local beta = o.momentum

@@ -73,6 +73,12 @@ correction would count twice; axolotl refuses it too).
 State: sinkgd matrices none (base), specnorm_u f32 [..., n] (spectral, sphere), md_target_norm f32 [...]
 (sphere; -1 until captured); adamw exp_avg and exp_avg_sq (u8 codes with f32 exp_avg_scale and
 exp_avg_sq_scale [numel / block_size] in 8 bits).
+
+Several ranks (moonstep.optim, "Several ranks"): a parameter sharded by rows or columns is one matrix to the
+recipe -- info.shape is the whole one (alpha_eff's width, the muon target), the state is the slice's
+(specnorm_u [..., n_local] for columns) -- and ms.sinkgd_step exchanges the norm vectors across the ranks
+(moonstep.shard).  A slice's AdamW moments are 8-bit only when its blocks are the whole parameter's (see
+uses_8bit).
 ]]
 
 local DEFAULT_ADAMW_NAMES = { "embed_tokens", "lm_head", "wte", "word_embeddings", "modules_to_save" }
@@ -126,9 +132,16 @@ local function alpha_eff(shape, o)
   return a
 end
 
+-- 8-bit moments quantize blocks of block_size consecutive elements of the flattened parameter.  A slice of a
+-- sharded parameter (this rank's part, info.shard) takes them only when it is a block-aligned run of the
+-- whole parameter's elements (rows of a matrix from a multiple of block_size elements): its blocks are then
+-- the whole parameter's, as on one rank, and checkpoints join and cut them.  Other slices keep f32 moments.
 local function uses_8bit(m, o)
-  local numel = m.param:numel()
-  return o.adamw_state == "8bit" and m.param:dtype() ~= "f64" and numel >= 4096 and numel % o.block_size == 0
+  local numel, s = m.param:numel(), m.info.shard
+  if o.adamw_state ~= "8bit" or m.param:dtype() == "f64" or m.info.numel < 4096 or numel % o.block_size ~= 0 then
+    return false
+  end
+  return s == nil or (s.dim == "rows" and m.info.ndim == 2 and s.offset * m.info.shape[2] % o.block_size == 0)
 end
 
 return {
@@ -225,6 +238,12 @@ return {
           skip = ctx.skip_t,   -- the runtime's device-side non-finite flag (captured steps)
         }
       end,
+      -- (3) a sharded member's state across the ranks (checkpoints): u follows the columns where they are
+      -- split (rows-sharded: every rank holds all of u); the sphere's radius is the whole matrix's everywhere
+      state_shard = function(m, key)
+        if key == "specnorm_u" and m.info.shard.dim == "cols" then return m.info.ndim - 2 end
+        return false
+      end,
     },
 
     adamw = {
@@ -263,6 +282,10 @@ return {
             if set == q then ms.adamw8_step(set) else set.block_size = nil ms.adamw_step(set) end
           end
         end
+      end,
+      -- a sharded member's 8-bit scales: one per block of the flattened rows (the moments: like the slice)
+      state_shard = function(m, key, o)
+        if key == "exp_avg_scale" or key == "exp_avg_sq_scale" then return 0, m.info.shape[2], o.block_size end
       end,
     },
   },

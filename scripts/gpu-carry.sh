@@ -6,7 +6,7 @@
 # bench-c` first.  On the GPU host: cd build-gpu && . ../.gpu-host/env.sh && MOONSTEP_BUILD=build ...
 set -eu
 rm -rf build-gpu && mkdir -p build-gpu/build/tests
-for f in build/libmoonstep.so build/libmoonstep.so.1 build/moonstep; do cp -L "$f" build-gpu/build/; done
+for f in build/libmoonstep.so build/libmoonstep.so.[0-9] build/moonstep; do cp -L "$f" build-gpu/build/; done
 cp -r build/gen build-gpu/build/
 for d in bench examples; do [ -d "build/$d" ] && cp -r "build/$d" build-gpu/build/; done
 for t in build/tests/test_*; do

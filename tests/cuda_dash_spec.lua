@@ -677,3 +677,123 @@ describe("CUDA ms.spectrum_estimate", function()
     assert.are.equal(math.huge, vals(lmin)[1])
   end)
 end)
+
+-- ---------------------------------------------------------------------------------------------------
+-- rng_ids: random vectors keyed by block id (moonstep.h, "Random vectors"); ids read on the device
+-- ---------------------------------------------------------------------------------------------------
+describe("CUDA DASH rng_ids", function()
+  -- relative Frobenius distance of two lists
+  local function rel(x, y)
+    local d, n = 0, 0
+    for i = 1, #y do d, n = d + (x[i] - y[i]) ^ 2, n + y[i] ^ 2 end
+    return math.sqrt(d / math.max(n, 1e-300))
+  end
+  -- unconverged settings: the roots, residuals and estimates depend on the start vectors far beyond the
+  -- CPU / GPU rounding differences (checked: the call without ids is far from the one with them)
+  local b = 24
+  local a = spd_stack({ spread(10, b), clustered(30, b), spread(50, b), spread(5, b), clustered(8, b) }, 8100)
+  local ids = { 900001, -5, 3, 2147483647, 17 }
+
+  cuda_it("inv_root with rng_ids (and index) matches the CPU with them: roots, residuals, iterations", function()
+    for _, m in ipairs { { "ndb", 3 }, { "cn", 3 }, { "chebyshev", 8 } } do
+      for _, sc in ipairs { "pi", "pim" } do
+        local o = { method = m[1], steps = m[2], scaling = sc, root = 4, eps = 1e-4, pi_steps = 1, pi_vectors = 3,
+                    pi_bf16 = false, seed = 77, residual = true, iters = true, rng_ids = ms.tensor(ids, { dtype = "i32" }) }
+        local what = m[1] .. " " .. sc
+        local xc, rc, ic = ms.inv_root(a, o)
+        o.rng_ids = dev(o.rng_ids)
+        local xg, rg, ig = ms.inv_root(dev(a), o)
+        local e = rel(vals(host(xg)), vals(xc))
+        assert(e <= 1e-4, ("%s: the GPU's roots differ from the CPU's by %.3g"):format(what, e))
+        H.assert_close(vals(host(rg)), vals(rc), 1e-4, 1e-9, what .. ": residuals")
+        assert.are.same(vals(ic), vals(host(ig)), what .. ": iterations")
+        local xn, rn = ms.inv_root(a, { method = m[1], steps = m[2], scaling = sc, root = 4, eps = 1e-4, pi_steps = 1,
+                                        pi_vectors = 3, pi_bf16 = false, seed = 77, residual = true })
+        assert(rel(vals(rn), vals(rc)) > 1e-2, what .. ": the residuals ignore the sketch (the check cannot fail)")
+        if sc == "pi" and m[1] ~= "chebyshev" then
+          assert(rel(vals(xn), vals(xc)) > 1e-3, what .. ": the roots ignore the start vectors (the check cannot fail)")
+        end
+        -- index: positions 4 and 1 only, each drawing as its id
+        local x = ms.full({ 5, b, b }, 7, { ctx = GPU })
+        local res = ms.full({ 5 }, -7, { ctx = GPU })
+        o.out, o.residual, o.iters, o.index = x, res, nil, ms.tensor({ 4, 1 }, { dtype = "i32", ctx = GPU })
+        ms.inv_root(dev(a), o)
+        local xs, rv, rcv = host(x), vals(host(res)), vals(rc)
+        for k = 0, 4 do
+          if k == 4 or k == 1 then
+            local ek = rel(vals(xs:select(0, k)), vals(xc:select(0, k)))
+            assert(ek <= 1e-4, ("%s index: block %d differs from the CPU by %.3g"):format(what, k, ek))
+            H.assert_close(rv[k + 1], rcv[k + 1], 1e-4, 1e-9, what .. " index: residual")
+          else
+            for _, v in ipairs(vals(xs:select(0, k))) do assert.are.equal(7, v) end
+            assert.are.equal(-7, rv[k + 1])
+          end
+        end
+      end
+    end
+  end)
+
+  cuda_it("spectrum_estimate with rng_ids matches the CPU with them (lam_max, lam_min; f32 and bf16)", function()
+    local X = ms.inv_root(a, { method = "evd", eps = 1e-4, root = 2 })
+    for _, bf in ipairs { false, true } do
+      local o = { x_root = X, root = 2, eps = 1e-6, bf16 = bf, seed = 13, vectors = 2, steps = 1,
+                  rng_ids = ms.tensor(ids, { dtype = "i32" }) }
+      local mc, nc = ms.spectrum_estimate(a, o)
+      o.x_root, o.rng_ids = dev(X), dev(o.rng_ids)
+      local mg, ng = ms.spectrum_estimate(dev(a), o)
+      local tol = bf and 1e-2 or 1e-4
+      H.assert_close(vals(host(mg)), vals(mc), tol, 0, "lam_max")
+      H.assert_close(vals(host(ng)), vals(nc), tol * 4, 0, "lam_min")
+      local mn = ms.spectrum_estimate(a, { root = 2, eps = 1e-6, bf16 = bf, seed = 13, vectors = 2, steps = 1 })
+      assert(rel(vals(mn), vals(mc)) > 10 * tol, "the estimates ignore the start vectors (the check cannot fail)")
+    end
+  end)
+
+  cuda_it("blocks_apply's stochastic rounding keys on rng_ids bit for bit as the CPU", function()
+    for _, dt in ipairs { "bf16", "f16" } do
+      local seed = H.seed()
+      local p0 = ms.randn({ 16, 24 }, { seed = seed, dtype = dt })
+      local stack = ms.randn({ 6, 8, 8 }, { seed = seed + 1 }) * 0.01
+      local bids = ms.tensor({ 12, -3, 5, 0, 77777, 2 }, { dtype = "i32" })
+      local function run(ctx, with_ids)
+        local p = p0:to(ctx):clone()
+        local bl = {}
+        for r = 0, 1 do for c = 0, 2 do bl[#bl + 1] = { tensor = p, row0 = 8 * r, col0 = 8 * c } end end
+        ms.blocks_apply { blocks = bl, stack = stack:to(ctx), lr = 0.3, weight_decay = 0.1, step = 4,
+                          stochastic_round = true, seed = seed, rng_ids = with_ids and bids:to(ctx) or nil }
+        return vals(host(p))
+      end
+      local c, g = run(CPU, true), run(GPU, true)
+      assert_same(g, c, dt .. " with ids")
+      local n = run(CPU, false)
+      local diff = false
+      for i = 1, #n do diff = diff or n[i] ~= c[i] end
+      assert(diff, dt .. ": the rounding ignores the ids (the check cannot fail)")
+    end
+  end)
+
+  cuda_it("a captured inv_root and spectrum_estimate read the ids at replay (new ids, new vectors)", function()
+    local ag = dev(a)
+    local idt = ms.tensor(ids, { dtype = "i32", ctx = GPU })
+    local x, res = ms.empty({ 5, b, b }, { ctx = GPU }), ms.empty({ 5 }, { ctx = GPU })
+    local lmax = ms.empty({ 5 }, { ctx = GPU })
+    local o = { method = "ndb", steps = 3, scaling = "pim", root = 4, eps = 1e-4, pi_steps = 1, pi_vectors = 3,
+                pi_bf16 = false, seed = 5, out = x, residual = res, rng_ids = idt }
+    local so = { vectors = 2, steps = 1, eps = 1e-6, seed = 5, rng_ids = idt, lam_max = lmax }
+    ms.inv_root(ag, o)
+    ms.spectrum_estimate(ag, so)
+    GPU:sync()
+    local g = graph.capture(GPU, function() ms.inv_root(ag, o) ms.spectrum_estimate(ag, so) end)
+    local new = { 8, 6, 4, 2, 0 }
+    idt:copy_(ms.tensor(new, { dtype = "i32", ctx = GPU }))
+    g:launch()
+    GPU:sync()
+    local wx, wr = ms.inv_root(a, { method = "ndb", steps = 3, scaling = "pim", root = 4, eps = 1e-4, pi_steps = 1,
+                                    pi_vectors = 3, pi_bf16 = false, seed = 5, residual = true, rng_ids = new })
+    local wl = ms.spectrum_estimate(a, { vectors = 2, steps = 1, eps = 1e-6, seed = 5, rng_ids = new })
+    assert(rel(vals(host(x)), vals(wx)) <= 1e-4, "the replayed roots are not those of the new ids")
+    H.assert_close(vals(host(res)), vals(wr), 1e-4, 1e-9, "replayed residuals")
+    H.assert_close(vals(host(lmax)), vals(wl), 1e-4, 0, "replayed lam_max")
+    g:free()
+  end, true)
+end)

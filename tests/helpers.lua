@@ -121,4 +121,40 @@ function H.multigpu_it(name, fn)
   else env.pending(("%s (needs 2 CUDA devices, found %d)"):format(name, H.cuda_devices)) end
 end
 
+-- ---------------------------------------------------------------------------------------------------
+-- specs that start processes (`moonstep launch -n N` rank scripts)
+-- ---------------------------------------------------------------------------------------------------
+local build = os.getenv("MOONSTEP_BUILD") or "build"
+H.root = os.getenv("PWD")
+H.host = (build:sub(1, 1) == "/" and build or (H.root .. "/" .. build)) .. "/moonstep"
+
+--- s quoted for the shell.
+function H.q(s) return "'" .. tostring(s):gsub("'", "'\\''") .. "'" end
+
+--- Runs `moonstep ARGS` from the project root, `prefix` (environment assignments, `timeout N`, ...) before the
+--- host; returns its output (stdout and stderr), exit status and wall time in seconds.
+function H.moonstep(args, prefix)
+  local t0 = require("moonstep.experiment").clock()
+  local p = io.popen(("cd %s && %s %s %s 2>&1; echo \"exit=$?\""):format(H.q(H.root), prefix or "", H.q(H.host), args))
+  local out = p:read("*a")
+  p:close()
+  local body, code = out:match("^(.-)exit=(%d+)\n$")
+  return body or out, tonumber(code), require("moonstep.experiment").clock() - t0
+end
+
+local temp_dir
+--- Writes text to `name` in a folder of this run's own (made once); returns the path.
+function H.temp_file(name, text)
+  if temp_dir == nil then
+    local p = io.popen("mktemp -d")
+    temp_dir = p:read("*l")
+    p:close()
+  end
+  local path = temp_dir .. "/" .. name
+  local f = assert(io.open(path, "w"))
+  f:write(text)
+  f:close()
+  return path
+end
+
 return H

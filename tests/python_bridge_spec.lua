@@ -1,7 +1,9 @@
 -- The Python bridge (python/moonstep) through its own test scripts, on this build's library:
--- tests/python/test_bridge.py with NumPy (CI), tests/python/test_torch.py with PyTorch and CuPy (where they are
--- installed: the GPU host).  Each script prints "N passed, N failed"; any failure fails the spec, with the
--- script's output.  Tagged #external: python3 would inherit the sanitizer that `make memcheck` preloads.
+-- tests/python/test_bridge.py and test_comm.py (communicators, sharded parameters, 2 ranks on the CPU) with NumPy
+-- (CI), tests/python/test_torch.py with PyTorch and CuPy (where they are installed: the GPU host), and
+-- tests/python/test_dist_torch.py under `torchrun --nproc_per_node=2` (#multigpu: torch and 2 GPUs).  Each script
+-- prints "N passed, N failed"; any failure fails the spec, with the script's output.  Tagged #external: python3
+-- would inherit the sanitizer that `make memcheck` preloads.
 -- The README's Python examples run as written too: the NumPy one here, the PyTorch one where torch has a GPU.
 local build = os.getenv("MOONSTEP_BUILD") or "build"
 local root = os.getenv("PWD")
@@ -20,8 +22,9 @@ local function python_ok(code)
 end
 local function python_has(module) return python_ok("import " .. module) end
 
-local function run_script(script)
-  local out, rc = run(("MOONSTEP_LIBRARY=%s/libmoonstep.so python3 tests/python/%s"):format(build_dir, script))
+local function run_script(script, launcher)
+  local out, rc = run(("MOONSTEP_LIBRARY=%s/libmoonstep.so %s tests/python/%s"):format(build_dir, launcher or "python3",
+                                                                                      script))
   local passed, failed = out:match("\n(%d+) passed, (%d+) failed[^\n]*\nexit=%d+\n$")
   assert.truthy(passed, "no summary line:\n" .. out)
   assert.equals("0", failed, out)
@@ -32,8 +35,17 @@ end
 describe("the Python bridge #external", function()
   if python_has("numpy") then
     it("passes tests/python/test_bridge.py (NumPy)", function() run_script("test_bridge.py") end)
+    it("passes tests/python/test_comm.py (NumPy, 2 ranks on the CPU)", function() run_script("test_comm.py") end)
   else
     pending("tests/python/test_bridge.py (python3 with numpy is missing)")
+    pending("tests/python/test_comm.py (python3 with numpy is missing)")
+  end
+  if python_ok("import torch; assert torch.cuda.device_count() >= 2") and run("command -v torchrun"):find("torchrun") then
+    H.multigpu_it("passes tests/python/test_dist_torch.py under torchrun, 2 ranks #multigpu", function()
+      run_script("test_dist_torch.py", "NCCL_NVLS_ENABLE=0 torchrun --standalone --nproc_per_node=2")
+    end)
+  else
+    pending("tests/python/test_dist_torch.py (torch with 2 GPUs and torchrun are missing) #multigpu")
   end
   if python_has("torch") or python_has("cupy") then
     it("passes tests/python/test_torch.py (PyTorch, CuPy)", function() run_script("test_torch.py") end)

@@ -1,7 +1,9 @@
 /*
-** Communicators: the public calls of moonstep.h's "Communicators (NCCL)" section.  The core checks the
-** arguments (ranks, shapes, dtypes, layouts, devices), agrees on NCCL's id through the rendezvous
-** (engine/core/rendezvous.c), and hands the rest to the backend's comm_* members (engine/cuda/comm.c).
+** Communicators: the public calls of moonstep.h's "Communicators" section.  The core checks the arguments
+** (ranks, shapes, dtypes, layouts, devices), keeps the group nesting, agrees on NCCL's id through the
+** rendezvous (engine/core/rendezvous.c) for a backend that joins through comm_init (CUDA:
+** engine/cuda/comm.c), lets one that connects its ranks itself do so (comm_connect; CPU: engine/cpu/comm.c,
+** TCP), and hands the collectives to the backend's comm_* members.
 */
 #include "internal.h"
 
@@ -14,25 +16,34 @@ struct ms_comm {
     ms_ctx *ctx;          /* retained */
     int     rank;
     int     world_size;
-    void   *impl;         /* the backend's communicator (ncclComm_t) */
+    void   *impl;         /* the backend's communicator (ncclComm_t; engine/cpu/comm.c's cpu_comm) */
+    int     group_depth;  /* ms_comm_group_begin calls not yet ended */
 };
 
 #ifdef MS_WITH_NCCL
 #define DEFAULT_TIMEOUT_MS 300000
 
-static int64_t now_ms(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
-}
 #else
 static ms_status no_nccl(ms_ctx *ctx, const char *fn)
 {
-    return MS_FAIL(ctx, MS_E_UNSUPPORTED, "%s: this moonstep was built without NCCL (no communicators; "
-                   "rebuild with NCCL=1 where nccl.h and libnccl are found)", fn);
+    return MS_FAIL(ctx, MS_E_UNSUPPORTED, "%s: this moonstep was built without NCCL (no NCCL ids; rebuild with "
+                   "NCCL=1 where nccl.h and libnccl are found)", fn);
 }
 #endif
+
+/* MS_E_UNSUPPORTED for a context whose backend has no communicators (CUDA in a build without NCCL). */
+static ms_status check_backend(ms_ctx *ctx, const char *fn)
+{
+    if (ctx->backend->comm_connect != NULL || ctx->backend->comm_init != NULL) return MS_OK;
+#ifdef MS_WITH_NCCL
+    return MS_FAIL(ctx, MS_E_UNSUPPORTED, "%s: a %s context has no communicator (NCCL runs on CUDA devices, TCP "
+                   "between CPU contexts)", fn, ctx->name);
+#else
+    return MS_FAIL(ctx, MS_E_UNSUPPORTED, "%s: this moonstep was built without NCCL, so a %s context has no "
+                   "communicator (CPU contexts communicate over TCP; rebuild with NCCL=1 where nccl.h and libnccl "
+                   "are found)", fn, ctx->name);
+#endif
+}
 
 MS_API ms_status ms_comm_unique_id(unsigned char out[MS_COMM_ID_BYTES])
 {
@@ -45,45 +56,58 @@ MS_API ms_status ms_comm_unique_id(unsigned char out[MS_COMM_ID_BYTES])
 #endif
 }
 
-MS_API ms_status ms_comm_new(ms_ctx *ctx, const ms_comm_options *opts, ms_comm **out)
+/* impl <- NCCL's communicator for the id agreed on through the rendezvous (or given). */
+static ms_status join_by_id(ms_ctx *ctx, const ms_comm_options *o, void **impl)
 {
-    static const char *fn = "ms_comm_new";
 #ifndef MS_WITH_NCCL
-    (void)opts; (void)out;
-    return no_nccl(ctx, fn);
+    (void)o; (void)impl;
+    return no_nccl(ctx, "ms_comm_new");   /* not reached: no backend has comm_init without NCCL */
 #else
-    if (ctx == NULL) return MS_FAIL(NULL, MS_E_ARG, "%s: ctx is NULL", fn);
-    if (out == NULL) return MS_FAIL(ctx, MS_E_ARG, "%s: out is NULL", fn);
-    if (ctx->backend->comm_init == NULL)
-        return MS_FAIL(ctx, MS_E_UNSUPPORTED, "%s: a %s context has no communicator (NCCL runs on CUDA devices: "
-                       "create the context on cuda:LOCAL_RANK)", fn, ctx->name);
-    ms_comm_options o = opts ? *opts : (ms_comm_options){ .rank = 0, .world_size = 1 };
-    if (o.world_size < 1) return MS_FAIL(ctx, MS_E_ARG, "%s: world_size %d is below 1", fn, o.world_size);
-    if (o.rank < 0 || o.rank >= o.world_size)
-        return MS_FAIL(ctx, MS_E_ARG, "%s: rank %d is outside [0, %d) (world_size %d)", fn, o.rank, o.world_size,
-                       o.world_size);
-    if (o.timeout_ms < 0) return MS_FAIL(ctx, MS_E_ARG, "%s: timeout_ms %d is negative", fn, o.timeout_ms);
-    if (o.port < 0 || o.port > 65535) return MS_FAIL(ctx, MS_E_ARG, "%s: port %d is outside [1, 65535]", fn, o.port);
-    int timeout_ms = o.timeout_ms ? o.timeout_ms : DEFAULT_TIMEOUT_MS;
-    int64_t start = now_ms();
-
+    int timeout_ms = o->timeout_ms ? o->timeout_ms : DEFAULT_TIMEOUT_MS;
+    int64_t start = ms_now_ms();
     unsigned char id[MS_COMM_ID_BYTES] = { 0 };
-    if (o.unique_id != NULL) {
-        memcpy(id, o.unique_id, sizeof id);
+    if (o->unique_id != NULL) {
+        memcpy(id, o->unique_id, sizeof id);
     } else {
-        if (o.rank == 0) MS_TRY(ms_nccl_unique_id(id));
-        ms_status st = ms_rendezvous(o.addr, o.port, o.rank, o.world_size, timeout_ms, id);
+        if (o->rank == 0) MS_TRY(ms_nccl_unique_id(id));
+        ms_status st = ms_rendezvous(o->addr, o->port, o->rank, o->world_size, timeout_ms, id);
         if (st != MS_OK) {   /* the rendezvous's own message, kept on the context too */
             snprintf(ctx->last_error, sizeof ctx->last_error, "%s", ms_last_error());
             return st;
         }
     }
-    int64_t left = timeout_ms - (now_ms() - start);
+    int64_t left = timeout_ms - (ms_now_ms() - start);
     if (left < 1000) left = 1000;   /* NCCL's set-up needs a moment even when the rendezvous took it all */
+    return ctx->backend->comm_init(ctx, id, o->rank, o->world_size, (int)left, impl);
+#endif
+}
+
+MS_API ms_status ms_comm_new(ms_ctx *ctx, const ms_comm_options *opts, ms_comm **out)
+{
+    static const char *fn = "ms_comm_new";
+    if (ctx == NULL) return MS_FAIL(NULL, MS_E_ARG, "%s: ctx is NULL", fn);
+    if (out == NULL) return MS_FAIL(ctx, MS_E_ARG, "%s: out is NULL", fn);
+    MS_TRY(check_backend(ctx, fn));
+    ms_comm_options o = opts ? *opts : (ms_comm_options){ .rank = 0, .world_size = 1 };
+    if (o.world_size < 1) return MS_FAIL(ctx, MS_E_ARG, "%s: world_size %d is below 1", fn, o.world_size);
+    if (o.world_size > 1 << 20)
+        return MS_FAIL(ctx, MS_E_ARG, "%s: world_size %d is above %d", fn, o.world_size, 1 << 20);
+    if (o.rank < 0 || o.rank >= o.world_size)
+        return MS_FAIL(ctx, MS_E_ARG, "%s: rank %d is outside [0, %d) (world_size %d)", fn, o.rank, o.world_size,
+                       o.world_size);
+    if (o.timeout_ms < 0) return MS_FAIL(ctx, MS_E_ARG, "%s: timeout_ms %d is negative", fn, o.timeout_ms);
+    if (o.port < 0 || o.port > 65535) return MS_FAIL(ctx, MS_E_ARG, "%s: port %d is outside [1, 65535]", fn, o.port);
+    /* the CPU's ranks meet at addr:port whatever the caller knows: an id would only mislead */
+    if (ctx->backend->comm_connect != NULL && o.unique_id != NULL)
+        return MS_FAIL(ctx, MS_E_ARG, "%s: unique_id is NCCL's, and a %s communicator connects its ranks through "
+                       "the TCP rendezvous at addr:port (MASTER_ADDR:MASTER_PORT) instead: pass unique_id NULL", fn,
+                       ctx->name);
 
     ms_comm *c = calloc(1, sizeof *c);
     if (c == NULL) return MS_FAIL(ctx, MS_E_OOM, "%s: no host memory", fn);
-    ms_status st = ctx->backend->comm_init(ctx, id, o.rank, o.world_size, (int)left, &c->impl);
+    ms_status st = ctx->backend->comm_connect
+        ? ctx->backend->comm_connect(ctx, o.addr, o.port, o.rank, o.world_size, o.timeout_ms, &c->impl)
+        : join_by_id(ctx, &o, &c->impl);
     if (st != MS_OK) {
         free(c);
         return st;
@@ -94,10 +118,8 @@ MS_API ms_status ms_comm_new(ms_ctx *ctx, const ms_comm_options *opts, ms_comm *
     c->world_size = o.world_size;
     *out = c;
     return MS_OK;
-#endif
 }
 
-#ifdef MS_WITH_NCCL
 /* *v <- the environment variable `name` as an integer >= lo; MS_E_ARG naming it when missing or malformed. */
 static ms_status env_int(ms_ctx *ctx, const char *fn, const char *name, bool required, int lo, int *v)
 {
@@ -114,50 +136,61 @@ static ms_status env_int(ms_ctx *ctx, const char *fn, const char *name, bool req
     *v = (int)x;
     return MS_OK;
 }
-#endif
 
 MS_API ms_status ms_comm_new_from_env(ms_ctx *ctx, int timeout_ms, ms_comm **out)
 {
     static const char *fn = "ms_comm_new_from_env";
-#ifndef MS_WITH_NCCL
-    (void)timeout_ms; (void)out;
-    return no_nccl(ctx, fn);
-#else
     if (ctx == NULL) return MS_FAIL(NULL, MS_E_ARG, "%s: ctx is NULL", fn);
-    if (ctx->backend->comm_init == NULL)   /* before the environment: the context is the first mistake */
-        return MS_FAIL(ctx, MS_E_UNSUPPORTED, "%s: a %s context has no communicator (NCCL runs on CUDA devices: "
-                       "create the context on cuda:LOCAL_RANK)", fn, ctx->name);
+    MS_TRY(check_backend(ctx, fn));   /* before the environment: the context is the first mistake */
     ms_comm_options o = { .timeout_ms = timeout_ms };
     int local_rank = -1;
     MS_TRY(env_int(ctx, fn, "RANK", true, 0, &o.rank));
     MS_TRY(env_int(ctx, fn, "WORLD_SIZE", true, 1, &o.world_size));
     MS_TRY(env_int(ctx, fn, "LOCAL_RANK", false, 0, &local_rank));   /* checked only: the device is ctx's */
     return ms_comm_new(ctx, &o, out);
-#endif
 }
 
 MS_API void ms_comm_free(ms_comm *comm)
 {
     if (comm == NULL) return;
+    /* groups left open would leave NCCL's (per-thread) group state open after the communicator */
+    for (; comm->group_depth > 0; comm->group_depth--)
+        if (comm->ctx->backend->comm_group_end) comm->ctx->backend->comm_group_end(comm->ctx, comm->impl);
     if (comm->ctx->backend->comm_destroy) comm->ctx->backend->comm_destroy(comm->ctx, comm->impl);
     ms_ctx_release(comm->ctx);
     free(comm);
 }
 
 MS_API int ms_comm_rank(const ms_comm *comm) { return comm ? comm->rank : -1; }
+ms_ctx *ms_comm_context(const ms_comm *comm) { return comm ? comm->ctx : NULL; }
 MS_API int ms_comm_size(const ms_comm *comm) { return comm ? comm->world_size : -1; }
 
 /* --- collectives ------------------------------------------------------------------------------------ */
 
 static ms_status check_comm(ms_comm *comm, const char *fn)
 {
-#ifndef MS_WITH_NCCL
-    (void)comm;
-    return no_nccl(NULL, fn);
-#else
     if (comm == NULL) return MS_FAIL(NULL, MS_E_ARG, "%s: comm is NULL", fn);
     return MS_OK;
-#endif
+}
+
+MS_API ms_status ms_comm_group_begin(ms_comm *comm)
+{
+    MS_TRY(check_comm(comm, "ms_comm_group_begin"));
+    if (comm->ctx->backend->comm_group_begin)
+        MS_TRY(comm->ctx->backend->comm_group_begin(comm->ctx, comm->impl));
+    comm->group_depth++;
+    return MS_OK;
+}
+
+MS_API ms_status ms_comm_group_end(ms_comm *comm)
+{
+    MS_TRY(check_comm(comm, "ms_comm_group_end"));
+    if (comm->group_depth == 0)
+        return MS_FAIL(comm->ctx, MS_E_ARG, "ms_comm_group_end: no group is open on this communicator (every "
+                       "ms_comm_group_end needs an ms_comm_group_begin before it)");
+    comm->group_depth--;   /* closed even when the backend fails: the caller must not end it twice */
+    if (comm->ctx->backend->comm_group_end) return comm->ctx->backend->comm_group_end(comm->ctx, comm->impl);
+    return MS_OK;
 }
 
 static ms_status check_tensor(ms_comm *comm, const char *fn, const char *who, const ms_tensor *t)
@@ -168,8 +201,8 @@ static ms_status check_tensor(ms_comm *comm, const char *fn, const char *who, co
         return MS_FAIL(ctx, MS_E_DTYPE, "%s: %s has an invalid dtype", fn, who);
     if (!ms_tensor_contiguous_p(t)) {
         char strides[16 * MS_MAX_DIMS + 4];
-        return MS_FAIL(ctx, MS_E_LAYOUT, "%s: %s is not contiguous (shape %s, strides %s); NCCL sends dense "
-                       "buffers (make a contiguous copy first)", fn, who, ms_tshape(t),
+        return MS_FAIL(ctx, MS_E_LAYOUT, "%s: %s is not contiguous (shape %s, strides %s); collectives send "
+                       "dense buffers (make a contiguous copy first)", fn, who, ms_tshape(t),
                        ms_shape_str(strides, sizeof strides, t->ndim, t->strides));
     }
     return MS_OK;

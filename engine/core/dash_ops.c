@@ -61,6 +61,18 @@ static ms_status check_vector(ms_ctx *ctx, const char *fn, const char *who, cons
     return ms_check_contiguous(ctx, fn, who, t);
 }
 
+/* The options' rng_ids (moonstep.h, "Random vectors"): NULL, or i32 [n], contiguous, on ctx's device. */
+static ms_status check_rng_ids(ms_ctx *ctx, const char *fn, const ms_tensor *ids, int64_t n)
+{
+    if (ids == NULL) return MS_OK;
+    MS_TRY(ms_check_on_device(ctx, fn, "rng_ids", ids));
+    MS_TRY(check_dtype(ctx, fn, "rng_ids", ids, MS_DTYPE_I32));
+    if (ids->ndim != 1 || ids->shape[0] != n)
+        return MS_FAIL(ctx, MS_E_SHAPE, "%s: rng_ids has shape %s; it needs one id per block of the stack ([%lld])", fn,
+                       ms_tshape(ids), (long long)n);
+    return ms_check_contiguous(ctx, fn, "rng_ids", ids);
+}
+
 static ms_status check_range(ms_ctx *ctx, const char *fn, const char *name, double x, double lo, bool lo_open,
                              double hi, bool hi_open)
 {
@@ -250,6 +262,7 @@ MS_API ms_status ms_blocks_apply(ms_ctx *ctx, int n, const ms_block *blocks, con
         if (stochastic) MS_TRY(check_step(ctx, fn, o->step, o->step_t));
         else MS_TRY(ms_check_device_scalar(ctx, fn, "step_t", o->step_t));
         MS_TRY(ms_check_device_scalar(ctx, fn, "skip_t", o->skip_t));
+        MS_TRY(check_rng_ids(ctx, fn, o->rng_ids, n));
     }
     int64_t r = stack->shape[1], c = stack->shape[2];
     for (int k = 0; k < n; k++) MS_TRY(check_block(ctx, fn, k, &blocks[k], r, c, true, stochastic));
@@ -257,12 +270,12 @@ MS_API ms_status ms_blocks_apply(ms_ctx *ctx, int n, const ms_block *blocks, con
     block_ref *refs;
     int u;
     MS_TRY(check_block_set(ctx, fn, n, blocks, r, c, true, &refs, &u));
-    ms_arg_use others[5] = {
+    ms_arg_use others[6] = {
         { stack, -1, "stack", false }, { scale, -1, "scale", false },
         { o ? o->lr_t : NULL, -1, "lr_t", false }, { o ? o->step_t : NULL, -1, "step_t", false },
-        { o ? o->skip_t : NULL, -1, "skip_t", false },
+        { o ? o->skip_t : NULL, -1, "skip_t", false }, { o ? o->rng_ids : NULL, -1, "rng_ids", false },
     };
-    ms_status st = check_block_overlaps(ctx, fn, refs, u, true, others, 5);
+    ms_status st = check_block_overlaps(ctx, fn, refs, u, true, others, 6);
     free(refs);
     if (st != MS_OK) return st;
     if (ctx->backend->blocks_apply == NULL) return unsupported(ctx, fn);
@@ -377,11 +390,12 @@ MS_API ms_status ms_inv_root(ms_ctx *ctx, ms_tensor *x, ms_tensor *residual, ms_
                            ms_tshape(index), (long long)n);
         MS_TRY(ms_check_contiguous(ctx, fn, "index", index));
     }
-    ms_arg_use uses[5] = {
+    MS_TRY(check_rng_ids(ctx, fn, opts->rng_ids, n));
+    ms_arg_use uses[6] = {
         { x, -1, "x", true }, { residual, -1, "residual", true }, { iters, -1, "iters", true },
-        { a, -1, "a", false }, { index, -1, "index", false },
+        { a, -1, "a", false }, { index, -1, "index", false }, { opts->rng_ids, -1, "rng_ids", false },
     };
-    MS_TRY(ms_check_overlaps(ctx, fn, uses, 5));
+    MS_TRY(ms_check_overlaps(ctx, fn, uses, 6));
     /* blocks of size 0 have no root to compute (their per-block outputs are left as they are) */
     if (n == 0 || a->shape[1] == 0 || (index != NULL && index->shape[0] == 0)) return MS_OK;
     if (ctx->backend->inv_root == NULL) return unsupported(ctx, fn);
@@ -407,11 +421,12 @@ MS_API ms_status ms_spectrum_estimate(ms_ctx *ctx, ms_tensor *lam_max, ms_tensor
         if (x_root == NULL) return MS_FAIL(ctx, MS_E_ARG, "%s: lam_min needs x_root (an inverse root of a)", fn);
         MS_TRY(check_like(ctx, fn, "x_root", x_root, a, false));
     }
-    ms_arg_use uses[4] = {
+    MS_TRY(check_rng_ids(ctx, fn, o->rng_ids, n));
+    ms_arg_use uses[5] = {
         { lam_max, -1, "lam_max", true }, { lam_min, -1, "lam_min", true }, { a, -1, "a", false },
-        { lam_min ? x_root : NULL, -1, "x_root", false },
+        { lam_min ? x_root : NULL, -1, "x_root", false }, { o->rng_ids, -1, "rng_ids", false },
     };
-    MS_TRY(ms_check_overlaps(ctx, fn, uses, 4));
+    MS_TRY(ms_check_overlaps(ctx, fn, uses, 5));
     if (n == 0 || a->shape[1] == 0) return MS_OK;
     if (ctx->backend->spectrum_estimate == NULL) return unsupported(ctx, fn);
     DISPATCH(ctx, ctx->backend->spectrum_estimate(ctx, lam_max, lam_min, a, lam_min ? x_root : NULL, o));

@@ -272,6 +272,27 @@ static ms_status tensor_share(ms_ctx *ctx, const ms_tensor *t, ms_tensor **out)
     return MS_OK;
 }
 
+/* shard: a known dim that param has, and a slice that lies within [0, global). */
+static ms_status check_shard(ms_optimizer *opt, const char *fn, const char *name, const ms_tensor *param,
+                             const ms_shard *shard)
+{
+    if (shard->dim != MS_SHARD_ROWS && shard->dim != MS_SHARD_COLS)
+        return MS_FAIL(opt->ctx, MS_E_ARG, "%s: parameter '%s': shard dim %d is none of MS_SHARD_NONE, MS_SHARD_ROWS, "
+                       "MS_SHARD_COLS", fn, name, (int)shard->dim);
+    const bool rows = shard->dim == MS_SHARD_ROWS;
+    const char *what = rows ? "rows" : "columns";
+    if (param->ndim < 2)   /* what ms.optim and the sharded primitives take: matrices and stacks of them */
+        return MS_FAIL(opt->ctx, MS_E_ARG, "%s: parameter '%s': a param of shape %s has no %s to shard (a shard is "
+                       "rows, dim -2, or columns, dim -1, of a matrix or a stack of matrices)", fn, name,
+                       ms_tshape(param), what);
+    int64_t local = param->shape[param->ndim - (rows ? 2 : 1)];
+    if (shard->offset < 0 || shard->global < 1 || shard->offset > shard->global - local)
+        return MS_FAIL(opt->ctx, MS_E_ARG, "%s: parameter '%s': %s [%lld, %lld) held here do not lie within the "
+                       "global [0, %lld)", fn, name, what, (long long)shard->offset, (long long)(shard->offset + local),
+                       (long long)shard->global);
+    return MS_OK;
+}
+
 /* A tensor handle for the Lua side, which takes it over (nil for NULL). */
 static void push_tensor(lua_State *L, ms_tensor *t)
 {
@@ -333,27 +354,49 @@ MS_API void ms_optimizer_free(ms_optimizer *opt)
     free(opt);
 }
 
-MS_API ms_status ms_optimizer_add_param(ms_optimizer *opt, const char *name, ms_tensor *param, ms_tensor *grad,
-                                        const char *tags)
+/* A parameter (and this rank's shard of it: NULL for the whole) handed over to moonstep.embed. */
+static ms_status add_param(ms_optimizer *opt, const char *fn, const char *name, ms_tensor *param, ms_tensor *grad,
+                           const char *tags, const ms_shard *shard)
 {
-    static const char fn[] = "ms_optimizer_add_param";
     CHECK_OPT(fn);
     if (name == NULL || name[0] == '\0') return MS_FAIL(opt->ctx, MS_E_ARG, "%s: name is NULL or empty", fn);
     if (param == NULL) return MS_FAIL(opt->ctx, MS_E_ARG, "%s: parameter '%s': param is NULL", fn, name);
+    if (shard) MS_TRY(check_shard(opt, fn, name, param, shard));
     MS_TRY(check_tensor(opt, fn, name, "param", param));
     MS_TRY(check_grad(opt, fn, name, param, grad));
     ms_tensor *p, *g = NULL;
     MS_TRY(tensor_share(opt->ctx, param, &p));
     ms_status st = grad ? tensor_share(opt->ctx, grad, &g) : MS_OK;
     if (st != MS_OK) { ms_tensor_free(p); return st; }
+    lua_State *L = opt->L;
     int base = call_begin(opt, "add_param");
-    lua_pushstring(opt->L, name);
-    push_tensor(opt->L, p);
-    push_tensor(opt->L, g);
-    if (tags) lua_pushstring(opt->L, tags); else lua_pushnil(opt->L);
-    st = call_end(opt, fn, base, 4, 0, MS_E_ARG);
-    if (st == MS_OK) lua_settop(opt->L, base - 1);
+    lua_pushstring(L, name);
+    push_tensor(L, p);
+    push_tensor(L, g);
+    if (tags) lua_pushstring(L, tags); else lua_pushnil(L);
+    int nargs = 4;
+    if (shard) {
+        lua_pushstring(L, shard->dim == MS_SHARD_ROWS ? "rows" : "cols");
+        lua_pushnumber(L, (lua_Number)shard->offset);
+        lua_pushnumber(L, (lua_Number)shard->global);
+        nargs = 7;
+    }
+    st = call_end(opt, fn, base, nargs, 0, MS_E_ARG);
+    if (st == MS_OK) lua_settop(L, base - 1);
     return st;
+}
+
+MS_API ms_status ms_optimizer_add_param(ms_optimizer *opt, const char *name, ms_tensor *param, ms_tensor *grad,
+                                        const char *tags)
+{
+    return add_param(opt, "ms_optimizer_add_param", name, param, grad, tags, NULL);
+}
+
+MS_API ms_status ms_optimizer_add_param_sharded(ms_optimizer *opt, const char *name, ms_tensor *param,
+                                                ms_tensor *grad, const char *tags, const ms_shard *shard)
+{
+    if (shard && shard->dim == MS_SHARD_NONE) shard = NULL;
+    return add_param(opt, "ms_optimizer_add_param_sharded", name, param, grad, tags, shard);
 }
 
 MS_API ms_status ms_optimizer_set_grad(ms_optimizer *opt, const char *name, ms_tensor *grad)
@@ -371,6 +414,23 @@ MS_API ms_status ms_optimizer_set_grad(ms_optimizer *opt, const char *name, ms_t
     lua_pushstring(opt->L, name);
     push_tensor(opt->L, g);
     ms_status st = call_end(opt, fn, base, 2, 0, MS_E_ARG);
+    if (st == MS_OK) lua_settop(opt->L, base - 1);
+    return st;
+}
+
+MS_API ms_status ms_optimizer_set_comm(ms_optimizer *opt, ms_comm *comm)
+{
+    static const char fn[] = "ms_optimizer_set_comm";
+    CHECK_OPT(fn);
+    /* the step's collectives are queued on the comm's context: on any other they would race with its kernels */
+    const ms_ctx *cc = ms_comm_context(comm);
+    if (comm && cc != opt->ctx)
+        return MS_FAIL(opt->ctx, MS_E_DEVICE, "%s: the communicator was made on another context (%s) than the "
+                       "optimizer's (%s): create it on the context given to ms_optimizer_new", fn, cc->name,
+                       opt->ctx->name);
+    int base = call_begin(opt, "set_comm");
+    if (comm) lua_pushlightuserdata(opt->L, comm); else lua_pushnil(opt->L);
+    ms_status st = call_end(opt, fn, base, 1, 0, MS_E_ARG);
     if (st == MS_OK) lua_settop(opt->L, base - 1);
     return st;
 }

@@ -12,12 +12,20 @@
 #include <stdbool.h>
 #include <stdint.h>
 #include <stddef.h>
+#include <time.h>
 
 #define MS_ERRMSG_SIZE 1024
 #define MS_STRINGIFY_(x) #x
 #define MS_STRINGIFY(x) MS_STRINGIFY_(x)
 
 typedef struct ms_backend ms_backend;
+
+/* One collective sum over the ranks, in place, of `count` elements of dtype dt at `buf` (memory of the
+** backend's device); the core implements it with the comm (sharded SinkGD's exchanges). */
+typedef struct ms_exchange {
+    ms_status (*sum)(void *user, void *buf, int64_t count, ms_dtype dt);
+    void *user;
+} ms_exchange;
 
 /* Memory owned by one or more tensors (views share it).  Foreign storage is never freed. */
 typedef struct ms_storage {
@@ -168,9 +176,10 @@ struct ms_backend {
     ms_status (*graph_leave)(ms_ctx *ctx);
     void      (*profile_push)(ms_ctx *ctx, const char *name);
     void      (*profile_pop)(ms_ctx *ctx);
-    /* Communicators (engine/core/comm.c validates; engine/cuda/comm.c binds NCCL); NULL: MS_E_UNSUPPORTED.
-    ** comm_init blocks until the world has joined or timeout_ms has passed; the collectives queue on ctx's
-    ** stream.  Counts are elements of dst (all_reduce, reduce_scatter), of src (all_gather), of t. */
+    /* Communicators (engine/core/comm.c validates; engine/cuda/comm.c binds NCCL, engine/cpu/comm.c is TCP);
+    ** NULL comm_init and comm_connect: MS_E_UNSUPPORTED.  comm_init blocks until the world has joined or
+    ** timeout_ms has passed; the collectives queue on ctx's stream (CUDA) or are done on return (CPU).
+    ** Counts are elements of dst (all_reduce, reduce_scatter), of src (all_gather), of t. */
     ms_status (*comm_init)(ms_ctx *ctx, const unsigned char id[MS_COMM_ID_BYTES], int rank, int world_size,
                            int timeout_ms, void **out);
     void      (*comm_destroy)(ms_ctx *ctx, void *comm);
@@ -178,6 +187,21 @@ struct ms_backend {
     ms_status (*comm_broadcast)(ms_ctx *ctx, void *comm, ms_tensor *t, int root);
     ms_status (*comm_all_gather)(ms_ctx *ctx, void *comm, ms_tensor *dst, const ms_tensor *src);
     ms_status (*comm_reduce_scatter)(ms_ctx *ctx, void *comm, ms_tensor *dst, const ms_tensor *src, ms_comm_op op);
+    /* Sharded SinkGD (engine/core/sinkgd_ops.c validates), as in moonstep.h; NULL: MS_E_UNSUPPORTED.
+    ** Gets specnorm_u / md_target_norm as sinkgd_step does, shards never NULL, and x: the ranks' sum. */
+    ms_status (*sinkgd_step_sharded)(ms_ctx *ctx, int n, ms_tensor *const *params,
+                                     const ms_tensor *const *grads, ms_tensor *const *specnorm_u,
+                                     ms_tensor *const *md_target_norm, const double *scales,
+                                     const ms_shard *shards, const ms_sinkgd_options *o, const ms_exchange *x);
+    /* Communicators whose backend connects the ranks itself (the CPU: TCP sockets to rank 0 through
+    ** ms_rendezvous_connect) instead of through NCCL's id and comm_init; NULL: comm_init's way.  Blocks as
+    ** comm_init does; addr NULL and port 0 mean MASTER_ADDR and MASTER_PORT. */
+    ms_status (*comm_connect)(ms_ctx *ctx, const char *addr, int port, int rank, int world_size, int timeout_ms,
+                              void **out);
+    /* ms_comm_group_begin / _end (the core keeps the nesting depth and refuses an unbalanced end); NULL:
+    ** nothing to do, the collectives run at once. */
+    ms_status (*comm_group_begin)(ms_ctx *ctx, void *comm);
+    ms_status (*comm_group_end)(ms_ctx *ctx, void *comm);
 };
 
 /* Backends compiled into this build (the CUDA one only with MS_WITH_CUDA). */
@@ -192,6 +216,12 @@ const char *ms_cuda_probe_error(void);
 /* out <- a new NCCL unique id (engine/cuda/comm.c). */
 ms_status ms_nccl_unique_id(unsigned char out[MS_COMM_ID_BYTES]);
 #endif
+/* The rendezvous of ms_rendezvous with the connections kept (engine/core/rendezvous.c): rank 0 gets
+** fds[r] = rank r's socket (fds[0] = -1), rank r > 0 fds[0] = its socket to rank 0 (the others -1); the
+** sockets are non-blocking.  fds has world_size entries; arguments checked by the caller. */
+ms_status ms_rendezvous_connect(const char *addr, int port, int rank, int world_size, int timeout_ms, int *fds);
+/* The context a communicator was made on (not retained); NULL for NULL (engine/core/comm.c). */
+ms_ctx *ms_comm_context(const ms_comm *comm);
 
 /* --- errors ------------------------------------------------------------------------------------- */
 
@@ -273,5 +303,24 @@ typedef struct ms_arg_use {
 /* MS_E_LAYOUT naming the first pair (in the order given) where a written tensor shares memory with another
 ** tensor of the call; MS_E_OOM when the check itself cannot get host memory. */
 ms_status ms_check_overlaps(ms_ctx *ctx, const char *fn, const ms_arg_use *uses, int64_t count);
+
+/* A monotonic clock in milliseconds: the deadlines of the rendezvous and of the CPU communicator. */
+static inline int64_t ms_now_ms(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
+/* Big-endian words of the rendezvous's and the CPU communicator's messages. */
+static inline void ms_put_be32(unsigned char *p, uint32_t v)
+{
+    p[0] = (unsigned char)(v >> 24); p[1] = (unsigned char)(v >> 16);
+    p[2] = (unsigned char)(v >> 8);  p[3] = (unsigned char)v;
+}
+static inline uint32_t ms_get_be32(const unsigned char *p)
+{
+    return (uint32_t)p[0] << 24 | (uint32_t)p[1] << 16 | (uint32_t)p[2] << 8 | p[3];
+}
 
 #endif /* MS_INTERNAL_H */

@@ -1,14 +1,18 @@
 /*
-** The TCP rendezvous that hands NCCL's unique id from rank 0 to the other ranks (ms_rendezvous): plain
-** POSIX sockets, so it works (and is tested) without NCCL or a GPU.
+** The TCP rendezvous of the ranks at rank 0's address: it hands NCCL's unique id from rank 0 to the other
+** ranks (ms_rendezvous), or connects them to rank 0 for good (ms_rendezvous_connect: the CPU
+** communicator's sockets, engine/cpu/comm.c).  Plain POSIX sockets, so it works (and is tested) without
+** NCCL or a GPU.
 **
 ** Protocol (integers big-endian):
-**   hello, rank r -> rank 0:  "MSRZ" | version | r | world_size                         (16 bytes)
+**   hello, rank r -> rank 0:  "MSRZ" | version | r | world_size | mode                  (20 bytes)
 **   reply, rank 0 -> rank r:  "MSRZ" | version | status | world_size | payload[128]      (144 bytes)
-** status 0: payload is the id; otherwise payload is a NUL-terminated message, status 1 for a refused request
-** (MS_E_ARG: wrong world size, rank claimed twice) and 2 for a timeout (MS_E_IO).  Rank 0 answers only once
+** mode 0: the id exchange; 1: the connection stays open after the reply.  status 0: payload is the id
+** (zeros in mode 1); otherwise payload is a NUL-terminated message, status 1 for a refused request (MS_E_ARG:
+** wrong world size or mode, rank claimed twice) and 2 for a timeout (MS_E_IO).  Rank 0 answers only once
 ** every rank has said hello, so that no rank goes on to NCCL's set-up (which would wait forever) when one
-** is missing: all of them fail instead.
+** is missing: all of them fail instead.  A hello of another version is answered with this version's reply
+** (refused), so that the other side can say which versions met.
 */
 #include "internal.h"
 
@@ -27,31 +31,16 @@
 
 #define FN "ms_rendezvous"
 #define RZ_MAGIC "MSRZ"
-#define RZ_VERSION 1u
-#define RZ_HELLO_BYTES 16
+#define RZ_VERSION 2u
+#define RZ_HELLO_BYTES 20
 #define RZ_REPLY_BYTES (16 + MS_COMM_ID_BYTES)
 #define RZ_DEFAULT_TIMEOUT_MS 300000
 #define RZ_MAX_WORLD (1 << 20)
 #define RZ_MAX_STRAYS 64          /* unidentified connections held at once; more are refused at once */
 
 enum { RZ_OK = 0, RZ_REFUSED = 1, RZ_TIMEOUT = 2 };
-
-static int64_t now_ms(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
-}
-
-static void put_u32(unsigned char *p, uint32_t v)
-{
-    p[0] = (unsigned char)(v >> 24); p[1] = (unsigned char)(v >> 16);
-    p[2] = (unsigned char)(v >> 8);  p[3] = (unsigned char)v;
-}
-static uint32_t get_u32(const unsigned char *p)
-{
-    return (uint32_t)p[0] << 24 | (uint32_t)p[1] << 16 | (uint32_t)p[2] << 8 | p[3];
-}
+enum { RZ_MODE_ID = 0, RZ_MODE_CONNECT = 1 };
+static const char *const rz_mode_name[2] = { "an NCCL id (CUDA or ms_rendezvous)", "a CPU (TCP) communicator" };
 
 static void set_nonblocking(int fd) { fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) | O_NONBLOCK); }
 
@@ -64,7 +53,7 @@ static bool send_all(int fd, const unsigned char *buf, size_t n, int64_t deadlin
         if (k > 0) { done += (size_t)k; continue; }
         if (k < 0 && errno == EINTR) continue;
         if (k < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
-            int64_t left = deadline - now_ms();
+            int64_t left = deadline - ms_now_ms();
             if (left <= 0) return false;
             struct pollfd p = { .fd = fd, .events = POLLOUT };
             if (poll(&p, 1, (int)left) < 0 && errno != EINTR) return false;
@@ -79,12 +68,12 @@ static void send_reply(int fd, uint32_t status, int world_size, const unsigned c
 {
     unsigned char r[RZ_REPLY_BYTES] = { 0 };
     memcpy(r, RZ_MAGIC, 4);
-    put_u32(r + 4, RZ_VERSION);
-    put_u32(r + 8, status);
-    put_u32(r + 12, (uint32_t)world_size);
+    ms_put_be32(r + 4, RZ_VERSION);
+    ms_put_be32(r + 8, status);
+    ms_put_be32(r + 12, (uint32_t)world_size);
     if (id) memcpy(r + 16, id, MS_COMM_ID_BYTES);
     else snprintf((char *)r + 16, MS_COMM_ID_BYTES, "%s", msg);
-    send_all(fd, r, sizeof r, now_ms() + 1000);   /* best effort: the peer may be gone */
+    send_all(fd, r, sizeof r, ms_now_ms() + 1000);   /* best effort: the peer may be gone */
 }
 
 /* getaddrinfo for addr:port; MS_E_ARG naming the address when it does not resolve. */
@@ -116,6 +105,7 @@ typedef struct rz_server {
     rz_conn  strays[RZ_MAX_STRAYS];   /* connections that have not said a full hello yet */
     int      nstrays;
     int      dropped;          /* connections that sent something else than a hello */
+    uint32_t mode;             /* RZ_MODE_ID or RZ_MODE_CONNECT, and every hello must say the same */
 } rz_server;
 
 static void drop_stray(rz_server *s, int i, bool counted)
@@ -125,13 +115,16 @@ static void drop_stray(rz_server *s, int i, bool counted)
     s->strays[i] = s->strays[--s->nstrays];
 }
 
-/* Sends `msg` with `status` to every rank that has said hello (the others are dropped), and closes all. */
-static void server_close(rz_server *s, uint32_t status, const unsigned char *id, const char *msg)
+/* Sends `msg` with `status` to every rank that has said hello (the others are dropped), and closes all
+** but, when `keep` is given, the ranks' connections: keep[r] <- rank r's (keep[0] <- -1). */
+static void server_close(rz_server *s, uint32_t status, const unsigned char *id, const char *msg, int *keep)
 {
+    if (keep) keep[0] = -1;
     for (int r = 1; r < s->world_size; r++) {
         if (s->rank_fd[r] < 0) continue;
         send_reply(s->rank_fd[r], status, s->world_size, id, msg);
-        close(s->rank_fd[r]);
+        if (keep) keep[r] = s->rank_fd[r];
+        else close(s->rank_fd[r]);
         s->rank_fd[r] = -1;
     }
     while (s->nstrays > 0) drop_stray(s, 0, false);
@@ -143,13 +136,12 @@ static void server_close(rz_server *s, uint32_t status, const unsigned char *id,
 static ms_status take_hello(rz_server *s, int i, char *msg, size_t msg_size)
 {
     rz_conn *c = &s->strays[i];
-    if (memcmp(c->hello, RZ_MAGIC, 4) != 0 || get_u32(c->hello + 4) != RZ_VERSION) {
-        drop_stray(s, i, true);
-        return MS_OK;
-    }
-    uint32_t rank = get_u32(c->hello + 8), world = get_u32(c->hello + 12);
+    uint32_t rank = ms_get_be32(c->hello + 8), world = ms_get_be32(c->hello + 12), mode = ms_get_be32(c->hello + 16);
     if (world != (uint32_t)s->world_size)
         snprintf(msg, msg_size, "rank %u reports world size %u, rank 0 has %d", rank, world, s->world_size);
+    else if (mode != s->mode)
+        snprintf(msg, msg_size, "rank %u wants %s, rank 0 %s", rank, mode <= 1 ? rz_mode_name[mode] : "?",
+                 rz_mode_name[s->mode]);
     else if (rank == 0 || rank >= (uint32_t)s->world_size)
         snprintf(msg, msg_size, "a process reports rank %u, outside [1, %d)", rank, s->world_size);
     else if (s->rank_fd[rank] >= 0)
@@ -185,9 +177,10 @@ static void missing_ranks(const rz_server *s, char *buf, size_t n)
     if (more && k < n) snprintf(buf + k, n - k, " and %d more", more);
 }
 
-static ms_status serve(const char *addr, int port, int world_size, int timeout_ms, const unsigned char *id)
+static ms_status serve(const char *addr, int port, int world_size, int timeout_ms, const unsigned char *id,
+                       uint32_t mode, int *keep)
 {
-    int64_t deadline = now_ms() + timeout_ms;
+    int64_t deadline = ms_now_ms() + timeout_ms;
     struct addrinfo *ai;
     MS_TRY(resolve(addr, port, true, &ai));
     int fd = -1, err = 0;
@@ -207,7 +200,7 @@ static ms_status serve(const char *addr, int port, int world_size, int timeout_m
         return MS_FAIL(NULL, MS_E_IO, FN ": rank 0 cannot listen on %s:%d: %s", addr, port, strerror(err));
     set_nonblocking(fd);
 
-    rz_server s = { .listen_fd = fd, .world_size = world_size };
+    rz_server s = { .listen_fd = fd, .world_size = world_size, .mode = mode };
     s.rank_fd = malloc(sizeof(int) * (size_t)world_size);
     if (s.rank_fd == NULL) {
         close(fd);
@@ -219,12 +212,12 @@ static ms_status serve(const char *addr, int port, int world_size, int timeout_m
     ms_status st = MS_OK;
     struct pollfd fds[1 + RZ_MAX_STRAYS];
     while (s.arrived < world_size - 1) {
-        int64_t left = deadline - now_ms();
+        int64_t left = deadline - ms_now_ms();
         if (left <= 0) {
             char missing[256];
             missing_ranks(&s, missing, sizeof missing);
             snprintf(msg, sizeof msg, "rank 0 timed out after %d ms; missing ranks: %.60s", timeout_ms, missing);
-            server_close(&s, RZ_TIMEOUT, NULL, msg);
+            server_close(&s, RZ_TIMEOUT, NULL, msg, NULL);
             st = MS_FAIL(NULL, MS_E_IO,
                          FN ": timed out after %d ms at %s:%d waiting for ranks %s of world size %d (%d of %d "
                          "arrived)%s", timeout_ms, addr, port, missing, world_size, s.arrived + 1, world_size,
@@ -237,7 +230,7 @@ static ms_status serve(const char *addr, int port, int world_size, int timeout_m
         int nfds = 1 + s.nstrays;
         if (poll(fds, (nfds_t)nfds, (int)left) < 0 && errno != EINTR) {
             err = errno;
-            server_close(&s, RZ_TIMEOUT, NULL, "rank 0 failed while waiting");
+            server_close(&s, RZ_TIMEOUT, NULL, "rank 0 failed while waiting", NULL);
             free(s.rank_fd);
             return MS_FAIL(NULL, MS_E_IO, FN ": poll failed on %s:%d: %s", addr, port, strerror(err));
         }
@@ -249,12 +242,19 @@ static ms_status serve(const char *addr, int port, int world_size, int timeout_m
             if (k < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) continue;
             if (k <= 0) { drop_stray(&s, i, c->got > 0); continue; }   /* closed before a whole hello */
             c->got += (size_t)k;
+            /* garbage is dropped as soon as it shows, another version answered (it may be a whole hello) */
+            if (c->got >= 4 && memcmp(c->hello, RZ_MAGIC, 4) != 0) { drop_stray(&s, i, true); continue; }
+            if (c->got >= 8 && ms_get_be32(c->hello + 4) != RZ_VERSION) {
+                send_reply(c->fd, RZ_REFUSED, world_size, NULL, "another rendezvous version");
+                drop_stray(&s, i, true);
+                continue;
+            }
             if (c->got == RZ_HELLO_BYTES) st = take_hello(&s, i, msg, sizeof msg);
         }
         if (st != MS_OK) {
             char why[2 * MS_COMM_ID_BYTES];
             snprintf(why, sizeof why, "rank 0 refused the rendezvous: %s", msg);
-            server_close(&s, RZ_REFUSED, NULL, why);
+            server_close(&s, RZ_REFUSED, NULL, why, NULL);
             free(s.rank_fd);
             return MS_FAIL(NULL, st, FN ": at %s:%d: %s", addr, port, msg);
         }
@@ -266,7 +266,7 @@ static ms_status serve(const char *addr, int port, int world_size, int timeout_m
             }
         }
     }
-    server_close(&s, RZ_OK, id, NULL);
+    server_close(&s, RZ_OK, id, NULL, keep);
     free(s.rank_fd);
     return MS_OK;
 }
@@ -285,7 +285,7 @@ static ms_status connect_retrying(const char *addr, int port, int rank, int time
             if (fd < 0) { err = errno; continue; }
             int rc = connect(fd, a->ai_addr, a->ai_addrlen);
             if (rc != 0 && errno == EINPROGRESS) {
-                int64_t left = deadline - now_ms();
+                int64_t left = deadline - ms_now_ms();
                 struct pollfd p = { .fd = fd, .events = POLLOUT };
                 if (left > 0 && poll(&p, 1, (int)(left < 1000 ? left : 1000)) == 1) {
                     socklen_t len = sizeof err;
@@ -307,7 +307,7 @@ static ms_status connect_retrying(const char *addr, int port, int rank, int time
             close(fd);
         }
         freeaddrinfo(ai);
-        int64_t left = deadline - now_ms();
+        int64_t left = deadline - ms_now_ms();
         if (left <= 0)
             return MS_FAIL(NULL, MS_E_IO, FN ": rank %d could not reach rank 0 at %s:%d within %d ms (%s)",
                            rank, addr, port, timeout_ms, strerror(err));
@@ -316,16 +316,41 @@ static ms_status connect_retrying(const char *addr, int port, int rank, int time
     }
 }
 
-static ms_status join(const char *addr, int port, int rank, int world_size, int timeout_ms, unsigned char *id)
+/* The reply's verdict: MS_OK, or the error it reports (or that it is no reply). */
+static ms_status check_reply(const unsigned char *r, size_t got, const char *addr, int port, int rank,
+                             int world_size)
 {
-    int64_t deadline = now_ms() + timeout_ms;
+    if (got >= 4 && memcmp(r, RZ_MAGIC, 4) != 0)
+        return MS_FAIL(NULL, MS_E_FORMAT, FN ": rank %d: the peer at %s:%d is not a moonstep rendezvous (it sent "
+                       "%02x %02x %02x %02x ...)", rank, addr, port, r[0], r[1], r[2], r[3]);
+    if (got >= 8 && ms_get_be32(r + 4) != RZ_VERSION)
+        return MS_FAIL(NULL, MS_E_FORMAT, FN ": rank %d: rank 0 at %s:%d speaks rendezvous version %u, this is %u",
+                       rank, addr, port, ms_get_be32(r + 4), RZ_VERSION);
+    if (got < RZ_REPLY_BYTES)
+        return MS_FAIL(NULL, MS_E_IO, FN ": rank %d: rank 0 at %s:%d closed the connection after %zu of %d bytes",
+                       rank, addr, port, got, RZ_REPLY_BYTES);
+    uint32_t status = ms_get_be32(r + 8);
+    if (status != RZ_OK)
+        return MS_FAIL(NULL, status == RZ_REFUSED ? MS_E_ARG : MS_E_IO, FN ": rank %d: %.*s", rank,
+                       MS_COMM_ID_BYTES - 1, (const char *)r + 16);
+    if (ms_get_be32(r + 12) != (uint32_t)world_size)
+        return MS_FAIL(NULL, MS_E_ARG, FN ": rank %d has world size %d, rank 0 has %u", rank, world_size,
+                       ms_get_be32(r + 12));
+    return MS_OK;
+}
+
+static ms_status join(const char *addr, int port, int rank, int world_size, int timeout_ms, unsigned char *id,
+                      uint32_t mode, int *keep)
+{
+    int64_t deadline = ms_now_ms() + timeout_ms;
     int fd = -1;
     MS_TRY(connect_retrying(addr, port, rank, timeout_ms, deadline, &fd));
     unsigned char hello[RZ_HELLO_BYTES];
     memcpy(hello, RZ_MAGIC, 4);
-    put_u32(hello + 4, RZ_VERSION);
-    put_u32(hello + 8, (uint32_t)rank);
-    put_u32(hello + 12, (uint32_t)world_size);
+    ms_put_be32(hello + 4, RZ_VERSION);
+    ms_put_be32(hello + 8, (uint32_t)rank);
+    ms_put_be32(hello + 12, (uint32_t)world_size);
+    ms_put_be32(hello + 16, mode);
     if (!send_all(fd, hello, sizeof hello, deadline)) {
         int err = errno;
         close(fd);
@@ -335,7 +360,7 @@ static ms_status join(const char *addr, int port, int rank, int world_size, int 
     unsigned char r[RZ_REPLY_BYTES];
     size_t got = 0;
     while (got < sizeof r) {
-        int64_t left = deadline - now_ms();
+        int64_t left = deadline - ms_now_ms();
         struct pollfd p = { .fd = fd, .events = POLLIN };
         if (left <= 0 || (poll(&p, 1, (int)left) == 0)) {
             close(fd);
@@ -348,28 +373,13 @@ static ms_status join(const char *addr, int port, int rank, int world_size, int 
         if (k <= 0) break;
         got += (size_t)k;
         if (got >= 4 && memcmp(r, RZ_MAGIC, 4) != 0) break;   /* not our peer: say so now, not at the timeout */
-        if (got >= 8 && get_u32(r + 4) != RZ_VERSION) break;
+        if (got >= 8 && ms_get_be32(r + 4) != RZ_VERSION) break;
     }
-    close(fd);
-    if (got >= 4 && memcmp(r, RZ_MAGIC, 4) != 0)
-        return MS_FAIL(NULL, MS_E_FORMAT, FN ": rank %d: the peer at %s:%d is not a moonstep rendezvous (it sent "
-                       "%02x %02x %02x %02x ...)", rank, addr, port, r[0], r[1], r[2], r[3]);
-    if (got >= 8 && get_u32(r + 4) != RZ_VERSION)
-        return MS_FAIL(NULL, MS_E_FORMAT, FN ": rank %d: rank 0 at %s:%d speaks rendezvous version %u, this is %u",
-                       rank, addr, port, get_u32(r + 4), RZ_VERSION);
-    if (got < sizeof r)
-        return MS_FAIL(NULL, MS_E_IO, FN ": rank %d: rank 0 at %s:%d closed the connection after %zu of %d bytes",
-                       rank, addr, port, got, RZ_REPLY_BYTES);
-    uint32_t status = get_u32(r + 8);
-    if (status != RZ_OK) {
-        r[sizeof r - 1] = '\0';
-        return MS_FAIL(NULL, status == RZ_REFUSED ? MS_E_ARG : MS_E_IO, FN ": rank %d: %s", rank, (char *)r + 16);
-    }
-    if (get_u32(r + 12) != (uint32_t)world_size)
-        return MS_FAIL(NULL, MS_E_ARG, FN ": rank %d has world size %d, rank 0 has %u", rank, world_size,
-                       get_u32(r + 12));
-    memcpy(id, r + 16, MS_COMM_ID_BYTES);
-    return MS_OK;
+    ms_status st = check_reply(r, got, addr, port, rank, world_size);
+    if (st == MS_OK && keep != NULL) *keep = fd;   /* the recv above read nothing past the reply */
+    else close(fd);
+    if (st == MS_OK) memcpy(id, r + 16, MS_COMM_ID_BYTES);
+    return st;
 }
 
 /* --- the public call -------------------------------------------------------------------------------- */
@@ -410,6 +420,18 @@ MS_API ms_status ms_rendezvous(const char *addr, int port, int rank, int world_s
     if (world_size == 1) return MS_OK;
     MS_TRY(resolve_env(FN, &addr, &port));
     if (timeout_ms == 0) timeout_ms = RZ_DEFAULT_TIMEOUT_MS;
-    return rank == 0 ? serve(addr, port, world_size, timeout_ms, id)
-                     : join(addr, port, rank, world_size, timeout_ms, id);
+    return rank == 0 ? serve(addr, port, world_size, timeout_ms, id, RZ_MODE_ID, NULL)
+                     : join(addr, port, rank, world_size, timeout_ms, id, RZ_MODE_ID, NULL);
+}
+
+ms_status ms_rendezvous_connect(const char *addr, int port, int rank, int world_size, int timeout_ms, int *fds)
+{
+    /* the caller (ms_comm_new) has checked rank, world size, port and timeout */
+    for (int r = 0; r < world_size; r++) fds[r] = -1;
+    if (world_size == 1) return MS_OK;
+    MS_TRY(resolve_env(FN, &addr, &port));
+    if (timeout_ms == 0) timeout_ms = RZ_DEFAULT_TIMEOUT_MS;
+    unsigned char id[MS_COMM_ID_BYTES] = { 0 };
+    return rank == 0 ? serve(addr, port, world_size, timeout_ms, id, RZ_MODE_CONNECT, fds)
+                     : join(addr, port, rank, world_size, timeout_ms, id, RZ_MODE_CONNECT, &fds[0]);
 }

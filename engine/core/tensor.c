@@ -181,6 +181,8 @@ MS_API int64_t ms_tensor_numel(const ms_tensor *t) { return t ? shape_numel(t->n
 
 bool ms_tensor_contiguous_p(const ms_tensor *t)
 {
+    for (int i = 0; i < t->ndim; i++)
+        if (t->shape[i] == 0) return true;   /* no element to be out of place ([5, 0] has strides [1, 1]) */
     int64_t expect = 1;
     for (int i = t->ndim - 1; i >= 0; i--) {
         if (t->shape[i] == 1) continue;

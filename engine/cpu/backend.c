@@ -53,6 +53,15 @@ static ms_status cpu_memcpy(ms_ctx *ctx, void *dst, const void *src, size_t nbyt
     return MS_OK;
 }
 
+/* communicators over TCP (engine/cpu/comm.c) */
+ms_status ms_cpu_comm_connect(ms_ctx *ctx, const char *addr, int port, int rank, int world_size, int timeout_ms,
+                              void **out);
+void ms_cpu_comm_destroy(ms_ctx *ctx, void *comm);
+ms_status ms_cpu_comm_all_reduce(ms_ctx *ctx, void *comm, ms_tensor *dst, const ms_tensor *src, ms_comm_op op);
+ms_status ms_cpu_comm_broadcast(ms_ctx *ctx, void *comm, ms_tensor *t, int root);
+ms_status ms_cpu_comm_all_gather(ms_ctx *ctx, void *comm, ms_tensor *dst, const ms_tensor *src);
+ms_status ms_cpu_comm_reduce_scatter(ms_ctx *ctx, void *comm, ms_tensor *dst, const ms_tensor *src, ms_comm_op op);
+
 const ms_backend ms_cpu_backend = {
     /* .name             = */ "cpu",
     /* .ctx_init         = */ cpu_ctx_init,
@@ -105,10 +114,14 @@ const ms_backend ms_cpu_backend = {
     /* .graph_leave      = */ NULL,
     /* .profile_push     = */ NULL,
     /* .profile_pop      = */ NULL,
-    /* .comm_init        = */ NULL,   /* no communicators: NCCL runs on CUDA devices (MS_E_UNSUPPORTED) */
-    /* .comm_destroy     = */ NULL,
-    /* .comm_all_reduce  = */ NULL,
-    /* .comm_broadcast   = */ NULL,
-    /* .comm_all_gather  = */ NULL,
-    /* .comm_reduce_scatter = */ NULL,
+    /* .comm_init        = */ NULL,   /* no NCCL id: the ranks connect over TCP (comm_connect) */
+    /* .comm_destroy     = */ ms_cpu_comm_destroy,
+    /* .comm_all_reduce  = */ ms_cpu_comm_all_reduce,
+    /* .comm_broadcast   = */ ms_cpu_comm_broadcast,
+    /* .comm_all_gather  = */ ms_cpu_comm_all_gather,
+    /* .comm_reduce_scatter = */ ms_cpu_comm_reduce_scatter,
+    /* .sinkgd_step_sharded = */ ms_cpu_sinkgd_step_sharded,
+    /* .comm_connect     = */ ms_cpu_comm_connect,
+    /* .comm_group_begin = */ NULL,   /* collectives run at once: the core's nesting count is all a group is */
+    /* .comm_group_end   = */ NULL,
 };

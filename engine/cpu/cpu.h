@@ -94,6 +94,10 @@ void ms_cpu_store_param_f32(const ms_cpu_view *pv, const ms_cpu_rounding *r, int
 ms_status ms_cpu_sinkgd_step(ms_ctx *ctx, int n, ms_tensor *const *params, const ms_tensor *const *grads,
                              ms_tensor *const *specnorm_u, ms_tensor *const *md_target_norm,
                              const double *scales, const ms_sinkgd_options *o);
+ms_status ms_cpu_sinkgd_step_sharded(ms_ctx *ctx, int n, ms_tensor *const *params, const ms_tensor *const *grads,
+                                     ms_tensor *const *specnorm_u, ms_tensor *const *md_target_norm,
+                                     const double *scales, const ms_shard *shards, const ms_sinkgd_options *o,
+                                     const ms_exchange *x);
 ms_status ms_cpu_adamw8_step(ms_ctx *ctx, int n, ms_tensor *const *params, const ms_tensor *const *grads,
                              ms_tensor *const *exp_avg, ms_tensor *const *exp_avg_scale,
                              ms_tensor *const *exp_avg_sq, ms_tensor *const *exp_avg_sq_scale,

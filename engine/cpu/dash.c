@@ -89,6 +89,13 @@ static void philox_normals(float *out, int64_t count, uint64_t seed, uint64_t of
     }
 }
 
+/* Block k's part of a Philox offset (moonstep.h, "Random vectors"): its id when the call gives rng_ids, else k. */
+static uint64_t rng_slot(const ms_tensor *rng_ids, int64_t k)
+{
+    if (rng_ids == NULL) return (uint64_t)k;
+    return (uint32_t)((const int32_t *)ms_tensor_ptr(rng_ids))[k];
+}
+
 static float round16(float x, ms_dtype dt)
 {
     return dt == MS_DTYPE_BF16 ? ms_bf16_to_f32(ms_f32_to_bf16(x)) : ms_f16_to_f32(ms_f32_to_f16(x));
@@ -129,6 +136,7 @@ ms_status ms_cpu_blocks_apply(ms_ctx *ctx, int n, const ms_block *blocks, const 
     if (o && skipped(o->skip_t)) return MS_OK;
     const int64_t r = stack->shape[1], c = stack->shape[2], rows_total = (int64_t)n * r;
     const float *src = ms_tensor_ptr(stack), *sc = scale ? ms_tensor_ptr(scale) : NULL;
+    const int32_t *ids = o && o->rng_ids ? ms_tensor_ptr(o->rng_ids) : NULL;   /* the rounding's member words */
     double lr = 0, decay = 1;
     ms_cpu_rounding round = ms_cpu_rounding_of(false, 0, 0);
     if (o) {
@@ -160,7 +168,7 @@ ms_status ms_cpu_blocks_apply(ms_ctx *ctx, int n, const ms_block *blocks, const 
                 const float f = (float)sk;
                 for (int64_t j = 0; j < c; j++) buf[j] = f * s[j];
             }
-            ms_cpu_store_param_f32(&v, &round, k, e0, c, buf);
+            ms_cpu_store_param_f32(&v, &round, ids ? ids[k] : k, e0, c, buf);
         }
         free(buf);
     }
@@ -328,7 +336,7 @@ static double block_scale(const root_call *rc, work *w, const float *areg, int64
     } else {
         int m = o->scaling == MS_SCALING_PIM ? o->pi_vectors : 1;
         s = o->pi_const * power_iteration(w, areg, m, o->pi_steps, o->eps_power_iter, o->pi_bf16 != 0, o->seed,
-                                          (uint64_t)k, w->m[0]);
+                                          rng_slot(o->rng_ids, k), w->m[0]);
     }
     if (s < SCALE_MIN) s = SCALE_MIN;   /* NaN stays NaN */
     return s;
@@ -483,7 +491,7 @@ static float block_residual(const root_call *rc, work *w, const float *a, const 
     for (int64_t i = 0; i < bb; i++) w->ad[i] = a[i], w->xd[i] = x[i];
     for (int64_t i = 0; i < b; i++) w->ad[i * b + i] += eps;
     float *vf = w->v;
-    philox_normals(vf, b * m, rc->o->seed, OFFSET_SKETCH + (uint64_t)k);
+    philox_normals(vf, b * m, rc->o->seed, OFFSET_SKETCH + rng_slot(rc->o->rng_ids, k));
     double *v = w->vd, *t = w->wd, vv = 0;
     for (int64_t i = 0; i < b * m; i++) v[i] = vf[i], vv += v[i] * v[i];
     double *cur = t, *nxt = w->vd;   /* after the first product the two sketch buffers ping-pong (vf keeps V) */
@@ -724,11 +732,12 @@ ms_status ms_cpu_spectrum_estimate(ms_ctx *ctx, ms_tensor *lam_max, ms_tensor *l
         work w = { .b = b, .v = room + bb, .w = room + bb + b * PI_MAX_VECTORS };
         #pragma omp for schedule(dynamic, 1)
         for (int64_t k = 0; k < n; k++) {
-            double q = power_iteration(&w, A + k * bb, o->vectors, o->steps, o->eps, bf16, o->seed, (uint64_t)k, room);
+            double q = power_iteration(&w, A + k * bb, o->vectors, o->steps, o->eps, bf16, o->seed,
+                                       rng_slot(o->rng_ids, k), room);
             lmax[k] = (float)(q - o->eps);
             if (lmin) {
                 double mu = power_iteration(&w, XR + k * bb, o->vectors, o->steps, 0.0, bf16, o->seed,
-                                            OFFSET_ROOT_PI + (uint64_t)k, room);
+                                            OFFSET_ROOT_PI + rng_slot(o->rng_ids, k), room);
                 lmin[k] = mu != mu ? (float)mu : mu > 0 ? (float)pow(mu, -(double)o->root) : INFINITY;
             }
         }

@@ -160,4 +160,21 @@ ms_status ms_cuda_comm_reduce_scatter(ms_ctx *ctx, void *comm, ms_tensor *dst, c
     return MS_OK;
 }
 
+/* Groups: NCCL's group state is the calling thread's, not the communicator's; the core has counted the
+** nesting.  A non-blocking communicator's ncclGroupEnd may answer ncclInProgress while the group's
+** collectives are being issued: waited for like every other call. */
+ms_status ms_cuda_comm_group_begin(ms_ctx *ctx, void *comm)
+{
+    NCCL_TRY(ctx, comm, ncclGroupStart());
+    return MS_OK;
+}
+
+ms_status ms_cuda_comm_group_end(ms_ctx *ctx, void *comm)
+{
+    MS_NVTX_RANGE("ms_comm_group_end");
+    MS_TRY(ms_cuda_enter(ctx));
+    NCCL_TRY(ctx, comm, ncclGroupEnd());
+    return MS_OK;
+}
+
 #endif /* MS_WITH_NCCL */

@@ -411,6 +411,8 @@ ms_status ms_cuda_comm_broadcast(ms_ctx *ctx, void *comm, ms_tensor *t, int root
 ms_status ms_cuda_comm_all_gather(ms_ctx *ctx, void *comm, ms_tensor *dst, const ms_tensor *src);
 ms_status ms_cuda_comm_reduce_scatter(ms_ctx *ctx, void *comm, ms_tensor *dst, const ms_tensor *src,
                                       ms_comm_op op);
+ms_status ms_cuda_comm_group_begin(ms_ctx *ctx, void *comm);
+ms_status ms_cuda_comm_group_end(ms_ctx *ctx, void *comm);
 #endif
 
 const ms_backend ms_cuda_backend = {
@@ -453,6 +455,7 @@ const ms_backend ms_cuda_backend = {
     .adamw_step       = ms_cuda_adamw_step,
     .sgd_step         = ms_cuda_sgd_step,
     .sinkgd_step      = ms_cuda_sinkgd_step,
+    .sinkgd_step_sharded = ms_cuda_sinkgd_step_sharded,
     .adamw8_step      = ms_cuda_adamw8_step,
     .capture_state    = ms_cuda_capture_state,
     .graph_join       = ms_cuda_graph_join,
@@ -471,5 +474,7 @@ const ms_backend ms_cuda_backend = {
     .comm_broadcast   = ms_cuda_comm_broadcast,
     .comm_all_gather  = ms_cuda_comm_all_gather,
     .comm_reduce_scatter = ms_cuda_comm_reduce_scatter,
+    .comm_group_begin = ms_cuda_comm_group_begin,
+    .comm_group_end   = ms_cuda_comm_group_end,
 #endif
 };

@@ -182,6 +182,10 @@ ms_status ms_cuda_tickets(ms_ctx *ctx, const char *op, unsigned **out);
 ms_status ms_cuda_sinkgd_step(ms_ctx *ctx, int n, ms_tensor *const *params, const ms_tensor *const *grads,
                               ms_tensor *const *specnorm_u, ms_tensor *const *md_target_norm,
                               const double *scales, const ms_sinkgd_options *o);
+ms_status ms_cuda_sinkgd_step_sharded(ms_ctx *ctx, int n, ms_tensor *const *params, const ms_tensor *const *grads,
+                                      ms_tensor *const *specnorm_u, ms_tensor *const *md_target_norm,
+                                      const double *scales, const ms_shard *shards, const ms_sinkgd_options *o,
+                                      const ms_exchange *x);
 /* engine/cuda/dash.c: Shampoo on stacked blocks; ms_cuda_dash_release frees c->dash (context teardown) */
 ms_status ms_cuda_blocks_gather(ms_ctx *ctx, ms_tensor *stack, int n, const ms_block *blocks);
 ms_status ms_cuda_blocks_apply(ms_ctx *ctx, int n, const ms_block *blocks, const ms_tensor *stack,

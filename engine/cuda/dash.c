@@ -55,6 +55,9 @@
 #define PIN_RING 8                          /* compaction counts in flight (> the largest lag) */
 #define NSLOTS_MAX 8
 
+/* the options' rng_ids as the kernels read them (on the device: no host copy, so captures replay new ids) */
+static const int *rng_ids_of(const ms_tensor *rng_ids) { return rng_ids ? (const int *)ms_tensor_ptr(rng_ids) : NULL; }
+
 /* --- knobs ------------------------------------------------------------------------------------------- */
 
 static int env_int(const char *name, int def, int lo, int hi)
@@ -252,6 +255,7 @@ ms_status ms_cuda_blocks_apply(ms_ctx *ctx, int n, const ms_block *blocks, const
         k_o.update = 1;
         k_o.stochastic = o->stochastic_round != 0;
         k_o.seed = o->seed;
+        k_o.ids = o->rng_ids ? ms_tensor_ptr(o->rng_ids) : NULL;
     }
     msk_dash_block *b;
     MS_TRY(blocks_table(ctx, "ms_blocks_apply", n, blocks, &b));
@@ -268,6 +272,7 @@ ms_status ms_cuda_blocks_apply(ms_ctx *ctx, int n, const ms_block *blocks, const
         ms_cuda_track_tensor(ctx, o->lr_t);
         ms_cuda_track_tensor(ctx, o->step_t);
         ms_cuda_track_tensor(ctx, o->skip_t);
+        ms_cuda_track_tensor(ctx, o->rng_ids);
     }
     ctx->launches += launches > 1 ? launches - 1 : 0;
     return MS_OK;
@@ -553,18 +558,18 @@ static ms_status pi_product(ms_ctx *ctx, const msk_dash_pos *pos, const pi_gemm 
 
 /* A power iteration per block (moonstep.h, "Power iteration") on S = M + d_mat I (an f32 add: A_reg) with the
 ** damping d_pi: in bf16 added to S's diagonal before S is rounded (engine/cpu/dash.c), in f32 added as d_pi v after
-** each product; m vectors from offset base + id; the result by msk_dash_pi_rq's mode.  g NULL: the thin-product
-** kernel instead of cuBLAS. */
+** each product; m vectors from offset base + id (or base + rng_ids[id], device ids); the result by msk_dash_pi_rq's
+** mode.  g NULL: the thin-product kernel instead of cuBLAS. */
 static ms_status power_iteration(ms_ctx *ctx, cudaStream_t st, const msk_dash_pos *pos, const pi_gemm *g,
                                  const float *M, float d_mat, float d_pi, bool bf16, int m, int steps, uint64_t seed,
-                                 uint64_t base, float *v, float *w, int mode, double mult, double sub, double power,
-                                 void *dst, int *launches)
+                                 uint64_t base, const int *rng_ids, float *v, float *w, int mode, double mult,
+                                 double sub, double power, void *dst, int *launches)
 {
     msk_dash_thin t = { .m = M, .by_id = 1, .d1 = d_mat, .d2 = bf16 ? d_pi : 0.0f, .bf16 = bf16, .vecs = m };
     const float dmp = bf16 ? 0.0f : d_pi;
     void *v16 = g && bf16 ? g->v16 : NULL;
     if (g) MS_CUDA_LAUNCH(ctx, msk_dash_pi_matrix(ctx, st, pos, &t, g->mat));
-    MS_CUDA_LAUNCH(ctx, msk_dash_randn(ctx, st, pos, m, w, seed, base));
+    MS_CUDA_LAUNCH(ctx, msk_dash_randn(ctx, st, pos, m, w, seed, base, rng_ids));
     MS_CUDA_LAUNCH(ctx, msk_dash_pi_norm(ctx, st, pos, m, w, NULL, 0.0f, bf16, v, v16));
     for (int it = 0; it <= steps; it++) {
         if (g) MS_TRY(pi_product(ctx, pos, g, bf16, m, v, w));
@@ -591,7 +596,8 @@ static ms_status compute_scale(solver *S)
     /* slot 0 (f32, K n n) holds the matrix copy: the solvers overwrite it only after the scale is known */
     const pi_gemm g = { S->blas, slot(S, 0), S->pv16, S->tf32 };
     return power_iteration(S->ctx, S->st, &pos, &g, S->a, (float)o->eps, (float)o->eps_power_iter, o->pi_bf16 != 0, m,
-                           o->pi_steps, o->seed, 0, S->pv, S->pw, 0, o->pi_const, 0, 0, S->scale, &S->launches);
+                           o->pi_steps, o->seed, 0, rng_ids_of(o->rng_ids), S->pv, S->pw, 0, o->pi_const, 0, 0,
+                           S->scale, &S->launches);
 }
 
 /* --- NDB --------------------------------------------------------------------------------------------------- */
@@ -1010,7 +1016,8 @@ static ms_status residual_run(solver *S, float *residual)
 {
     msk_dash_pos pos = { S->n, S->K, NULL, S->index };
     const int64_t m = SKETCH_VECTORS;
-    MS_CUDA_LAUNCH(S->ctx, msk_dash_randn64(S->ctx, S->st, &pos, m, S->sv, S->o->seed, OFFSET_SKETCH));
+    MS_CUDA_LAUNCH(S->ctx, msk_dash_randn64(S->ctx, S->st, &pos, m, S->sv, S->o->seed, OFFSET_SKETCH,
+                                            rng_ids_of(S->o->rng_ids)));
     msk_dash_thin ta = { .m = S->a, .by_id = 1, .dd = S->o->eps, .vecs = m };
     msk_dash_thin tx = { .m = S->x, .by_id = 1, .dd = 0.0, .vecs = m };
     MS_CUDA_LAUNCH(S->ctx, msk_dash_thin_f64(S->ctx, S->st, &pos, &ta, S->sv, S->sw1));
@@ -1146,6 +1153,7 @@ ms_status ms_cuda_inv_root(ms_ctx *ctx, ms_tensor *x, ms_tensor *residual, ms_te
         ms_cuda_track_tensor(ctx, residual);
         ms_cuda_track_tensor(ctx, iters);
         ms_cuda_track_tensor(ctx, o->index);
+        ms_cuda_track_tensor(ctx, o->rng_ids);
         ctx->launches += S.launches > 1 ? S.launches - 1 : 0;
     }
     if (S.shadows) ms_cuda_scratch_free(ctx, S.shadows, shadows_bytes);
@@ -1187,17 +1195,20 @@ ms_status ms_cuda_spectrum_estimate(ms_ctx *ctx, ms_tensor *lam_max, ms_tensor *
     msk_dash_pos pos = { n, N, NULL, NULL };
     int launches = 0;
     /* on A damped by eps (lam_max = q - eps), then on the root undamped (lam_min = mu^-p) */
+    const int *ids = rng_ids_of(o->rng_ids);
     ms_status s1 = power_iteration(ctx, st, &pos, &g, ms_tensor_ptr(a), 0.0f, (float)o->eps, bf16, m, o->steps,
-                                   o->seed, 0, v, w, 1, 1.0, o->eps, 0.0, ms_tensor_ptr(lam_max), &launches);
+                                   o->seed, 0, ids, v, w, 1, 1.0, o->eps, 0.0, ms_tensor_ptr(lam_max), &launches);
     if (s1 == MS_OK && lam_min)
         s1 = power_iteration(ctx, st, &pos, &g, ms_tensor_ptr(x_root), 0.0f, 0.0f, bf16, m, o->steps, o->seed,
-                             OFFSET_ROOT_PI, v, w, 2, 1.0, 0.0, (double)o->root, ms_tensor_ptr(lam_min), &launches);
+                             OFFSET_ROOT_PI, ids, v, w, 2, 1.0, 0.0, (double)o->root, ms_tensor_ptr(lam_min),
+                             &launches);
     ms_cuda_scratch_free(ctx, mem, total);
     if (s1 != MS_OK) return s1;
     ms_cuda_track_tensor(ctx, lam_max);
     ms_cuda_track_tensor(ctx, lam_min);
     ms_cuda_track_tensor(ctx, a);
     ms_cuda_track_tensor(ctx, x_root);
+    ms_cuda_track_tensor(ctx, o->rng_ids);
     ctx->launches += launches > 1 ? launches - 1 : 0;
     return MS_OK;
 }

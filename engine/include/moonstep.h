@@ -44,7 +44,7 @@ extern "C" {
 
 /* Incremented on every incompatible change of this header; the Lua side refuses a library whose
 ** ms_abi_version() differs from the MS_ABI_VERSION its cdef was generated from. */
-#define MS_ABI_VERSION 1
+#define MS_ABI_VERSION 2
 #define MS_VERSION_STRING "0.1.0"
 enum { MS_ABI = MS_ABI_VERSION };    /* the same number as an enum, so that the generated cdef carries it */
 
@@ -635,6 +635,58 @@ MS_API ms_status ms_sinkgd_step(ms_ctx *ctx, int n, ms_tensor *const *params, co
                                 ms_tensor *const *specnorm_u, ms_tensor *const *md_target_norm,
                                 const double *scales, const ms_sinkgd_options *opts);
 
+/* Sharded SinkGD: a matrix split across the ranks of a communicator, by rows or by columns. */
+typedef enum ms_shard_dim {
+    MS_SHARD_NONE = 0,   /* this rank holds the whole matrix */
+    MS_SHARD_ROWS = 1,   /* rows [offset, offset + m_local) of each matrix (dim -2) */
+    MS_SHARD_COLS = 2    /* columns [offset, offset + n_local) of each matrix (dim -1) */
+} ms_shard_dim;
+
+typedef struct ms_shard {
+    ms_shard_dim dim;
+    int64_t offset;      /* the first row (column) held here */
+    int64_t global;      /* the matrix's full size along the sharded dim (the global m or n) */
+} ms_shard;
+
+typedef struct ms_comm ms_comm;   /* (the communicators' section below) */
+
+/* ms_sinkgd_step on matrices split across the ranks of comm: each rank passes its slice of every sharded
+** member (params[i], grads[i] of shape [..., m_local, n] for MS_SHARD_ROWS, [..., m, n_local] for
+** MS_SHARD_COLS) and updates it in place; the result is ms_sinkgd_step's on the global matrix (global m and n
+** drive sqrt(m), sqrt(n) and the muon target), up to the order in which partial sums are added (f64 on the
+** CPU).  Every rank makes the call with the same options and the same sharded members in the same order with
+** the same global shapes; their slices tile [0, global), which is the caller's to guarantee (a rank cannot
+** see the others' offsets).  MS_SHARD_NONE members are each rank's own (the whole matrix, no exchange) and may
+** differ between ranks.  lr_t, step_t and skip_t must hold the same values on every rank.
+**
+** Only vectors of length m or n and a few scalars per matrix cross ranks, all matrices of the call in one
+** sum (all-reduce) per exchange point:
+**   rows-sharded (r and v local): per Sinkhorn iteration the columns' sums of squares [n]; per power step
+**     X^T v [n] of the unnormalised v, with ||v||^2 and ||X||_F^2 (v is normalised after the sum).
+**   cols-sharded (c, u and w local): per Sinkhorn iteration the rows' sums of squares [m]; per power step X u
+**     [m] with ||X||_F^2 and ||u||^2, then ||w||^2.
+**   sphere: s0, s1, s2 (s0 = ||p||_F^2 is also the radius a capture stores).
+** So a step is iters (2 iters when a call has both kinds) + sn_iters (rows) or 2 sn_iters (cols) + 1 (sphere)
+** collectives, one more when a u restarts (a degenerate one, or a fresh cols-sharded one, whose zeros show
+** only in the sum).  A rank whose slice is empty (m_local or n_local 0) takes part in every exchange.
+** specnorm_u: rows-sharded [..., n] (the whole u, the same on every rank); cols-sharded [..., n_local], this
+** rank's slice of the global u (elements [offset, offset + n_local)).  A fresh u's values u_j = 2 U_j - 1 and
+** the stochastic rounding of bf16/f16 params use global indices, so they are the unsharded step's.
+** md_target_norm: [...] as in ms_sinkgd_step, the same on every rank.
+**
+** shards: n entries (NULL: every member MS_SHARD_NONE; offset and global are not read for NONE).  comm: a
+** communicator made on ctx.  comm NULL, or a one-rank comm, needs every shard to cover its whole dim (offset
+** 0, global = the local size).  A call whose members are all MS_SHARD_NONE is ms_sinkgd_step.  Dtypes,
+** layouts and options as ms_sinkgd_step, with the shapes above.
+** Errors: those of ms_sinkgd_step; MS_E_ARG (a shard's dim unknown, offset < 0, offset + local size > global,
+** comm made on another context, a partial shard without a comm of several ranks), MS_E_UNSUPPORTED (a backend
+** without the op); the communicator's errors (a failed exchange: the CPU has changed nothing, a device may
+** have; the communicator refuses further collectives). */
+MS_API ms_status ms_sinkgd_step_sharded(ms_ctx *ctx, ms_comm *comm, int n, ms_tensor *const *params,
+                                        const ms_tensor *const *grads, ms_tensor *const *specnorm_u,
+                                        ms_tensor *const *md_target_norm, const double *scales,
+                                        const ms_shard *shards, const ms_sinkgd_options *opts);
+
 enum { MS_ADAMW8_BLOCK_MAX = 4096 };   /* the largest block_size of ms_adamw8_step */
 
 typedef struct ms_adamw8_options {
@@ -685,7 +737,11 @@ MS_API ms_status ms_adamw8_step(ms_ctx *ctx, int n, ms_tensor *const *params, co
 ** "the normals of a [b, m] f32 tensor with key `seed` and offset OFF" means that element (i, j) is the f32
 ** value ms_rand (MS_RAND_NORMAL, a = 0, b = 1) stores at row-major index i * m + j with that key and
 ** offset, so every backend starts from the same vectors.  OFF is k (the block's index in its stack, not in
-** `index`) for a power iteration on A, 2^32 + k for one on a root (lam_min) and 2^62 + k for a sketch.
+** `index`) for a power iteration on A, 2^32 + k for one on a root (lam_min) and 2^62 + k for a sketch.  With
+** the options' rng_ids (i32 [N]), k is replaced by rng_ids[k] read as an unsigned 32-bit value (ids[k] below):
+** a block then draws the same vectors whatever stack it is in and at whatever position, so a rank that stacks
+** only the parameters it owns gives each block what one rank gives it (lua/moonstep/optim.lua's owner mode).
+** Ids need not be distinct (equal ids share start vectors); `index` still names positions k, whose id is ids[k].
 **
 ** Power iteration (ms_inv_root's PI/PIM scaling and ms_spectrum_estimate), on a symmetric matrix S with m
 ** start vectors V (the normals above, each column scaled to unit norm): `steps` times W = S V, then every
@@ -715,6 +771,9 @@ typedef struct ms_blocks_apply_options {
     int    stochastic_round;    /* bf16/f16 tensors: stochastic rounding when storing (as ms_adamw_step) */
     uint64_t seed;
     const ms_tensor *skip_t;    /* nonzero at execution time: nothing changes */
+    const ms_tensor *rng_ids;   /* i32 [N] on the context's device, or NULL: block k's stochastic rounding uses
+                                ** member rng_ids[k] (as an unsigned 32-bit value) in place of k, so a block rounds
+                                ** the same whatever stack or position it has (distributed DASH) */
 } ms_blocks_apply_options;
 
 /* For each block k: p_k <- p_k (1 - lr wd) - lr * scale[k] * stack[k] (scale: f32 [N], or NULL for 1),
@@ -723,8 +782,8 @@ typedef struct ms_blocks_apply_options {
 ** Blocks must not overlap one another (MS_E_LAYOUT; the plan partitions each tensor, so weight decay reaches
 ** every element of a block exactly once).  Tensors as ms_blocks_gather (never with stride-0 dims), but
 ** contiguous when stochastic rounding applies: the Philox counter of ms_adamw_step with e = the element's
-** row-major index in its tensor and `member` = k, the block's index in the call, rounded to bf16/f16 as
-** ms_adamw_step rounds.
+** row-major index in its tensor and `member` = k, the block's index in the call (or rng_ids[k]), rounded to
+** bf16/f16 as ms_adamw_step rounds.
 ** Errors: MS_E_ARG (NULL, n != N, lr or weight_decay out of range), MS_E_SHAPE, MS_E_DTYPE, MS_E_LAYOUT,
 ** MS_E_DEVICE. */
 MS_API ms_status ms_blocks_apply(ms_ctx *ctx, int n, const ms_block *blocks, const ms_tensor *stack,
@@ -786,6 +845,10 @@ typedef struct ms_root_options {
                              ** x (the others are left as they are), e.g. one class of the `auto` policy.
                              ** Entries distinct and in [0, N): checked where the backend can read them
                              ** without synchronising (the CPU: MS_E_ARG) */
+    const ms_tensor *rng_ids;  /* i32 [N] on the context's device, or NULL: block k's vectors use offset rng_ids[k]
+                             ** (as an unsigned 32-bit value) in place of k, so a block draws the same vectors
+                             ** whatever stack or position it has (distributed DASH: lua/moonstep/optim.lua's
+                             ** owner mode) */
 } ms_root_options;
 
 /* x [N, b, b] f32 <- (A + eps I)^(-1/p) for each symmetric block A of a [N, b, b] f32 (x must not overlap a).
@@ -842,6 +905,10 @@ typedef struct ms_spectrum_options {
     int    bf16;             /* the products in bf16 (f32 accumulation) */
     int    root;             /* p of x_root (lam_min): 2 or 4 */
     uint64_t seed;
+    const ms_tensor *rng_ids;  /* i32 [N] on the context's device, or NULL: block k's vectors use offset rng_ids[k]
+                             ** (as an unsigned 32-bit value) in place of k, so a block draws the same vectors
+                             ** whatever stack or position it has (distributed DASH: lua/moonstep/optim.lua's
+                             ** owner mode) */
 } ms_spectrum_options;
 
 /* Per-block spectrum estimates of a [N, b, b] f32 symmetric positive semi-definite: lam_max (f32 [N]) <- q - eps,
@@ -915,6 +982,32 @@ MS_API ms_status ms_optimizer_add_param(ms_optimizer *opt, const char *name, ms_
 /* Gives parameter `name` another gradient tensor (NULL: none; steps then leave the parameter alone).
 ** Errors: as ms_optimizer_add_param, and MS_E_ARG for a name that was never added. */
 MS_API ms_status ms_optimizer_set_grad(ms_optimizer *opt, const char *name, ms_tensor *grad);
+
+/* Several ranks (README, "Multi-GPU").  The optimizer becomes one rank of comm's world: every rank creates
+** its optimizer with the same recipe, options and settings, calls this, and adds the same parameters under
+** the same names in the same order (each rank its own slice of a sharded one).  comm must be made on the
+** optimizer's context (the one given to ms_optimizer_new): the step's collectives are queued there, in order
+** with the rest of the step.  The optimizer keeps the pointer only: comm must outlive the optimizer (free
+** the optimizer first).  NULL: one rank again.  Call it before the optimizer starts.
+** The runtime then takes each step's decisions on all ranks together (the non-finite check, clip_grad_norm's
+** global norm), and updates the parameters that are not sharded as the setting "distribute" says: "owner"
+** (the default with more than one rank: each parameter is updated by one rank, then broadcast from it) or
+** "replicate" (every rank updates every parameter: the trainer keeps their gradients identical).
+** Errors: MS_E_ARG (NULL opt, the optimizer has started), MS_E_DEVICE (comm made on another context). */
+MS_API ms_status ms_optimizer_set_comm(ms_optimizer *opt, ms_comm *comm);
+
+/* ms_optimizer_add_param for a parameter of which this rank holds a slice (ms_shard: MS_SHARD_ROWS, rows
+** [offset, offset + m_local) of each matrix (dim -2); MS_SHARD_COLS, columns (dim -1); shard->global, the
+** full size of that dim).  The recipe sees the global shape (its routing, SinkGD's width transfer and
+** muon target); elementwise updates (AdamW) apply to the slice as they are, SinkGD exchanges only its norm
+** vectors across the ranks (ms_sinkgd_step_sharded).  The ranks' slices of a parameter must tile
+** [0, global) without gap or overlap: the optimizer checks it (across the ranks of ms_optimizer_set_comm's
+** communicator) when it starts, and names the parameter.  grad: the gradient of the slice (param's shape).
+** shard NULL or MS_SHARD_NONE: ms_optimizer_add_param.
+** Errors: as ms_optimizer_add_param, and MS_E_ARG (an unknown shard->dim; a param of fewer than 2 dims;
+** offset < 0, or offset + the slice's size > global). */
+MS_API ms_status ms_optimizer_add_param_sharded(ms_optimizer *opt, const char *name, ms_tensor *param,
+                                                ms_tensor *grad, const char *tags, const ms_shard *shard);
 
 typedef struct ms_step_options {
     double grad_scale;   /* > 0: the gradients are this many times too large (a scaled loss) and are divided
@@ -1016,20 +1109,27 @@ MS_API void ms_profile_push(ms_ctx *ctx, const char *name);
 MS_API void ms_profile_pop(ms_ctx *ctx);
 
 /* ---------------------------------------------------------------------------------------------------
-** Communicators (NCCL)
+** Communicators (NCCL on CUDA, TCP on the CPU)
 **
 ** A communicator joins one context per process (rank) of a job of world_size ranks, and runs collectives
-** over their tensors through NCCL, queued on the context's stream (no host sync: the results are there when
-** the stream reaches them).  Every rank makes the same calls in the same order, with tensors of the same
-** shapes and dtypes.  Tensors are contiguous (MS_E_LAYOUT), of f32, bf16, f16, f64, i32 or u8 (MS_E_DTYPE),
-** on the communicator's context's device (MS_E_DEVICE); shapes that do not fit are MS_E_SHAPE.
-** CUDA contexts only: a CPU context gets MS_E_UNSUPPORTED, and so does every call of a build without NCCL
-** (ms_rendezvous excepted: it needs nothing but sockets).
+** over their tensors.  On CUDA contexts through NCCL, queued on the context's stream (no host sync: the
+** results are there when the stream reaches them).  On CPU contexts over TCP: every rank keeps a socket to
+** rank 0 (opened by the rendezvous below), each collective goes through rank 0, which combines the ranks'
+** data in rank order 0 .. N-1 (the result does not depend on timing; bf16 and f16 are summed in f32 and
+** rounded once, i32 and u8 sums wrap) and sends the results back; it is done when the call returns.  A CPU
+** collective waits at most the communicator's timeout for the other ranks: a rank that is gone, stuck or
+** making other calls (named when rank 0 can tell) ends it with MS_E_IO (MS_E_ARG: the ranks' calls differ),
+** on every rank, and the communicator then refuses every later collective.  Every rank makes the same calls
+** in the same order, with tensors of the same shapes and dtypes.  Tensors are contiguous (MS_E_LAYOUT), of
+** f32, bf16, f16, f64, i32 or u8 (MS_E_DTYPE), on the communicator's context's device (MS_E_DEVICE); shapes
+** that do not fit are MS_E_SHAPE.  A CUDA context in a build without NCCL gets MS_E_UNSUPPORTED, and so does
+** ms_comm_unique_id there.
 **
-** The ranks agree on NCCL's unique id (128 bytes, made by rank 0) either through the caller (a PyTorch
+** The CUDA ranks agree on NCCL's unique id (128 bytes, made by rank 0) either through the caller (a PyTorch
 ** trainer broadcasts it with torch.distributed and passes it to every rank), or through moonstep's TCP
-** rendezvous: rank 0 listens on addr:port, the other ranks connect to it (retrying until the timeout) and
-** receive the id; the world size is checked on both sides.  A rank that never arrives makes rank 0 fail
+** rendezvous (the CPU ranks always meet there, and keep its connections): rank 0 listens on addr:port,
+** the other ranks connect to it (retrying until the timeout) and receive the id; the world size is checked
+** on both sides.  A rank that never arrives makes rank 0 fail
 ** with MS_E_IO naming the missing ranks once the timeout has passed (and the waiting ranks with it).
 ** NVLink multicast (NVLS) is left to NCCL's environment: moonstep never enables it (`moonstep launch` sets
 ** NCCL_NVLS_ENABLE=0 in its ranks' environment).
@@ -1051,10 +1151,12 @@ typedef struct ms_comm_options {
     int                  rank;         /* this process's rank, in [0, world_size) */
     int                  world_size;   /* >= 1 */
     const unsigned char *unique_id;    /* MS_COMM_ID_BYTES bytes from rank 0's ms_comm_unique_id, the same on
-                                       ** every rank; NULL = exchange it through the rendezvous */
+                                       ** every rank; NULL = exchange it through the rendezvous.  CUDA only:
+                                       ** a CPU context needs NULL (MS_E_ARG), its ranks meet at addr:port */
     const char          *addr;         /* rendezvous address (rank 0's host); NULL = $MASTER_ADDR */
     int                  port;         /* rendezvous TCP port; 0 = $MASTER_PORT */
-    int                  timeout_ms;   /* for the rendezvous and NCCL's set-up together; 0 = 300000 (5 min) */
+    int                  timeout_ms;   /* for the rendezvous and NCCL's set-up together, and (CPU) for each
+                                       ** collective; 0 = 300000 (5 min) */
 } ms_comm_options;
 
 /* out <- a new NCCL unique id (on rank 0, to be handed to every rank).
@@ -1066,23 +1168,25 @@ MS_API ms_status ms_comm_unique_id(unsigned char out[MS_COMM_ID_BYTES]);
 ** port 0 $MASTER_PORT; timeout_ms 0 means 300000; world_size 1 returns at once.  Rank 0 binds the address
 ** given (so 127.0.0.1 stays local).
 ** Errors: MS_E_ARG (rank out of [0, world_size), port out of [1, 65535], no address, an address that does
-** not resolve, a rank reporting another world size, or a rank claimed twice), MS_E_IO (rank 0 cannot listen,
+** not resolve, a rank reporting another world size or making a CPU communicator, or a rank claimed twice),
+** MS_E_IO (rank 0 cannot listen,
 ** a rank cannot reach rank 0 in time, ranks missing at the timeout: named), MS_E_FORMAT (the peer speaks
 ** something other than this rendezvous).  Connections to rank 0 that send anything else are dropped (and
 ** counted in the timeout's message). */
 MS_API ms_status ms_rendezvous(const char *addr, int port, int rank, int world_size, int timeout_ms,
                                unsigned char id[MS_COMM_ID_BYTES]);
 
-/* Creates this rank's communicator on ctx (a CUDA context: its device and stream).  opts NULL means
-** {rank 0, world_size 1}.  Blocks until every rank has joined, or the timeout (MS_E_IO, and nothing made).
-** Errors: MS_E_ARG (NULL ctx or out, options out of range), MS_E_UNSUPPORTED (CPU context, built without
-** NCCL), those of ms_rendezvous, MS_E_BACKEND (NCCL). */
+/* Creates this rank's communicator on ctx (a CUDA context: its device and stream; a CPU context: TCP).
+** opts NULL means {rank 0, world_size 1}.  Blocks until every rank has joined, or the timeout (MS_E_IO, and
+** nothing made).  Every rank's context is of the same kind (the rendezvous refuses a mix: MS_E_ARG).
+** Errors: MS_E_ARG (NULL ctx or out, options out of range, a unique_id for a CPU context),
+** MS_E_UNSUPPORTED (CUDA context, built without NCCL), those of ms_rendezvous, MS_E_BACKEND (NCCL). */
 MS_API ms_status ms_comm_new(ms_ctx *ctx, const ms_comm_options *opts, ms_comm **out);
 /* ms_comm_new with rank and world size from the launcher's environment (torchrun, `moonstep launch`):
 ** RANK and WORLD_SIZE (required), MASTER_ADDR and MASTER_PORT (the rendezvous, when WORLD_SIZE > 1).
 ** LOCAL_RANK is checked to be a number when set, but the device is the caller's choice: create ctx on
-** "cuda:" .. LOCAL_RANK (as the launchers expect, one GPU per rank).  Errors: MS_E_ARG (a variable missing
-** or malformed, named), and those of ms_comm_new. */
+** "cuda:" .. LOCAL_RANK (as the launchers expect, one GPU per rank), or "cpu".  Errors: MS_E_ARG (a
+** variable missing or malformed, named), and those of ms_comm_new. */
 MS_API ms_status ms_comm_new_from_env(ms_ctx *ctx, int timeout_ms, ms_comm **out);
 /* Destroys the communicator (NULL is fine); call it on every rank. */
 MS_API void ms_comm_free(ms_comm *comm);
@@ -1102,6 +1206,14 @@ MS_API ms_status ms_comm_all_gather(ms_comm *comm, ms_tensor *dst, const ms_tens
 /* dst <- slice `rank` of op over the ranks of src: src has world_size times dst's elements (shapes as in
 ** ms_comm_all_gather, reversed); dst may be rank's own slice of src (in place), otherwise disjoint. */
 MS_API ms_status ms_comm_reduce_scatter(ms_comm *comm, ms_tensor *dst, const ms_tensor *src, ms_comm_op op);
+
+/* Groups: the collectives between ms_comm_group_begin and the matching ms_comm_group_end are issued as one
+** group (CUDA: ncclGroupStart / ncclGroupEnd, so many small broadcasts cost one launch; NCCL may start them
+** only at the end).  On the CPU they run at once, in order, and the calls just count.  Groups nest; every
+** rank makes the same group calls.  ms_comm_free ends the groups left open.  Errors: MS_E_ARG (NULL comm, an
+** end without a begin), MS_E_BACKEND (NCCL). */
+MS_API ms_status ms_comm_group_begin(ms_comm *comm);
+MS_API ms_status ms_comm_group_end(ms_comm *comm);
 
 #ifdef __cplusplus
 }

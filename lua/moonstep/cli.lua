@@ -678,6 +678,7 @@ int waitpid(int pid, int *status, int options);
 int kill(int pid, int sig);
 long readlink(const char *path, char *buf, size_t size);
 int usleep(unsigned int usec);
+long sysconf(int name);
 extern char **environ;
 ]])
 
@@ -743,11 +744,20 @@ function M.launch(n, script, args, opts)
   end)(), keep)
   local pids, rank_of = {}, {}
   local pid = ffi.new("int[1]")
+  -- ranks on one host share its cores: N OpenMP teams of every core each would oversubscribe them (CPU
+  -- ranks compute on those threads), so each gets its share unless the caller chose
+  local threads = nil
+  if os.getenv("OMP_NUM_THREADS") == nil then
+    local cores = tonumber(ffi.C.sysconf(84))                   -- _SC_NPROCESSORS_ONLN
+    threads = math.max(1, math.floor((cores > 0 and cores or 1) / n))
+  end
   for r = 0, n - 1 do
-    local envp = cstrings(rank_environment {
+    local extra = {
       "RANK=" .. r, "WORLD_SIZE=" .. n, "LOCAL_RANK=" .. r, "LOCAL_WORLD_SIZE=" .. n,
       "MASTER_ADDR=127.0.0.1", "MASTER_PORT=" .. port, "NCCL_NVLS_ENABLE=0",
-    }, keep)
+    }
+    if threads then extra[#extra + 1] = "OMP_NUM_THREADS=" .. threads end
+    local envp = cstrings(rank_environment(extra), keep)
     local rc = ffi.C.posix_spawn(pid, exe, nil, nil, argv, envp)
     if rc ~= 0 then
       for _, p in ipairs(pids) do ffi.C.kill(p, 9) ffi.C.waitpid(p, nil, 0) end
@@ -793,10 +803,12 @@ command {
   summary = "run a script as N local ranks: moonstep launch -n N FILE.lua [args...]",
   help = [=[usage: moonstep launch -n N [--port P] FILE.lua [args...]
 
-Starts N processes of `moonstep run FILE.lua args...` on this host, one per GPU, with the environment
-that torchrun would give them: RANK and LOCAL_RANK (0 .. N-1), WORLD_SIZE and LOCAL_WORLD_SIZE (N),
-MASTER_ADDR=127.0.0.1 and MASTER_PORT (a free port, or P), and NCCL_NVLS_ENABLE=0 (no NVLink multicast).
-CUDA_VISIBLE_DEVICES is removed: each rank uses cuda:LOCAL_RANK (ms.comm.from_env() does).
+Starts N processes of `moonstep run FILE.lua args...` on this host, one per GPU (or on the CPU), with the
+environment that torchrun would give them: RANK and LOCAL_RANK (0 .. N-1), WORLD_SIZE and LOCAL_WORLD_SIZE
+(N), MASTER_ADDR=127.0.0.1 and MASTER_PORT (a free port, or P), and NCCL_NVLS_ENABLE=0 (no NVLink multicast);
+OMP_NUM_THREADS (the cores divided by N) unless it is set already.  CUDA_VISIBLE_DEVICES is removed: each
+rank uses cuda:LOCAL_RANK, or the CPU where no GPU is usable (ms.comm.from_env() does; a CPU communicator
+runs over TCP through rank 0).
 Waits for all ranks and exits with the first non-zero status among them; when a rank fails, the others are
 stopped (SIGTERM, then SIGKILL after 3 s).]=],
   run = function(argv)

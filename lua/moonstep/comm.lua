@@ -1,12 +1,15 @@
 --[[
-moonstep.comm -- communicators (moonstep.h, "Communicators (NCCL)"): NCCL collectives over the tensors of
-one CUDA context per rank, queued on the context's stream.
+moonstep.comm -- communicators (moonstep.h, "Communicators"): collectives over the tensors of one context
+per rank.  On CUDA contexts through NCCL, queued on the context's stream; on CPU contexts over TCP through
+rank 0 (reduced in rank order, done when the call returns).
 
   local ms = require("moonstep")
   local comm = ms.comm.from_env()                 -- RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT; ctx cuda:LOCAL_RANK
+                                                  -- (cpu where no GPU is usable, or {ctx = ms.device("cpu")})
   local g = ms.randn({1024}, {ctx = comm:context()})
   comm:all_reduce(g, "avg")                       -- in place
   comm:all_gather(big, piece); comm:reduce_scatter(piece, big, "sum"); comm:broadcast(t, 0)
+  comm:group(function() for _, p in ipairs(ps) do comm:broadcast(p, owner[p]) end end)   -- one NCCL group
 
 Start the ranks with `moonstep launch -n N script.lua` (or torchrun).  Timeouts are in seconds.  The id
 exchange alone (ms.comm.rendezvous) needs no GPU and no NCCL.
@@ -81,6 +84,18 @@ local function wrap(p, ctx)
   return c
 end
 
+local borrowed = setmetatable({}, { __mode = "k" })   -- Comms over a communicator their caller frees
+
+--- ms.comm.borrow(p, ctx): a Comm over the ms_comm * p that someone else owns and frees, after this Comm's
+--- last use (the C embedding's ms_optimizer_set_comm); ctx: p's context, or one of the same device and stream.
+function M.borrow(p, ctx)
+  local c = setmetatable({}, Comm)
+  handle[c] = p
+  context_of[c] = ctx
+  borrowed[c] = true
+  return c
+end
+
 local function ctx_arg(o, default_device)
   if o.ctx ~= nil then
     if tensor.handle_ctx(o.ctx) == nil then error("ctx must be a moonstep context", 3) end
@@ -113,11 +128,12 @@ function M.new(o)
 end
 
 --- ms.comm.from_env{ctx =, timeout =}: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT from the launcher; the
---- context defaults to cuda:LOCAL_RANK (one GPU per rank).
+--- context defaults to cuda:LOCAL_RANK (one GPU per rank), or to the CPU where no GPU is usable.
 function M.from_env(o)
   o = o or {}
   if type(o) ~= "table" then error("comm.from_env takes a table of options", 2) end
-  local ctx = ctx_arg(o, "cuda:" .. (os.getenv("LOCAL_RANK") or "0"))
+  local gpus = C.ms_device_count(C.MS_DEVICE_CUDA) > 0
+  local ctx = ctx_arg(o, gpus and "cuda:" .. (os.getenv("LOCAL_RANK") or "0") or "cpu")
   local out = ffi.new("ms_comm *[1]")
   check(C.ms_comm_new_from_env(tensor.handle_ctx(ctx), timeout_ms(o.timeout, 2), out))
   return wrap(out[0], ctx)
@@ -132,6 +148,10 @@ end
 function Comm:rank() return tonumber(C.ms_comm_rank(self_handle(self))) end
 function Comm:size() return tonumber(C.ms_comm_size(self_handle(self))) end
 function Comm:context() self_handle(self) return context_of[self] end
+
+--- ms.comm.handle(c): the ms_comm * under a Comm (valid while c lives), for other modules' FFI calls
+--- (moonstep.fused's sharded SinkGD); nil when c is not a live Comm.
+function M.handle(c) return handle[c] end
 
 --- comm:all_reduce(t [, op]) in place, or comm:all_reduce(dst, src [, op]); op: "sum" (default), max, min, avg.
 function Comm:all_reduce(dst, src, op)
@@ -158,10 +178,35 @@ function Comm:reduce_scatter(dst, src, op)
   return dst
 end
 
+--- comm:group_begin() / comm:group_end(): the collectives between them are one group (NCCL: one launch;
+--- CPU: they run at once).  Groups nest; every rank makes the same calls.
+function Comm:group_begin()
+  check(C.ms_comm_group_begin(self_handle(self)))
+  return self
+end
+function Comm:group_end()
+  check(C.ms_comm_group_end(self_handle(self)))
+  return self
+end
+
+local function packed(...) return { n = select("#", ...), ... } end
+
+--- comm:group(fn, ...): fn(...) inside one group, which is ended even when fn fails (fn's error is
+--- raised then, after the group's end); returns fn's results.
+function Comm:group(fn, ...)
+  if type(fn) ~= "function" then error("group takes a function (got " .. type(fn) .. ")", 2) end
+  check(C.ms_comm_group_begin(self_handle(self)))
+  local res = packed(pcall(fn, ...))
+  local ended = C.ms_comm_group_end(handle[self])
+  if not res[1] then error(res[2], 0) end
+  check(ended)
+  return unpack(res, 2, res.n)
+end
+
 --- Destroys the communicator now (on every rank) rather than at garbage collection.
 function Comm:free()
   local h = handle[self]
-  if h ~= nil then
+  if h ~= nil and not borrowed[self] then
     handle[self] = nil
     C.ms_comm_free(ffi.gc(h, nil))
   end

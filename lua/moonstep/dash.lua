@@ -89,8 +89,16 @@ function M.blocks_gather(stack, blocks)
   return stack
 end
 
---- ms.blocks_apply{blocks=, stack=, scale=, lr=, weight_decay=0, step=1, stochastic_round=false, seed=0, skip=}
----   p <- p (1 - lr wd) - lr scale[k] stack[k] on every block k
+-- an i32 tensor on `like`'s device from a tensor or a Lua array (index, rng_ids); nil stays nil
+local function i32_of(v, like)
+  if type(v) == "table" and not tensor.is_tensor(v) then return tensor.tensor(v, { dtype = "i32", ctx = like:context() }) end
+  return v
+end
+
+--- ms.blocks_apply{blocks=, stack=, scale=, lr=, weight_decay=0, step=1, stochastic_round=false, seed=0, skip=,
+---   rng_ids=}
+---   p <- p (1 - lr wd) - lr scale[k] stack[k] on every block k; rng_ids (i32 [N], tensor or Lua array): block k's
+---   stochastic rounding keyed by rng_ids[k] instead of k
 function M.blocks_apply(a)
   local l = resolve(a.blocks, 2)
   local o = ffi.new("ms_blocks_apply_options")
@@ -100,6 +108,8 @@ function M.blocks_apply(a)
   o.stochastic_round = a.stochastic_round and 1 or 0
   o.seed = a.seed or 0
   o.skip_t = opt_handle(a.skip)
+  local ids = i32_of(a.rng_ids, a.stack)
+  o.rng_ids = opt_handle(ids)
   check(C.ms_blocks_apply(ctx_of(a.stack), l.n, l.array, H(a.stack), opt_handle(a.scale), o))
 end
 
@@ -158,9 +168,10 @@ end
 
 --- ms.inv_root(a, {method="ndb"|"cn"|"evd"|"chebyshev", root=4, steps=10, eps=0, scaling="pim", pi_steps=10,
 ---   pi_vectors=16, pi_const=2, eps_power_iter=1e-6, pi_bf16=true, tolerance=0, matmul_dtype="f32", tf32=false,
----   evd_shift=true, seed=0, index=, out=, residual=, iters=}) -> x, residual, iters
+---   evd_shift=true, seed=0, index=, rng_ids=, out=, residual=, iters=}) -> x, residual, iters
 --- x [N, b, b] <- (a + eps I)^(-1/root) per block; residual (f32 [N]) and iters (i32 [N]) when asked for
---- (true, or tensors to write); index: an i32 tensor (or a Lua array of 0-based block numbers) to work on.
+--- (true, or tensors to write); index: an i32 tensor (or a Lua array of 0-based block numbers) to work on;
+--- rng_ids: an i32 tensor (or Lua array) of N ids, block k's random vectors drawn as block rng_ids[k]'s.
 function M.inv_root(a, opts)
   opts = opts or {}
   if not tensor.is_tensor(a) then error("inv_root: a must be a tensor", 2) end
@@ -179,11 +190,9 @@ function M.inv_root(a, opts)
   o.allow_tf32 = opts.tf32 and 1 or 0
   o.evd_shift = opts.evd_shift == false and 0 or 1
   o.seed = opts.seed or 0
-  local index = opts.index
-  if type(index) == "table" and not tensor.is_tensor(index) then
-    index = tensor.tensor(index, { dtype = "i32", ctx = a:context() })
-  end
+  local index, ids = i32_of(opts.index, a), i32_of(opts.rng_ids, a)
   o.index = opt_handle(index)
+  o.rng_ids = opt_handle(ids)
   local x = opts.out or tensor.empty(a:shape(), { dtype = "f32", ctx = a:context() })
   local residual = per_block(opts.residual, n, "f32", a)
   local iters = per_block(opts.iters, n, "i32", a)
@@ -191,8 +200,8 @@ function M.inv_root(a, opts)
   return x, residual, iters
 end
 
---- ms.spectrum_estimate(a, {vectors=16, steps=10, eps=1e-6, bf16=false, root=4, seed=0, x_root=, lam_max=,
----   lam_min=}) -> lam_max, lam_min (lam_min only with x_root, an inverse root of a)
+--- ms.spectrum_estimate(a, {vectors=16, steps=10, eps=1e-6, bf16=false, root=4, seed=0, rng_ids=, x_root=, lam_max=,
+---   lam_min=}) -> lam_max, lam_min (lam_min only with x_root, an inverse root of a); rng_ids as ms.inv_root's
 function M.spectrum_estimate(a, opts)
   opts = opts or {}
   if not tensor.is_tensor(a) then error("spectrum_estimate: a must be a tensor", 2) end
@@ -203,6 +212,8 @@ function M.spectrum_estimate(a, opts)
   o.bf16 = opts.bf16 and 1 or 0
   o.root = opts.root or 4
   o.seed = opts.seed or 0
+  local ids = i32_of(opts.rng_ids, a)
+  o.rng_ids = opt_handle(ids)
   local lam_max = opts.lam_max or tensor.empty({ n }, { dtype = "f32", ctx = a:context() })
   local lam_min = opts.lam_min or (opts.x_root and tensor.empty({ n }, { dtype = "f32", ctx = a:context() })) or nil
   check(C.ms_spectrum_estimate(ctx_of(a), H(lam_max), opt_handle(lam_min), H(a), opt_handle(opts.x_root), o))

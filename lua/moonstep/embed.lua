@@ -8,7 +8,9 @@ first thing, so nothing leaks whatever fails afterwards.
 
 Parameters are collected until the optimizer starts (first step, save, load, info, stats or capture), when
 ms.optim.new routes them all at once; until then a probe optimizer without parameters, built by M.new, has
-checked the recipe, the options and the settings, and answers get_lr.
+checked the recipe, the options and the settings, and answers get_lr.  Several ranks: set_comm hands over
+the caller's communicator (borrowed: ms.comm.borrow, never freed here) as settings.comm, and add_param's
+shard arguments become the entry's shard = {dim =, offset =, size =}; ms.optim does the rest.
 
 Errors reach C through M.handler as {status =, message =}: status is an ms_status code, or nil to let the
 C side use the call's default class.
@@ -23,6 +25,7 @@ local ms = require("moonstep")
 local core = require("moonstep.core")
 local tensor = require("moonstep.tensor")
 local json = require("moonstep.json")
+local comm = require("moonstep.comm")
 local ffi, C = core.ffi, core.C
 
 local M = {}
@@ -146,6 +149,9 @@ function M.new(ctx_p, recipe, options_json, settings_json, abi_fn)
       fail(C.MS_E_ARG, "setting '%s': the optimizer runs on the context given to ms_optimizer_new", k)
     end
   end
+  if settings.comm ~= nil then
+    fail(C.MS_E_ARG, "setting 'comm': JSON cannot hold a communicator; hand it over with ms_optimizer_set_comm")
+  end
   if recipe:find("/", 1, true) or recipe:find("%.lua$") then
     local ok, err = file_readable(recipe)
     if not ok then fail(C.MS_E_IO, "cannot read recipe %s: %s", recipe, tostring(err)) end
@@ -182,15 +188,25 @@ local function release(self, old)
   end
 end
 
-function methods:add_param(name, param_p, grad_p, tags)
+-- shard_dim ("rows" | "cols"), shard_offset, shard_size: this rank's slice (embed.c has checked it fits)
+function methods:add_param(name, param_p, grad_p, tags, shard_dim, shard_offset, shard_size)
   local param, grad = tensor_from(param_p, self.ctx), tensor_from(grad_p, self.ctx)
   if self.opt then
     fail(C.MS_E_ARG, "parameter '%s': the optimizer has started (a step, save, load, info, stats or capture ran); add every parameter before", name)
   end
   if self.by_name[name] then fail(C.MS_E_ARG, "duplicate parameter name '%s'", name) end
   local entry = { name = name, param = param, grad = grad, tags = parse_tags(tags) }
+  if shard_dim ~= nil then entry.shard = { dim = shard_dim, offset = shard_offset, size = shard_size } end
   self.params[#self.params + 1] = entry
   self.by_name[name] = entry
+end
+
+-- the world this optimizer is one rank of (settings.comm for ms.optim): a communicator the caller owns
+function methods:set_comm(comm_p)
+  if self.opt then
+    fail(C.MS_E_ARG, "the optimizer has started (a step, save, load, info, stats or capture ran); set the communicator before")
+  end
+  self.settings.comm = comm_p ~= nil and comm.borrow(ffi.cast("ms_comm *", comm_p), self.ctx) or nil
 end
 
 function methods:set_grad(name, grad_p)

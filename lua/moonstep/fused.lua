@@ -6,6 +6,8 @@ scalars that change every step (lr, step) may be numbers or one-element device t
 local core = require("moonstep.core")
 local tensor = require("moonstep.tensor")
 local ffi, C = core.ffi, core.C
+local shard = require("moonstep.shard")
+local comms = require("moonstep.comm")
 local check, H = core.check, tensor.handle
 
 local M = {}
@@ -92,11 +94,37 @@ end
 
 local sinkgd_modes = { base = "MS_SINKGD_BASE", spectral = "MS_SINKGD_SPECTRAL", sphere = "MS_SINKGD_SPHERE" }
 local sinkgd_targets = { unit = "MS_SINKGD_TARGET_UNIT", muon = "MS_SINKGD_TARGET_MUON" }
+local shard_dims = { none = C.MS_SHARD_NONE, rows = C.MS_SHARD_ROWS, cols = C.MS_SHARD_COLS }
+
+-- the members' shards (moonstep.shard) as an ms_shard array and their one communicator's handle; nil when no
+-- member is registered
+local function shards_of(params, n)
+  local arr, comm, comm_at
+  for i = 1, n do
+    local e = shard.get(params[i])
+    if e ~= nil then
+      arr = arr or ffi.new("ms_shard[?]", n)
+      arr[i - 1].dim = shard_dims[e.dim]
+      arr[i - 1].offset, arr[i - 1].global = e.offset or 0, e.global or 0
+      if e.comm ~= nil then
+        if comm ~= nil and comms.handle(e.comm) ~= comms.handle(comm) then
+          error(("sinkgd_step: params %d and %d are sharded over different communicators; one call exchanges over "
+                 .. "one"):format(comm_at, i), 3)
+        end
+        comm, comm_at = e.comm, comm_at or i
+      end
+    end
+  end
+  if arr == nil then return nil end
+  return arr, comm and comms.handle(comm) or nil
+end
 
 --- ms.sinkgd_step{params=, grads=, specnorm_u=, md_target_norm=, scales=, lr=, step=, mode="base"|"spectral"|
 ---   "sphere", iters=5, sn_iters=1, target="unit"|"muon", eps=1e-8, weight_decay=0, stochastic_round=false,
 ---   seed=0, skip=}   (moonstep.h, ms_sinkgd_step: params [..., m, n]; specnorm_u [..., n] f32 for the
----   spectral and sphere modes; md_target_norm [...] f32, negative until captured, for the sphere mode)
+---   spectral and sphere modes; md_target_norm [...] f32, negative until captured, for the sphere mode).
+---   A param registered with moonstep.shard is a slice of a matrix split across ranks: the call is then
+---   ms_sinkgd_step_sharded over the members' one communicator (specnorm_u of a cols slice: [..., n_local]).
 function M.sinkgd_step(a)
   local n = #a.params
   local o = ffi.new("ms_sinkgd_options")
@@ -111,9 +139,14 @@ function M.sinkgd_step(a)
   o.stochastic_round = a.stochastic_round and 1 or 0
   o.seed = a.seed or 0
   o.skip_t = a.skip and H(a.skip) or nil
-  check(C.ms_sinkgd_step(ctx_for(a.params), n, list(a.params, "params"), list(a.grads, "grads", n, false, true),
-                         list(a.specnorm_u, "specnorm_u", n, true), list(a.md_target_norm, "md_target_norm", n, true),
-                         scales_of(a.scales, n), o))
+  local params, grads = list(a.params, "params"), list(a.grads, "grads", n, false, true)
+  local u, t = list(a.specnorm_u, "specnorm_u", n, true), list(a.md_target_norm, "md_target_norm", n, true)
+  local shards, comm = shards_of(a.params, n)
+  if shards ~= nil then
+    check(C.ms_sinkgd_step_sharded(ctx_for(a.params), comm, n, params, grads, u, t, scales_of(a.scales, n), shards, o))
+  else
+    check(C.ms_sinkgd_step(ctx_for(a.params), n, params, grads, u, t, scales_of(a.scales, n), o))
+  end
 end
 
 --- ms.adamw8_step{params=, grads=, exp_avg=, exp_avg_scale=, exp_avg_sq=, exp_avg_sq_scale=, block_size=256, ...}

@@ -122,6 +122,7 @@ ms.recipe = require("moonstep.recipe")
 ms.graph = require("moonstep.graph")
 ms.schedule = require("moonstep.schedule")
 ms.comm = require("moonstep.comm")          -- communicators (NCCL) and the rendezvous
+ms.shard = require("moonstep.shard")        -- tensors that are one rank's slice of a matrix (sharded SinkGD)
 package.loaded.moonstep = ms     -- moonstep.optim requires moonstep: give it this table
 ms.optim = require("moonstep.optim")
 

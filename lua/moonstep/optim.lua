@@ -26,6 +26,35 @@ Settings (the runtime's, kept apart from the recipe's options):
                   step never waits for the GPU (see "Captured steps"; without capture too)
   capture_on_change  what a captured step does when a parameter's or gradient's memory, shape or dtype
                   differs from the capture: "recapture" (default) or "error"
+  comm            a communicator (ms.comm): this optimizer is one rank of its world (see "Several ranks")
+  distribute      with several ranks, who updates a parameter that is not sharded: "owner" (default: one
+                  rank, then a broadcast from it) or "replicate" (every rank; the trainer keeps the gradients
+                  identical)
+
+Several ranks (settings.comm of N > 1 ranks).  Every rank makes its optimizer with the same recipe, options,
+settings and parameters (same names, same order); the checks at creation (one all-gather) name what differs.
+  - A parameter entry may carry shard = {dim = "rows"|"cols", offset = k, size = s}: its param (and grad) is
+    this rank's slice of a matrix (or stack of matrices) whose dim -2 (rows) or -1 (cols) is s long, starting
+    at k.  The ranks' slices must tile [0, s).  Every rank steps its own slice (SinkGD exchanges its norm
+    vectors: moonstep.shard); route() and the recipe see the global shape as info.shape, the slice's as
+    info.local_shape, and info.shard.  Sharded and whole parameters never share a group.
+  - "owner": each whole parameter is owned by one rank -- DASH's split (research/dash.md §1.5): parameters of
+    2+ dims by numel, largest first, each to the least-loaded rank (ties: the lower rank); the others round
+    robin.  A rank's recipe initializes and steps only the members it owns (route() still sees them all), and
+    after the step every parameter is broadcast from its owner (one group of broadcasts).
+  - Every rank takes the same decisions: one all-reduce gives the non-finite flag (any rank, any gradient)
+    and clip_grad_norm's global norm (a shard's sum of squares from every rank, a whole parameter's once).
+  - ctx.world = {rank =, size =} for the recipes.
+  - opt:save(path) writes one part per rank (path .. ".rank<r>-of-<N>") and then, from rank 0, the index
+    at path; opt:load(path) reads a checkpoint of any world size (one file or an index and its parts) and
+    re-shards it by name: slices of sharded state joined or cut along the shard's dim, owned state taken
+    wherever its parameter was owned, the stacked state of routes that name their slots (DASH) block by block.
+    A route describes its state for that with two optional functions: state_shard(member, key, options) ->
+    axis [, num, den] or false (how a sharded member's state tensor is split; default: a tensor shaped like
+    the slice is split like it, any other is the same on every rank) and slots(group, options) -> {[path in
+    group.state] = {block name per dim-0 slot}} (group state stacked from several parameters).
+  - Every rank must give gradients to the same parameters at each step (the checks and broadcasts are
+    collectives over them).
 
 Captured steps (CUDA): after opt:capture(), each step replays a CUDA graph per plan key (the plan() keys
 of the routes that run, e.g. DASH's "refresh" and "apply"), instead of running the recipe.  The first step
@@ -55,6 +84,7 @@ local core = require("moonstep.core")
 local tensor = require("moonstep.tensor")
 local fused = require("moonstep.fused")
 local graph = require("moonstep.graph")
+local bit = require("bit")
 local ffi, C = core.ffi, core.C
 
 local M = {}
@@ -67,7 +97,11 @@ M.SCHEMA = 1
 local setting_names = {
   schedule = true, clip_grad_norm = true, nonfinite = true, master_weights = true, trusted = true, ctx = true,
   device = true, stats = true, sandbox = true, timings = true, device_checks = true, capture_on_change = true,
+  comm = true, distribute = true,
 }
+
+-- a live communicator of moonstep.comm (ms.comm.new, from_env, borrow)
+local function is_comm(v) return ms.comm.handle(v) ~= nil end
 
 local function check_settings(s)
   s = s or {}
@@ -106,6 +140,13 @@ local function check_settings(s)
   if out.device_checks and out.nonfinite == "raise" then
     error("setting device_checks: nonfinite = 'raise' needs the gradients read back every step; use 'skip' or 'apply'", 3)
   end
+  if out.comm ~= nil and not is_comm(out.comm) then
+    error(("setting comm must be a communicator (ms.comm.new, ms.comm.from_env; got %s)"):format(
+          type(out.comm) == "table" and "a table" or tostring(out.comm)), 3)
+  end
+  if out.distribute ~= nil and out.distribute ~= "owner" and out.distribute ~= "replicate" then
+    error("setting distribute must be 'owner' or 'replicate' (got " .. tostring(out.distribute) .. ")", 3)
+  end
   return out
 end
 
@@ -124,13 +165,248 @@ local function data_key(t)
 end
 
 -- the parameter description a recipe's route() sees
+-- (shape and numel are the global ones: a sharded parameter's, see "Several ranks"; local_shape this rank's)
 local function param_info(entry)
   local tags = {}
   for _, t in ipairs(entry.tags or {}) do tags[t] = true end
+  local s = entry.shard
   return {
-    name = entry.name, shape = entry.param:shape(), ndim = entry.param:dim(), dtype = entry.param:dtype(),
-    numel = entry.param:numel(), tags = tags,
+    name = entry.name, shape = s and s.shape or entry.param:shape(), ndim = entry.param:dim(), dtype = entry.param:dtype(),
+    numel = s and s.numel or entry.param:numel(), tags = tags, local_shape = entry.param:shape(),
+    shard = s and { dim = s.dim, offset = s.offset, size = s.size } or nil,
   }
+end
+
+-- ---------------------------------------------------------------------------------------------------
+-- several ranks (settings.comm; see "Several ranks" above).  Nothing here runs with one rank.
+-- ---------------------------------------------------------------------------------------------------
+local SHARD_FROM_END = { rows = 2, cols = 1 }   -- rows: the matrices' dim -2, cols: dim -1
+local SHARD_CODE = { rows = 1, cols = 2 }
+local SHARD_WORDS = { [0] = "whole", [1] = "sharded by rows", [2] = "sharded by cols" }
+
+local function is_integer(v) return type(v) == "number" and v == math.floor(v) and v > -math.huge and v < math.huge end
+
+-- 32-bit FNV-1a of a name: what the ranks compare at creation
+local function name_key(s)
+  local h = 2166136261
+  for i = 1, #s do
+    local x = bit.bxor(h, s:byte(i)) % 4294967296
+    h = ((x % 256) * 16777216 + x * 403) % 4294967296    -- x * 16777619 mod 2^32, exactly in doubles
+  end
+  return h
+end
+
+-- The shard of parameter entry e (p.shard), checked against its param: e.shard = {dim, axis (the param's dim,
+-- 0-based), offset, size, len (this rank's length), shape and numel (global)}.  With one rank the shard must
+-- be the whole dim, and is then no shard.  With several, a problem is kept in e.shard_error until the ranks
+-- compare (dist_check), so that no rank waits in that all-gather for one that gave up.
+local function shard_entry(self, e, s)
+  local shape, why = e.param:shape(), nil
+  local axis, len
+  if type(s) ~= "table" then
+    why = "must be a table {dim = 'rows'|'cols', offset =, size =}"
+  elseif not SHARD_FROM_END[s.dim] then
+    why = ("dim must be 'rows' or 'cols' (got %s)"):format(tostring(s.dim))
+  elseif #shape < 2 then
+    why = ("needs a parameter of 2 or more dims (this one is [%s])"):format(table.concat(shape, ","))
+  elseif not is_integer(s.offset) or s.offset < 0 then
+    why = ("offset must be an integer >= 0 (got %s)"):format(tostring(s.offset))
+  elseif not is_integer(s.size) or s.size < 1 then
+    why = ("size must be an integer >= 1 (got %s)"):format(tostring(s.size))
+  else
+    axis = #shape - SHARD_FROM_END[s.dim]
+    len = shape[axis + 1]
+    if s.offset + len > s.size then
+      why = ("holds %s [%d, %d) (its param's dim %d is %d long), outside [0, %d)"):format(s.dim, s.offset,
+            s.offset + len, axis, len, s.size)
+    end
+  end
+  if why then
+    local msg = ("parameter '%s': shard %s"):format(e.name, why)
+    if self.world.size == 1 then error(msg, 3) end
+    e.shard_error = msg
+    return
+  end
+  if self.world.size == 1 then
+    if s.offset ~= 0 or len ~= s.size then
+      error(("parameter '%s': shard holds %s [%d, %d) of [0, %d) but there is no other rank to hold the rest "
+             .. "(settings.comm: one rank)"):format(e.name, s.dim, s.offset, s.offset + len, s.size), 3)
+    end
+    return
+  end
+  local g, numel = {}, 1
+  for d, v in ipairs(shape) do g[d] = v end
+  g[axis + 1] = s.size
+  for _, v in ipairs(g) do numel = numel * v end
+  e.shard = { dim = s.dim, axis = axis, offset = s.offset, size = s.size, len = len, shape = g, numel = numel }
+end
+
+-- The ranks compare their parameters with one all-gather (per parameter: name, global numel, shard dim,
+-- offset, length, size, refused): the same parameters in the same order, sharded alike, slices that tile.
+local CHECK_COLS = 7
+local function dist_check(self, entries)
+  local n, world, rank = #entries, self.world.size, self.world.rank
+  if n == 0 then return end
+  local v = {}
+  for i, e in ipairs(entries) do
+    local s, k = e.shard, (i - 1) * CHECK_COLS
+    v[k + 1], v[k + 2] = name_key(e.name), s and s.numel or e.param:numel()
+    v[k + 3], v[k + 4] = s and SHARD_CODE[s.dim] or 0, s and s.offset or 0
+    v[k + 5], v[k + 6], v[k + 7] = s and s.len or 0, s and s.size or 0, e.shard_error and 1 or 0
+  end
+  local all = self.comm:all_gather(ms.empty({ world * n * CHECK_COLS }, { dtype = "f64", ctx = self.ctx }),
+                                   ms.tensor(v, { dtype = "f64", ctx = self.ctx })):tolist_flat()
+  local function at(r, i, c) return all[(r * n + i - 1) * CHECK_COLS + c] end
+  for i, e in ipairs(entries) do
+    if e.shard_error then error(e.shard_error, 3) end
+    for r = 0, world - 1 do
+      if at(r, i, 7) ~= 0 then error(("parameter '%s': rank %d refused its shard (its error says why)"):format(e.name, r), 3) end
+    end
+  end
+  for i, e in ipairs(entries) do
+    for r = 0, world - 1 do
+      if at(r, i, 1) ~= at(rank, i, 1) then
+        error(("settings.comm: parameter %d is '%s' here but another one on rank %d: every rank must give the same "
+               .. "parameters, in the same order"):format(i, e.name, r), 3)
+      end
+      if at(r, i, 3) ~= at(rank, i, 3) then
+        error(("parameter '%s' is %s here but %s on rank %d"):format(e.name, SHARD_WORDS[at(rank, i, 3)],
+              SHARD_WORDS[at(r, i, 3)], r), 3)
+      end
+      if at(r, i, 2) ~= at(rank, i, 2) or at(r, i, 6) ~= at(rank, i, 6) then
+        error(("parameter '%s' has %d elements here but %d on rank %d (shapes of the whole parameter)"):format(
+              e.name, at(rank, i, 2), at(r, i, 2), r), 3)
+      end
+    end
+    local s = e.shard
+    if s then
+      local pieces = {}
+      for r = 0, world - 1 do pieces[r + 1] = { r = r, lo = at(r, i, 4), hi = at(r, i, 4) + at(r, i, 5) } end
+      table.sort(pieces, function(a, b) if a.lo ~= b.lo then return a.lo < b.lo end return a.r < b.r end)
+      local pos, tiles = 0, true
+      for _, p in ipairs(pieces) do
+        if p.hi > p.lo then                     -- an empty slice takes no room
+          if p.lo ~= pos then tiles = false end
+          pos = p.hi
+        end
+      end
+      if not tiles or pos ~= s.size then
+        local desc = {}
+        for r = 0, world - 1 do desc[r + 1] = ("rank %d [%d, %d)"):format(r, at(r, i, 4), at(r, i, 4) + at(r, i, 5)) end
+        error(("parameter '%s': the ranks' %s do not tile [0, %d) without gap or overlap: %s"):format(e.name, s.dim,
+              s.size, table.concat(desc, ", ")), 3)
+      end
+    end
+  end
+end
+
+-- DASH's split of the whole parameters (research/dash.md §1.5): 2+ dims by numel, largest first, each to the
+-- least-loaded rank (ties: the lower rank, then registration order); fewer dims round robin in their order
+local function assign_owners(entries, world)
+  local big, small = {}, {}
+  for i, e in ipairs(entries) do
+    if not e.shard then
+      local list = e.param:dim() >= 2 and big or small
+      list[#list + 1] = { e = e, i = i, numel = e.param:numel() }
+    end
+  end
+  table.sort(big, function(a, b) if a.numel ~= b.numel then return a.numel > b.numel end return a.i < b.i end)
+  local load = {}
+  for r = 0, world - 1 do load[r] = 0 end
+  for _, x in ipairs(big) do
+    local best = 0
+    for r = 1, world - 1 do if load[r] < load[best] then best = r end end
+    x.e.owner, load[best] = best, load[best] + x.numel
+  end
+  for k, x in ipairs(small) do x.e.owner = (k - 1) % world end
+end
+
+-- a member's part in the world: sharded (every rank steps its slice), owned (stepped = false elsewhere) or
+-- replicated; `counted`: its sum of squares goes into the global norm from this rank
+local function dist_member(self, e, m)
+  local rank = self.world.rank
+  if e.shard then
+    m.shard, m.counted = e.shard, true
+  elseif self.dist.mode == "owner" then
+    m.owner, m.counted = e.owner, e.owner == rank
+    if e.owner ~= rank then m.stepped = false end
+  else
+    m.counted = rank == 0
+  end
+end
+
+-- the members of group g this rank initializes and steps: g itself, a view of them, or nil for none
+local function local_view(g)
+  local n = 0
+  for _, m in ipairs(g) do if m.stepped ~= false then n = n + 1 end end
+  if n == #g then return g end
+  if n == 0 then return nil end
+  local view = { route = g.route, index = g.index, id = g.id, options = g.options, overrides = g.overrides, state = g.state }
+  for _, m in ipairs(g) do if m.stepped ~= false then view[#view + 1] = m end end
+  return view
+end
+
+-- collectives issued as one group (NCCL: one launch) where the communicator offers it
+local function comm_group(comm, fn)
+  if comm.group then return comm:group(fn) end
+  fn()
+end
+
+-- registers the sharded members with moonstep.shard, so that the primitives see their slices (sinkgd_step)
+function Optimizer:_dist_register()
+  local registry
+  for _, m in ipairs(self.members) do
+    local s = m.shard
+    if s then
+      registry = registry or require("moonstep.shard")
+      local spec = { dim = s.dim, offset = s.offset, size = s.size }
+      registry.set(m.param, spec, self.comm)
+      if m.model_param then registry.set(m.model_param, spec, self.comm) end
+    end
+  end
+end
+
+-- The step's total sum of squares over the world, from this rank's per-gradient sums: a sharded member's
+-- from every rank, another member's once (from its owner; from rank 0 when replicated), and NaN on every
+-- rank when any rank has a non-finite gradient (0 * Inf is NaN too).  One all-reduce.
+function Optimizer:_dist_total(sums, active)
+  local total = 0
+  for i, v in ipairs(sums) do
+    if active[i].counted then total = total + v
+    elseif v ~= v or v == math.huge or v == -math.huge then total = total + v * 0 end
+  end
+  local t = self.dist.total_t
+  t:fill_(total)
+  self.comm:all_reduce(t)
+  return t:item()
+end
+
+-- the device checks' weights per gradient: 1 where this rank counts its sum of squares, else 0 (which keeps
+-- a NaN a NaN, so every rank sees every rank's non-finite gradients)
+function Optimizer:_dist_mask(d)
+  if d.mask_of ~= d.grads_of then
+    local w = {}
+    for i, m in ipairs(d.grads_of) do w[i] = m.counted and 1 or 0 end
+    d.mask, d.mask_of = ms.tensor(w, { dtype = "f64", ctx = self.ctx }), d.grads_of
+  end
+  return d.mask
+end
+
+-- after the step ("owner"): each whole parameter from its owner, as one group of broadcasts (the model's
+-- tensor: the bf16 one when the owner keeps master weights)
+function Optimizer:_dist_broadcast(active)
+  local d = self.dist
+  if d.mode ~= "owner" then return end
+  if d.bcast_of ~= active then
+    local list = {}
+    for _, m in ipairs(active) do if m.owner then list[#list + 1] = m end end
+    d.bcast, d.bcast_of = list, active
+  end
+  local list, comm = d.bcast, self.comm
+  if #list == 0 then return end
+  comm_group(comm, function()
+    for _, m in ipairs(list) do comm:broadcast(m.model_param or m.param, m.owner) end
+  end)
 end
 
 --- ms.optim.new(recipe, params, options, settings) -> optimizer
@@ -177,6 +453,18 @@ function M.new(recipe, params, options, settings)
     __metatable = "moonstep.step_ctx",
   }
   if settings.timings then self.timing = { ring = {}, next = 0 } end
+  self.world = { rank = 0, size = 1 }
+  if settings.comm then
+    local cctx = settings.comm:context()
+    if cctx and cctx:name() ~= ctx:name() then
+      error(("setting comm: the communicator is on %s but the optimizer runs on %s"):format(cctx:name(), ctx:name()), 2)
+    end
+    self.world = { rank = settings.comm:rank(), size = settings.comm:size() }
+    if self.world.size > 1 then
+      self.comm = settings.comm
+      self.dist = { mode = settings.distribute or "owner", total_t = ms.zeros({ 1 }, { dtype = "f64", ctx = ctx }) }
+    end
+  end
 
   -- parameters: names unique, tensors on the optimizer's device, tied parameters registered once
   local seen = {}
@@ -196,13 +484,20 @@ function M.new(recipe, params, options, settings)
       self.aliases[p.name] = seen[key].name
     else
       local e = { name = p.name, param = p.param, grad = p.grad, tags = p.tags, options = p.options }
+      if p.shard ~= nil then shard_entry(self, e, p.shard) end
       seen[key] = e
       entries[#entries + 1] = e
       self.by_name[p.name] = e
     end
   end
 
-  -- routing and grouping: by route and identical overrides, groups in order of first appearance
+  if self.dist then
+    dist_check(self, entries)
+    if self.dist.mode == "owner" then assign_owners(entries, self.world.size) end
+  end
+
+  -- routing and grouping: by route and identical overrides (sharded parameters apart), groups in order of
+  -- first appearance
   local group_of = {}
   local route_count = {}
   for _, e in ipairs(entries) do
@@ -214,7 +509,7 @@ function M.new(recipe, params, options, settings)
     local ov = {}
     for k, v in pairs(overrides or {}) do ov[k] = v end
     for k, v in pairs(e.options or {}) do ov[k] = v end
-    local gkey = route .. "\0" .. json.encode(next(ov) and ov or {})
+    local gkey = route .. "\0" .. json.encode(next(ov) and ov or {}) .. (e.shard and "\0sharded" or "")
     local g = group_of[gkey]
     if not g then
       local gopts = next(ov) and R.options(recipe, ov, opts, guard) or opts
@@ -226,7 +521,8 @@ function M.new(recipe, params, options, settings)
       self.groups[#self.groups + 1] = g
     end
     local m = { name = e.name, param = e.param, grad = e.grad, tags = info.tags, info = info, state = {}, route = route }
-    if settings.master_weights and (e.param:dtype() == "bf16" or e.param:dtype() == "f16") then
+    if self.dist then dist_member(self, e, m) end
+    if settings.master_weights and m.stepped ~= false and (e.param:dtype() == "bf16" or e.param:dtype() == "f16") then
       m.model_param = e.param
       m.param = e.param:to("f32")
       m.master = m.param
@@ -239,10 +535,14 @@ function M.new(recipe, params, options, settings)
   self.nvtx = {}
   for route in pairs(recipe.routes) do self.nvtx[route] = "moonstep:" .. tostring(route) end
 
-  -- state: created by each route's init, owned by the optimizer
+  if self.dist then self:_dist_register() end
+
+  -- state: created by each route's init, owned by the optimizer (with owners: for the members it steps)
   for _, g in ipairs(self.groups) do
     local r = recipe.routes[g.route]
-    if r.init then R.call(guard, r.init, g, g.options) end
+    if self.dist then g.view = local_view(g) or false end
+    local view = g.view == nil and g or g.view
+    if r.init and view then R.call(guard, r.init, view, g.options) end
   end
   return self
 end
@@ -290,7 +590,7 @@ local function step_ctx(self, step, lr)
   self.skip_now = nil
   return setmetatable({
     step = step, lr = lr, lr_t = self.lr_t, step_t = self.step_t, context = self.ctx, device = self.device_name,
-    world = { rank = 0, size = 1 },
+    world = { rank = self.world.rank, size = self.world.size },
     report = function(key, value) report[key] = value end,
   }, self.ctx_mt)
 end
@@ -309,12 +609,12 @@ function Optimizer:_runs()
   local runs, active = {}, {}
   for _, g in ipairs(self.groups) do
     local n = 0
-    for _, m in ipairs(g) do if m.grad then n = n + 1 end end
+    for _, m in ipairs(g) do if m.grad and m.stepped ~= false then n = n + 1 end end   -- (stepped: owners)
     if n > 0 then
       local run = g
       if n < #g then
         run = { route = g.route, index = g.index, id = g.id, options = g.options, state = g.state }
-        for _, m in ipairs(g) do if m.grad then run[#run + 1] = m end end
+        for _, m in ipairs(g) do if m.grad and m.stepped ~= false then run[#run + 1] = m end end
       end
       runs[#runs + 1] = run
     end
@@ -446,10 +746,12 @@ function Optimizer:step(args)
     local sums = ms.foreach_sumsq(grads):tolist_flat()
     local total = 0
     for _, v in ipairs(sums) do total = total + v end
+    if self.dist then total = self:_dist_total(sums, active) end
     if total ~= total or total == math.huge then
       if self.settings.nonfinite ~= "apply" then
         local bad = {}
         for i, v in ipairs(sums) do if v ~= v or v == math.huge then bad[#bad + 1] = active[i].name end end
+        if #bad == 0 then bad[1] = "the gradients of another rank" end
         if self.settings.nonfinite == "raise" then
           error(("step %d: non-finite gradients in %s"):format(step, table.concat(bad, ", ")), 2)
         end
@@ -476,6 +778,7 @@ function Optimizer:step(args)
   for _, m in ipairs(active) do
     if m.model_param then m.model_param:copy_(m.param) end
   end
+  if self.dist then self:_dist_broadcast(active) end
   if before then self:_update_norms(before, last) end
   self.step_count = step
   last.skipped = false
@@ -531,7 +834,9 @@ function Optimizer:_device_body(runs, active, plans, c, scaled, rec, verify)
     end
     fused.foreach_sumsq(grads, d.sums)
     d.sums64:copy_(d.sums)
+    if self.dist then tensor.mul(d.sums64, self:_dist_mask(d), d.sums64) end   -- each parameter counted once
     core.check(C.ms_reduce(h, tensor.handle(d.total), tensor.handle(d.sums64), C.MS_REDUCE_SUM, C.MS_DIM_ALL))
+    if self.dist then self.comm:all_reduce(d.total) end
     if s.nonfinite ~= "apply" then
       tensor.mul(d.total, 0, d.nan)                 -- 0 for a finite total, NaN for Inf or NaN
       tensor.ne(d.nan, 0, d.skip)                   -- NaN ~= 0: the skip flag
@@ -558,6 +863,7 @@ function Optimizer:_device_body(runs, active, plans, c, scaled, rec, verify)
   for _, m in ipairs(active) do
     if m.model_param then m.model_param:copy_(m.param) end
   end
+  if self.dist then self:_dist_broadcast(active) end
   if self.skip_now then
     for _, run in ipairs(runs) do
       if not self.skip_readers[run.route] then
@@ -801,9 +1107,9 @@ function Optimizer:_replay(e)
      or self.settings.stats or self.timing then
     return nil, false
   end
-  if w[self.lr_t] ~= lr then self:_write_scalars(lr, step - 1) end
   local h = self.ctx_h
   local launches0 = launches(h)
+  if w[self.lr_t] ~= lr then self:_write_scalars(lr, step - 1) end
   C.ms_profile_push(h, e.nvtx)
   local st = C.ms_graph_launch(h, e.graph.h)
   C.ms_profile_pop(h)
@@ -1035,7 +1341,7 @@ function Optimizer:info()
       local b = state_bytes(m.state) + (m.master and m.master:numel() * 4 or 0)
       data.params[#data.params + 1] = {
         name = m.name, route = g.route, group = g.id, shape = m.info.shape, dtype = m.info.dtype,
-        state_bytes = b, master_weights = m.master ~= nil,
+        state_bytes = b, master_weights = m.master ~= nil, owner = m.owner, shard = m.info.shard,
       }
       data.total_state_bytes = data.total_state_bytes + b
       names[#names + 1] = m.name
@@ -1125,82 +1431,335 @@ function Optimizer:_state_entries()
   return tensors, scalars, groups
 end
 
---- Writes the optimizer's state to a safetensors file (atomically).
+--- How state tensor t of a sharded member m lies across the ranks (key: its path in m.state, or "master"):
+--- {axis =, lo =, hi =, total =}, this rank's range [lo, hi) of t's dim `axis` (0-based) of the whole
+--- tensor's `total`; nil when every rank holds the same whole tensor.  The route's state_shard(m, key, options)
+--- -> axis [, num, den] says (dim `axis` holds num / den elements per row or column of the shard's dim; false:
+--- not split); without it, or when it gives nil, a tensor shaped like the slice is split as the slice is.
+function Optimizer:_state_split(m, key, t)
+  local s = m.shard
+  if not s then return nil end
+  local axis, num, den
+  local hook = key ~= "master" and self.recipe.routes[m.route].state_shard
+  if type(hook) == "function" then axis, num, den = R.call(self.guard, hook, m, key, self.by_name[m.name].group.options) end
+  if axis == false then return nil end
+  if axis == nil then
+    if not same_shape(t, m.param) then return nil end
+    axis = s.axis
+  end
+  num, den = num or 1, den or 1
+  local lo, hi, total = s.offset * num / den, (s.offset + s.len) * num / den, s.size * num / den
+  if not (is_integer(axis) and axis >= 0 and axis < t:dim() and is_integer(lo) and is_integer(hi) and is_integer(total)
+          and t:size(axis) == hi - lo) then
+    error(("%s: state '%s' of parameter '%s' (%s) does not follow its shard: dim %s holding %s / %s per %s of [%d, %d)")
+          :format(self.recipe.name, key, m.name, shape_str(t), tostring(axis), tostring(num), tostring(den), s.dim,
+                  s.offset, s.offset + s.len), 0)
+  end
+  return { axis = axis, lo = lo, hi = hi, total = total }
+end
+
+-- Where this rank's state sits in the world, for checkpoints: splits (state tensor name -> _state_split of a
+-- sharded member's state), slots (name -> the block behind each dim-0 slot of a group's stacked state, from
+-- the route's slots(group, options): what lets stacks of other parameter sets load block by block), parts
+-- (parameter name -> {owner =} or {shard =}).
+function Optimizer:_layout()
+  local splits, slots, parts = {}, {}, {}
+  for _, g in ipairs(self.groups) do
+    for _, m in ipairs(g) do
+      local s = m.shard
+      if s then
+        parts[m.name] = { shard = { dim = s.dim, offset = s.offset, size = s.size } }
+        local function walk(prefix, key, state)
+          for k, v in pairs(state) do
+            local path = key and key .. "/" .. tostring(k) or tostring(k)
+            if ms.is_tensor(v) then splits[prefix .. path] = self:_state_split(m, path, v)
+            elseif type(v) == "table" then walk(prefix, path, v) end
+          end
+        end
+        walk("param/" .. m.name .. "/", nil, m.state)
+        if m.master then splits["param/" .. m.name .. "/master"] = self:_state_split(m, "master", m.master) end
+      elseif m.owner then
+        parts[m.name] = { owner = m.owner }
+      end
+    end
+    local hook = self.recipe.routes[g.route].slots
+    local view = g.view == nil and g or g.view
+    if type(hook) == "function" and view then
+      local map = R.call(self.guard, hook, view, g.options)
+      for rel, ids in pairs(type(map) == "table" and map or {}) do slots["group/" .. g.id .. "/" .. rel] = ids end
+    end
+  end
+  return splits, slots, parts
+end
+
+local function part_path(path, rank, world) return ("%s.rank%d-of-%d"):format(path, rank, world) end
+
+-- a flag set on any rank, summed over the ranks (a barrier that also tells who failed)
+function Optimizer:_dist_flag(set)
+  local t = self.dist.total_t
+  t:fill_(set and 1 or 0)
+  self.comm:all_reduce(t)
+  return t:item()
+end
+
+--- Writes the optimizer's state to a safetensors file (atomically).  With several ranks: each rank's part
+--- to path .. ".rank<r>-of-<N>", then (once every part is written) the index, from rank 0, to path.
 function Optimizer:save(path)
   local tensors, scalars, groups = self:_state_entries()
+  local splits, slots, parts = self:_layout()
   local meta = {
     moonstep = ms.version, schema = M.SCHEMA,
     recipe = { name = self.recipe.name, version = self.recipe.version or 0, hash = self.recipe_hash },
     options = self.options, step = self.step_count, skipped = self:_skipped_total(), lr_override = self.lr_override,
     schedule = self.schedule_kind, rng = ms.rng_state(), scalars = scalars, groups = groups,
+    slots = next(slots) and slots or nil,
   }
-  ms.save(path, tensors, { moonstep = json.encode(meta) })
+  if not self.dist then
+    ms.save(path, tensors, { moonstep = json.encode(meta) })
+    return
+  end
+  local world, rank = self.world.size, self.world.rank
+  meta.world, meta.rank, meta.params, meta.split = world, rank, parts, next(splits) and splits or nil
+  local part = part_path(path, rank, world)
+  local ok, err = pcall(ms.save, part, tensors, { moonstep = json.encode(meta) })
+  local failed = self:_dist_flag(not ok)
+  if not ok then error(("save: %s: %s"):format(part, tostring(err)), 2) end
+  if failed > 0 then error(("save: %d of the %d ranks could not write their part of %s"):format(failed, world, path), 2) end
+  if rank == 0 then
+    local names = {}
+    for r = 0, world - 1 do names[r + 1] = part_path(path, r, world):match("[^/]*$") end
+    local index = {}
+    for _, k in ipairs { "moonstep", "schema", "recipe", "options", "step", "skipped", "lr_override", "schedule", "rng" } do
+      index[k] = meta[k]
+    end
+    index.world, index.parts = world, names
+    ok, err = pcall(ms.save, path, {}, { moonstep = json.encode(index) })
+  end
+  if self:_dist_flag(not ok) > 0 then
+    error(("save: %s: %s"):format(path, rank == 0 and tostring(err) or "rank 0 could not write the index"), 2)
+  end
+end
+
+-- a checkpoint file's metadata, checked
+local function file_meta(file, filemeta)
+  if not filemeta.moonstep then error(file .. ": not a moonstep optimizer checkpoint (no 'moonstep' metadata)", 0) end
+  local ok, meta = pcall(json.decode, filemeta.moonstep)
+  if not ok or type(meta) ~= "table" then error(file .. ": corrupt checkpoint metadata: " .. tostring(meta), 0) end
+  if meta.schema ~= M.SCHEMA then
+    error(("%s: checkpoint schema %s, this moonstep reads schema %d"):format(file, tostring(meta.schema), M.SCHEMA), 0)
+  end
+  return meta
+end
+
+-- the checkpoint at path: one file, or an index and its parts -> files {{path =, tensors =, meta =}, ...} and
+-- the checkpoint's metadata (the file's, or the index's)
+local function read_checkpoint(path, device)
+  local loaded, filemeta = ms.load(path, { device = device })
+  local meta = file_meta(path, filemeta)
+  if meta.parts == nil then return { { path = path, tensors = loaded, meta = meta } }, meta end
+  local world = meta.world
+  if not is_integer(world) or world < 1 or type(meta.parts) ~= "table" or #meta.parts ~= world then
+    error(path .. ": corrupt checkpoint index (its parts do not match its world size)", 0)
+  end
+  local dir, files = path:match("^(.*/)") or "", {}
+  for r, name in ipairs(meta.parts) do
+    local file = dir .. tostring(name)
+    local ok, tensors, fm = pcall(ms.load, file, { device = "cpu" })
+    if not ok then
+      error(("%s: part %d of %d of the checkpoint %s cannot be read: %s"):format(file, r - 1, world, path, tostring(tensors)), 0)
+    end
+    local pm = file_meta(file, fm)
+    if pm.rank ~= r - 1 or pm.world ~= world or pm.step ~= meta.step then
+      error(("%s: not part %d of %d of the checkpoint %s at step %s (it is part %s of %s, at step %s)"):format(file, r - 1,
+            world, path, tostring(meta.step), tostring(pm.rank), tostring(pm.world), tostring(pm.step)), 0)
+    end
+    files[r] = { path = file, tensors = tensors, meta = pm }
+  end
+  return files, meta
+end
+
+-- The copies that fill state tensor t (its name) from the checkpoint's files (checked, nothing copied yet):
+-- by slot (stacked group state whose blocks both sides name), by range along a split dim (sharded state,
+-- split here or in the files), or whole from the first file that has it.  exact: every block of the files
+-- must have its place here (one rank to one rank, not forced).
+local function plan_copies(path, name, t, files, split, slot_ids, copies, exact)
+  local holders = {}
+  for _, f in ipairs(files) do if f.tensors[name] then holders[#holders + 1] = f end end
+  if #holders == 0 then error(("%s: tensor '%s' is missing from the checkpoint"):format(path, name), 0) end
+  local function mismatch(f, src, why)
+    error(("%s: tensor '%s' is %s %s in the checkpoint but %s %s here%s"):format(f.path, name, src:dtype(), shape_str(src),
+          t:dtype(), shape_str(t), why or ""), 0)
+  end
+  local slotted = false
+  for _, f in ipairs(holders) do slotted = slotted or (f.meta.slots ~= nil and f.meta.slots[name] ~= nil) end
+  if slot_ids and slotted then
+    if #slot_ids ~= t:size(0) then
+      error(("%s: the recipe names %d slots for '%s', which has %d"):format(path, #slot_ids, name, t:size(0)), 0)
+    end
+    local where = {}
+    for _, f in ipairs(holders) do
+      local ids, src = f.meta.slots and f.meta.slots[name], f.tensors[name]
+      if ids then
+        if src:dtype() ~= t:dtype() then mismatch(f, src) end
+        if src:dim() < 1 or #ids ~= src:size(0) then
+          error(("%s: tensor '%s' has %s slots but its metadata names %d blocks"):format(f.path, name,
+                src:dim() > 0 and src:size(0) or 0, #ids), 0)
+        end
+        for row, id in ipairs(ids) do where[id] = where[id] or { f = f, row = row - 1 } end
+      end
+    end
+    local k, n = 0, #slot_ids
+    while k < n do                                   -- runs of slots from consecutive rows of one file: one copy
+      local w = where[slot_ids[k + 1]]
+      if not w then error(("%s: block '%s' of '%s' is missing from the checkpoint"):format(path, tostring(slot_ids[k + 1]), name), 0) end
+      local len = 1
+      while k + len < n do
+        local w2 = where[slot_ids[k + len + 1]]
+        if not (w2 and w2.f == w.f and w2.row == w.row + len) then break end
+        len = len + 1
+      end
+      local src, dst = w.f.tensors[name]:slice(0, w.row, w.row + len), t:slice(0, k, k + len)
+      if not same_shape(src, dst) then mismatch(w.f, w.f.tensors[name], (" (block '%s')"):format(slot_ids[k + 1])) end
+      copies[#copies + 1] = { dst, src }
+      k = k + len
+    end
+    if exact then
+      local here = {}
+      for _, id in ipairs(slot_ids) do here[id] = true end
+      for id, w in pairs(where) do
+        if not here[id] then error(("%s: block '%s' of '%s' in the checkpoint has no place in this optimizer"):format(w.f.path, id, name), 0) end
+      end
+    end
+    return
+  end
+  local axis, total
+  if split then axis, total = split.axis, split.total end
+  for _, f in ipairs(holders) do
+    local fs = f.meta.split and f.meta.split[name]
+    if fs and not axis then axis, total = fs.axis, fs.total end
+  end
+  if axis then
+    local lo, hi = 0, total
+    if split then lo, hi = split.lo, split.hi elseif t:dim() <= axis or t:size(axis) ~= total then
+      mismatch(holders[1], holders[1].tensors[name], (" (the checkpoint's slices join to %d along dim %d)"):format(total, axis))
+    end
+    local covered = 0
+    for _, f in ipairs(holders) do
+      local src, fs = f.tensors[name], f.meta.split and f.meta.split[name]
+      local flo, fhi = 0, total
+      if fs then flo, fhi = fs.lo, fs.hi end
+      local fits = src:dtype() == t:dtype() and src:dim() == t:dim() and (fs == nil or (fs.axis == axis and fs.total == total))
+                   and src:size(axis) == fhi - flo
+      for d = 0, t:dim() - 1 do if fits and d ~= axis and src:size(d) ~= t:size(d) then fits = false end end
+      if not fits then
+        mismatch(f, src, (" ([%d, %d) of %d along dim %d here, [%d, %d) there)"):format(lo, hi, total, axis, flo, fhi))
+      end
+      local a, b = math.max(lo, flo), math.min(hi, fhi)
+      if b > a then
+        copies[#copies + 1] = { t:slice(axis, a - lo, b - lo), src:slice(axis, a - flo, b - flo) }
+        covered = covered + (b - a)
+      end
+    end
+    if covered ~= hi - lo then
+      error(("%s: the slices of '%s' in the checkpoint cover %d of [%d, %d) along dim %d"):format(path, name, covered, lo, hi, axis), 0)
+    end
+    return
+  end
+  local f = holders[1]
+  local src = f.tensors[name]
+  if src:dtype() ~= t:dtype() or not same_shape(src, t) then mismatch(f, src) end
+  copies[#copies + 1] = { t, src }
+end
+
+-- a checkpoint tensor's place here: its own, or (state moving between ranks) a parameter or group of this optimizer
+function Optimizer:_has_place(name, tensors)
+  if tensors[name] then return true end
+  local kind, rest = name:match("^(%a+)/(.*)$")
+  if kind == "param" then
+    local pos = 1
+    while true do
+      local i = rest:find("/", pos, true)
+      if not i then return false end
+      if self.by_name[rest:sub(1, i - 1)] then return true end
+      pos = i + 1
+    end
+  elseif kind == "group" then
+    for _, g in ipairs(self.groups) do if rest:sub(1, #g.id + 1) == g.id .. "/" then return true end end
+  end
+  return false
+end
+
+-- writes value v into the state tables, at the path of a scalar's checkpoint name
+function Optimizer:_set_scalar(path_name, v)
+  local kind, rest = path_name:match("^(%a+)/(.*)$")
+  local root
+  if kind == "param" then
+    for _, m in ipairs(self.members) do
+      if rest:sub(1, #m.name + 1) == m.name .. "/" then root, rest = m.state, rest:sub(#m.name + 2) break end
+    end
+  else
+    for _, g in ipairs(self.groups) do
+      if rest:sub(1, #g.id + 1) == g.id .. "/" then root, rest = g.state, rest:sub(#g.id + 2) break end
+    end
+  end
+  local keys = {}
+  for k in rest:gmatch("[^/]+") do keys[#keys + 1] = k end
+  for i = 1, #keys - 1 do root = root[keys[i]] or root[tonumber(keys[i])] end
+  local last = keys[#keys]
+  if root[last] == nil and tonumber(last) then last = tonumber(last) end
+  root[last] = v
 end
 
 --- Restores a checkpoint written by save() into this optimizer (created with the same recipe and
---- parameters).  opts.force = true accepts a checkpoint of another recipe (or recipe version).
+--- parameters), from any world size: see "Several ranks".  opts.force = true accepts a checkpoint of another
+--- recipe (or recipe version).
 function Optimizer:load(path, opts)
   local force = opts and opts.force
-  local loaded, filemeta = ms.load(path, { device = self.ctx })
-  if not filemeta.moonstep then error(path .. ": not a moonstep optimizer checkpoint (no 'moonstep' metadata)", 2) end
-  local ok, meta = pcall(json.decode, filemeta.moonstep)
-  if not ok or type(meta) ~= "table" then error(path .. ": corrupt checkpoint metadata: " .. tostring(meta), 2) end
-  if meta.schema ~= M.SCHEMA then
-    error(("%s: checkpoint schema %s, this moonstep reads schema %d"):format(path, tostring(meta.schema), M.SCHEMA), 2)
-  end
+  if type(path) ~= "string" then error("load: path must be a string", 2) end
+  local files, meta = read_checkpoint(path, self.dist and "cpu" or self.ctx)
   local rec = meta.recipe or {}
   if not force and (rec.name ~= self.recipe.name or rec.hash ~= self.recipe_hash) then
     error(("%s: checkpoint of recipe '%s' (hash %s), this optimizer runs '%s' (hash %s); pass {force = true} to load it anyway")
           :format(path, tostring(rec.name), tostring(rec.hash), self.recipe.name, self.recipe_hash), 2)
   end
-  local tensors, scalars = self:_state_entries()
-  -- check everything before changing anything
-  for name, t in pairs(tensors) do
-    local src = loaded[name]
-    if not src then error(("%s: tensor '%s' is missing from the checkpoint"):format(path, name), 2) end
-    if src:dtype() ~= t:dtype() or not same_shape(src, t) then
-      error(("%s: tensor '%s' is %s %s in the checkpoint but %s %s here"):format(path, name, src:dtype(),
-            shape_str(src), t:dtype(), shape_str(t)), 2)
-    end
-  end
-  if not force then
-    for name in pairs(loaded) do
-      if not tensors[name] then error(("%s: tensor '%s' in the checkpoint has no place in this optimizer"):format(path, name), 2) end
-    end
-  end
-  local file_scalars = meta.scalars or {}
-  for name, v in pairs(scalars) do
-    if file_scalars[name] == nil then error(("%s: state value '%s' is missing from the checkpoint"):format(path, name), 2) end
-    if type(file_scalars[name]) ~= type(v) then error(("%s: state value '%s' has the wrong type"):format(path, name), 2) end
-  end
   if type(meta.step) ~= "number" then error(path .. ": checkpoint has no step", 2) end
-  for name, t in pairs(tensors) do t:copy_(loaded[name]) end
-  -- scalars live in the state tables: walk to each by its path
-  local function set_scalar(path_name, v)
-    local kind, rest = path_name:match("^(%a+)/(.*)$")
-    local root
-    if kind == "param" then
-      for _, m in ipairs(self.members) do
-        if rest:sub(1, #m.name + 1) == m.name .. "/" then root, rest = m.state, rest:sub(#m.name + 2) break end
-      end
-    else
-      for _, g in ipairs(self.groups) do
-        if rest:sub(1, #g.id + 1) == g.id .. "/" then root, rest = g.state, rest:sub(#g.id + 2) break end
+  local tensors, scalars = self:_state_entries()
+  local splits, slots = self:_layout()
+  -- check everything before changing anything
+  local copies = {}
+  local strict = #files == 1 and not self.dist       -- one rank to one rank: every tensor is this rank's
+  for name, t in pairs(tensors) do plan_copies(path, name, t, files, splits[name], slots[name], copies, strict and not force) end
+  if not force then
+    for _, f in ipairs(files) do
+      for name in pairs(f.tensors) do
+        local placed
+        if strict then placed = tensors[name] ~= nil else placed = self:_has_place(name, tensors) end
+        if not placed then
+          error(("%s: tensor '%s' in the checkpoint has no place in this optimizer"):format(f.path, name), 2)
+        end
       end
     end
-    local keys = {}
-    for k in rest:gmatch("[^/]+") do keys[#keys + 1] = k end
-    for i = 1, #keys - 1 do root = root[keys[i]] or root[tonumber(keys[i])] end
-    local last = keys[#keys]
-    if root[last] == nil and tonumber(last) then last = tonumber(last) end
-    root[last] = v
   end
-  for name in pairs(scalars) do set_scalar(name, file_scalars[name]) end
+  local values = {}
+  for name, v in pairs(scalars) do
+    for _, f in ipairs(files) do
+      local fv = f.meta.scalars and f.meta.scalars[name]
+      if fv ~= nil then values[name] = fv break end
+    end
+    if values[name] == nil then error(("%s: state value '%s' is missing from the checkpoint"):format(path, name), 2) end
+    if type(values[name]) ~= type(v) then error(("%s: state value '%s' has the wrong type"):format(path, name), 2) end
+  end
+  for _, c in ipairs(copies) do c[1]:copy_(c[2]) end
+  for name, v in pairs(values) do self:_set_scalar(name, v) end
   self.step_count = meta.step
   self.skipped = meta.skipped or 0
   if self.skipped_t then self.skipped_t:fill_(0) end
   self.lr_override = meta.lr_override
-  if meta.rng then ms.set_rng_state(meta.rng) end
+  local rng = meta.rng
+  for _, f in ipairs(files) do
+    if f.meta.world == self.world.size and f.meta.rank == self.world.rank and f.meta.rng then rng = f.meta.rng end
+  end
+  if rng then ms.set_rng_state(rng) end
   return { step = meta.step, recipe = rec.name }
 end
 

@@ -16,6 +16,10 @@ param_groups[0]["lr"], so torch LR schedulers drive it; its load_state_dict also
 state dict for the parameters moonstep routes to AdamW.  With capturable=True its step can be recorded inside
 torch.cuda.graph, and prepare_replay() readies each replay (see TorchOptimizer).
 
+Several ranks (README, "Multi-GPU"): a Comm joins one process per GPU (from the launcher's environment, or from
+an NCCL id that rank 0 makes with comm_unique_id() and the trainer broadcasts, e.g. with torch.distributed);
+Optimizer(..., comm=) and TorchOptimizer(..., comm=, shards=, distribute=) then run as one rank of that world.
+
 The library: MOONSTEP_LIBRARY (or MOONSTEP_LIB), else build/libmoonstep.so of the source tree this file
 is in (MOONSTEP_BUILD names another build folder), else the system's libmoonstep.
 """
@@ -26,7 +30,8 @@ import os
 import tempfile
 import warnings
 
-__all__ = ["Optimizer", "Context", "MoonstepError", "TorchOptimizer", "version", "library_path"]
+__all__ = ["Optimizer", "Context", "Comm", "MoonstepError", "TorchOptimizer", "comm_unique_id", "version",
+           "library_path"]
 
 # ---------------------------------------------------------------------------------------------------
 # The library
@@ -44,6 +49,23 @@ class _StepOptions(ctypes.Structure):
     _fields_ = [("grad_scale", ctypes.c_double)]
 
 
+class _CommOptions(ctypes.Structure):
+    _fields_ = [("rank", ctypes.c_int), ("world_size", ctypes.c_int), ("unique_id", ctypes.c_char_p),
+                ("addr", ctypes.c_char_p), ("port", ctypes.c_int), ("timeout_ms", ctypes.c_int)]
+
+
+class _Shard(ctypes.Structure):
+    _fields_ = [("dim", ctypes.c_int), ("offset", ctypes.c_int64), ("global_size", ctypes.c_int64)]
+
+
+_COMM_ID_BYTES = 128
+_SHARD_DIMS = {"rows": 1, "cols": 2}
+
+
+# the moonstep.h this module's ctypes declarations follow (MS_ABI_VERSION); another library is refused
+ABI_VERSION = 2
+
+
 def _library_candidates():
     for var in ("MOONSTEP_LIBRARY", "MOONSTEP_LIB"):
         path = os.environ.get(var)
@@ -53,7 +75,7 @@ def _library_candidates():
     build = os.environ.get("MOONSTEP_BUILD", "build")
     folder = build if os.path.isabs(build) else os.path.join(root, build)
     found = ctypes.util.find_library("moonstep")
-    return [os.path.join(folder, "libmoonstep.so")] + ([found] if found else []) + ["libmoonstep.so.1"]
+    return [os.path.join(folder, "libmoonstep.so")] + ([found] if found else []) + ["libmoonstep.so.%d" % ABI_VERSION]
 
 
 def _load_library():
@@ -106,6 +128,14 @@ for _name, _res, _args in [
     ("ms_optimizer_capture", ctypes.c_int, [_P]),
     ("ms_optimizer_prepare_replay_with", ctypes.c_int, [_P, ctypes.POINTER(_StepOptions)]),
     ("ms_string_free", None, [_P]),
+    ("ms_optimizer_set_comm", ctypes.c_int, [_P, _P]),
+    ("ms_optimizer_add_param_sharded", ctypes.c_int, [_P, _S, _P, _P, _S, ctypes.POINTER(_Shard)]),
+    ("ms_comm_unique_id", ctypes.c_int, [ctypes.c_char_p]),
+    ("ms_comm_new", ctypes.c_int, [_P, ctypes.POINTER(_CommOptions), _PP]),
+    ("ms_comm_new_from_env", ctypes.c_int, [_P, ctypes.c_int, _PP]),
+    ("ms_comm_free", None, [_P]),
+    ("ms_comm_rank", ctypes.c_int, [_P]),
+    ("ms_comm_size", ctypes.c_int, [_P]),
 ]:
     _fn = getattr(_lib, _name)
     _fn.restype, _fn.argtypes = _res, _args
@@ -116,6 +146,11 @@ _capsule_set_name = ctypes.pythonapi.PyCapsule_SetName
 _capsule_set_name.restype, _capsule_set_name.argtypes = ctypes.c_int, [ctypes.py_object, ctypes.c_char_p]
 # the capsule keeps this pointer: the bytes object lives as long as the module
 _USED_DLTENSOR = b"used_dltensor"
+
+
+if _lib.ms_abi_version() != ABI_VERSION:
+    raise ImportError("moonstep: %s has ABI %d, this module declares ABI %d (rebuild, or use the matching "
+                      "python/moonstep)" % (library_path, _lib.ms_abi_version(), ABI_VERSION))
 
 
 def version():
@@ -197,6 +232,138 @@ class Context:
 
     def __repr__(self):
         return "moonstep.Context(%s)" % (self.device if self._h else "closed")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Communicators
+# ---------------------------------------------------------------------------------------------------
+def comm_unique_id():
+    """A new NCCL unique id (128 bytes), made on rank 0 and handed to every rank (e.g. with
+    torch.distributed.broadcast_object_list) for Comm(rank, world_size, unique_id)."""
+    buf = ctypes.create_string_buffer(_COMM_ID_BYTES)
+    _check(_lib.ms_comm_unique_id(buf))
+    return buf.raw
+
+
+def _timeout_ms(seconds):
+    if seconds is None:
+        return 0
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 < seconds * 1000 < 2 ** 31:
+        raise ValueError("timeout must be a positive number of seconds (got %r)" % (seconds,))
+    return max(1, int(round(seconds * 1000)))
+
+
+def _integer(v, what):
+    if isinstance(v, bool) or not hasattr(v, "__index__"):      # ints, NumPy's too; not floats
+        raise TypeError("%s must be an integer (got %r)" % (what, v))
+    return v.__index__()
+
+
+def _default_device():
+    """cuda:LOCAL_RANK where there are CUDA devices (one GPU per rank, as the launchers expect), else cpu."""
+    if _lib.ms_device_count(1) > 0:
+        return "cuda:%d" % int(os.environ.get("LOCAL_RANK", "0"))
+    return "cpu"
+
+
+class Comm:
+    """This process's rank of a job of world_size ranks (moonstep.h, "Communicators"): NCCL on CUDA contexts.
+    Hand it to Optimizer(..., comm=) or TorchOptimizer(..., comm=) on every rank; it must outlive them (they
+    keep a reference).  Its context is the optimizer's: the step's collectives are queued on its stream.
+
+        Comm.from_env()                    # RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT (moonstep launch)
+        id = moonstep.comm_unique_id() if rank == 0 else None
+        box = [id]; torch.distributed.broadcast_object_list(box, src=0)
+        Comm(rank, world_size, box[0])    # the id from the trainer's own process group (torchrun)
+
+    device: default cuda:LOCAL_RANK (cpu without CUDA devices); stream: a cudaStream_t (int) for the context
+    (None: a stream of its own, ordered after the framework's work with events); context: a Context instead.
+    Without unique_id, the ranks meet at addr:port (default MASTER_ADDR, MASTER_PORT): under torchrun that port
+    is torch's own store once torch.distributed is initialized, so pass the id there, or another port.
+    timeout: seconds (default 300) for the rendezvous and NCCL's set-up."""
+
+    def __init__(self, rank, world_size, unique_id=None, device=None, stream=None, context=None, addr=None, port=None,
+                 timeout=None):
+        self._h = None
+        rank, world_size = _integer(rank, "rank"), _integer(world_size, "world_size")
+        if unique_id is not None:
+            if not isinstance(unique_id, (bytes, bytearray)) or len(unique_id) != _COMM_ID_BYTES:
+                raise ValueError("unique_id must be %d bytes (moonstep.comm_unique_id() on rank 0; got %s)"
+                                 % (_COMM_ID_BYTES, "%d bytes" % len(unique_id)
+                                    if isinstance(unique_id, (bytes, bytearray)) else type(unique_id).__name__))
+            unique_id = bytes(unique_id)
+        opts = _CommOptions(rank, world_size, unique_id, _utf8(addr, "addr") if addr is not None else None,
+                            _integer(port, "port") if port is not None else 0, _timeout_ms(timeout))
+        self.context = self._context(device, stream, context)
+        handle = ctypes.c_void_p()
+        _check(_lib.ms_comm_new(self.context._h, ctypes.byref(opts), ctypes.byref(handle)))
+        self._h = handle
+
+    @classmethod
+    def from_env(cls, device=None, stream=None, context=None, timeout=None):
+        """A Comm from the launcher's environment: RANK, WORLD_SIZE, and MASTER_ADDR, MASTER_PORT for the
+        rendezvous (moonstep launch, torchrun before torch.distributed takes the port)."""
+        self = cls.__new__(cls)
+        self._h = None
+        ms_timeout = _timeout_ms(timeout)
+        self.context = cls._context(device, stream, context)
+        handle = ctypes.c_void_p()
+        _check(_lib.ms_comm_new_from_env(self.context._h, ms_timeout, ctypes.byref(handle)))
+        self._h = handle
+        return self
+
+    @staticmethod
+    def _context(device, stream, context):
+        if context is not None:
+            if device is not None or stream is not None:
+                raise ValueError("give a context, or a device and stream, not both")
+            if not isinstance(context, Context):
+                raise TypeError("context must be a moonstep.Context (got %s)" % type(context).__name__)
+            return context
+        return Context(device or _default_device(), stream=stream)
+
+    def _handle(self):
+        if not self._h:
+            raise ValueError("the communicator is closed")
+        return self._h
+
+    @property
+    def rank(self):
+        return _lib.ms_comm_rank(self._handle())
+
+    @property
+    def world_size(self):
+        return _lib.ms_comm_size(self._handle())
+
+    def close(self):
+        """Destroys the communicator (on every rank), after the optimizers that use it."""
+        if getattr(self, "_h", None) and _lib is not None:
+            _lib.ms_comm_free(self._h)
+        self._h = None
+
+    __del__ = close
+
+    def __repr__(self):
+        if not self._h:
+            return "moonstep.Comm(closed)"
+        return "moonstep.Comm(rank %d of %d on %s)" % (self.rank, self.world_size, self.context.device)
+
+
+def _shard(spec, where):
+    """An _Shard from (dim, offset, size) or {"dim", "offset", "size"}; dim "rows" | "cols"; None: the whole."""
+    if spec is None:
+        return None
+    if isinstance(spec, dict):
+        unknown = set(spec) - {"dim", "offset", "size"}
+        if unknown:
+            raise ValueError("%s: shard keys %s (dim, offset, size)" % (where, sorted(unknown)))
+        spec = (spec.get("dim"), spec.get("offset"), spec.get("size"))
+    if not isinstance(spec, (tuple, list)) or len(spec) != 3:
+        raise ValueError("%s: a shard is (dim, offset, size) with dim 'rows' or 'cols' (got %r)" % (where, spec))
+    dim, offset, size = spec
+    if dim not in _SHARD_DIMS:
+        raise ValueError("%s: shard dim must be 'rows' (dim -2) or 'cols' (dim -1), got %r" % (where, dim))
+    return _Shard(_SHARD_DIMS[dim], _integer(offset, where + ": shard offset"), _integer(size, where + ": shard size"))
 
 
 def _framework(x):
@@ -369,8 +536,9 @@ def _encode(values, dtype):
 # The optimizer
 # ---------------------------------------------------------------------------------------------------
 def _entries(params):
-    """[(name, param, grad, tags)] from a dict {name: param | (param, grad) | {"param", "grad", "tags"}} or
-    an iterable of (name, param[, grad[, tags]]) or {"name", "param", "grad", "tags"}."""
+    """[(name, param, grad, tags, shard)] from a dict {name: param | (param, grad) | {"param", "grad", "tags",
+    "shard"}} or an iterable of (name, param[, grad[, tags[, shard]]]) or {"name", "param", "grad", "tags",
+    "shard"}."""
     out = []
     items = params.items() if isinstance(params, dict) else params
     for i, item in enumerate(items):
@@ -383,33 +551,40 @@ def _entries(params):
             else:
                 item = (name, spec)
         if isinstance(item, dict):
-            unknown = set(item) - {"name", "param", "grad", "tags"}
+            unknown = set(item) - {"name", "param", "grad", "tags", "shard"}
             if unknown:
-                raise ValueError("params[%d]: unknown keys %s (name, param, grad, tags)" % (i, sorted(unknown)))
-            out.append((item.get("name"), item.get("param"), item.get("grad"), item.get("tags")))
-        elif isinstance(item, (tuple, list)) and 2 <= len(item) <= 4:
-            out.append(tuple(item) + (None,) * (4 - len(item)))
+                raise ValueError("params[%d]: unknown keys %s (name, param, grad, tags, shard)" % (i, sorted(unknown)))
+            out.append((item.get("name"), item.get("param"), item.get("grad"), item.get("tags"), item.get("shard")))
+        elif isinstance(item, (tuple, list)) and 2 <= len(item) <= 5:
+            out.append(tuple(item) + (None,) * (5 - len(item)))
         else:
-            raise TypeError("params[%d]: expected (name, param[, grad[, tags]]) or a dict" % i)
+            raise TypeError("params[%d]: expected (name, param[, grad[, tags[, shard]]]) or a dict" % i)
     return out
 
 
 class Optimizer:
     """A moonstep optimizer over NumPy arrays or DLPack tensors (PyTorch, CuPy), updated in place.
 
-    params: {name: param | (param, grad) | {"param", "grad", "tags"}}, or a list of (name, param, grad, tags)
-    tuples or {"name", "param", "grad", "tags"} dicts.  grad may be None and given later (set_grad, or
-    step(grads=...)); tags: a list of strings (or "a,b") that the recipe's route() sees.
+    params: {name: param | (param, grad) | {"param", "grad", "tags", "shard"}}, or a list of (name, param, grad,
+    tags, shard) tuples or {"name", "param", "grad", "tags", "shard"} dicts.  grad may be None and given later
+    (set_grad, or step(grads=...)); tags: a list of strings (or "a,b") that the recipe's route() sees; shard:
+    this rank's slice of the parameter, ("rows" | "cols", offset, global size of that dim).
     recipe: a built-in name ("adamw", "sinkgd", ...) or a recipe file (sandboxed unless settings["trusted"]).
-    options: the recipe's options; settings: the runtime's (schedule, clip_grad_norm, nonfinite, ...): see
-    moonstep.h, ms_optimizer_new.  context: a Context to run on; by default one for the first parameter's
-    device, on CUDA bound to the framework's current stream.
+    options: the recipe's options; settings: the runtime's (schedule, clip_grad_norm, nonfinite, distribute,
+    ...): see moonstep.h, ms_optimizer_new.  context: a Context to run on; by default the comm's, else one for
+    the first parameter's device, on CUDA bound to the framework's current stream.  comm: a Comm, the world
+    this optimizer is one rank of (moonstep.h, ms_optimizer_set_comm); it must outlive the optimizer.
     """
 
-    def __init__(self, params, recipe="adamw", options=None, settings=None, context=None):
+    def __init__(self, params, recipe="adamw", options=None, settings=None, context=None, comm=None):
         entries = _entries(params)
         self._opt = None
+        self._comm = None
         self._framework = _framework(entries[0][1]) if entries else "numpy"
+        if comm is not None and not isinstance(comm, Comm):
+            raise TypeError("comm must be a moonstep.Comm (got %s)" % type(comm).__name__)
+        if context is None and comm is not None:
+            context = comm.context
         if context is None:
             kind, index = _device_of(entries[0][1]) if entries else ("cpu", 0)
             if kind == "cuda":
@@ -424,10 +599,13 @@ class Optimizer:
         _check(_lib.ms_optimizer_new(context._h, _utf8(os.fspath(recipe), "recipe"), _json(options), _json(settings),
                                      ctypes.byref(handle)))
         self._opt = handle
+        if comm is not None:
+            _check(_lib.ms_optimizer_set_comm(handle, comm._handle()))
+            self._comm = comm      # kept: the optimizer holds the communicator's pointer
         self.names = []
         self._keep = {}            # name -> [param, grad]: wrapped NumPy memory must outlive the optimizer's use
-        for name, param, grad, tags in entries:
-            self.add_param(name, param, grad, tags)
+        for name, param, grad, tags, shard in entries:
+            self.add_param(name, param, grad, tags, shard)
 
     def _handle(self):
         if not self._opt:
@@ -445,10 +623,12 @@ class Optimizer:
             if self._order:
                 self._order.after()
 
-    def add_param(self, name, param, grad=None, tags=None):
-        """Registers a parameter (before the first step, save, load, info or stats)."""
+    def add_param(self, name, param, grad=None, tags=None, shard=None):
+        """Registers a parameter (before the first step, save, load, info or stats); shard: this rank's slice,
+        ("rows" | "cols", offset, global size of that dim), None for the whole parameter."""
         if isinstance(tags, (list, tuple)):
             tags = ",".join(tags)
+        sh = _shard(shard, "parameter %r" % (name,))
         p = _import(self.context, param, "parameter %r" % (name,), True)
         try:
             g = _import(self.context, grad, "gradient of %r" % (name,), False) if grad is not None else None
@@ -456,8 +636,9 @@ class Optimizer:
             _lib.ms_tensor_free(p)
             raise
         try:
-            _check(_lib.ms_optimizer_add_param(self._handle(), _utf8(name, "name"), p, g,
-                                               _utf8(tags, "tags") if tags else None))
+            _check(_lib.ms_optimizer_add_param_sharded(self._handle(), _utf8(name, "name"), p, g,
+                                                       _utf8(tags, "tags") if tags else None,
+                                                       ctypes.byref(sh) if sh is not None else None))
         finally:
             _lib.ms_tensor_free(p)       # the optimizer keeps handles of its own
             if g is not None:
@@ -535,8 +716,15 @@ class Optimizer:
         _check(self._ordered(_lib.ms_optimizer_prepare_replay_with, self._handle(), ctypes.byref(opts)))
 
     # --- state dicts -------------------------------------------------------------------------------
+    def _one_file(self, what):
+        if self._comm is not None and self._comm.world_size > 1:
+            raise MoonstepError("MS_E_ARG", "%s: an optimizer of %d ranks checkpoints into one file per rank: use "
+                                "save(path) and load(path) with a path every rank reaches (it loads on another "
+                                "number of ranks too)" % (what, self._comm.world_size))
+
     def checkpoint_bytes(self):
-        """The optimizer's checkpoint (what save() writes) as bytes."""
+        """The optimizer's checkpoint (what save() writes) as bytes (one rank)."""
+        self._one_file("checkpoint_bytes")
         with tempfile.TemporaryDirectory(prefix="moonstep-") as d:
             path = os.path.join(d, "optim.safetensors")
             self.save(path)
@@ -544,6 +732,7 @@ class Optimizer:
                 return f.read()
 
     def load_checkpoint_bytes(self, data):
+        self._one_file("load_checkpoint_bytes")
         with tempfile.TemporaryDirectory(prefix="moonstep-") as d:
             path = os.path.join(d, "optim.safetensors")
             with open(path, "wb") as f:
@@ -627,6 +816,7 @@ class Optimizer:
             _lib.ms_optimizer_free(self._opt)
         self._opt = None
         self._keep = {}
+        self._comm = None          # the communicator may go now
 
     __del__ = close
 
@@ -670,10 +860,29 @@ def _make_torch_optimizer():
                 opt.prepare_replay()          # this replay's lr (param_groups[0]["lr"]) and step number
                 g.replay()
                 sched.step()
+
+        Several ranks (torchrun; README, "Multi-GPU"): comm, a moonstep.Comm of this process's rank; shards,
+        {param or name: ("rows" | "cols", offset, global size of that dim)} for the parameters of which this rank
+        holds a slice (FSDP-style rows, tensor-parallel columns), p.grad being the slice's gradient; distribute,
+        "owner" (the default with several ranks: each unsharded parameter updated on one rank, then broadcast)
+        or "replicate" (every rank updates every parameter; their gradients must be identical, as after DDP's
+        all-reduce):
+
+            id = moonstep.comm_unique_id() if rank == 0 else None
+            box = [id]; torch.distributed.broadcast_object_list(box, src=0)
+            comm = moonstep.Comm(rank, world_size, box[0], device="cuda:%d" % local_rank)
+            opt = moonstep.TorchOptimizer(params, "sinkgd", lr=1e-3, comm=comm, shards={w: ("rows", r0, m)})
         """
 
-        def __init__(self, params, recipe="adamw", lr=1e-3, options=None, settings=None, capturable=False):
+        def __init__(self, params, recipe="adamw", lr=1e-3, options=None, settings=None, capturable=False,
+                     comm=None, shards=None, distribute=None):
             named, tags = self._named(params)
+            shard_of = self._shards(named, shards)
+            if distribute is not None:
+                if settings and "distribute" in settings and settings["distribute"] != distribute:
+                    raise ValueError("distribute=%r and settings['distribute']=%r disagree"
+                                     % (distribute, settings["distribute"]))
+                settings = dict(settings or {}, distribute=distribute)
             options = dict(options or {})
             if "lr" in options and options["lr"] != lr:
                 raise ValueError("give the learning rate as lr=, not in options")
@@ -690,7 +899,8 @@ def _make_torch_optimizer():
             super().__init__([p for _, p in named], {"lr": lr})
             self._building = False
             self.param_names = [n for n, _ in named]
-            self.moonstep = Optimizer([(n, p, p.grad, tags.get(n)) for n, p in named], recipe, options, settings)
+            self.moonstep = Optimizer([(n, p, p.grad, tags.get(n), shard_of.get(n)) for n, p in named], recipe,
+                                      options, settings, comm=comm)
             self._grad_keys = {n: self._grad_key(p.grad) for n, p in named}
             self._pushed_lr = lr
 
@@ -720,6 +930,22 @@ def _make_torch_optimizer():
                 for sub in list(item["params"]):
                     add(sub, group_tags)
             return named, tags
+
+        @staticmethod
+        def _shards(named, shards):
+            """{name: shard} from {param tensor or name: (dim, offset, size)}; keys must be parameters here."""
+            if not shards:
+                return {}
+            by_id = {id(p): n for n, p in named}
+            names = set(by_id.values())
+            out = {}
+            for key, spec in shards.items():
+                name = key if isinstance(key, str) else by_id.get(id(key))
+                if name not in names:
+                    raise ValueError("shards: %s is not one of the optimizer's parameters"
+                                     % (repr(key) if isinstance(key, str) else "a tensor of shape %s" % list(key.shape)))
+                out[name] = spec
+            return out
 
         @staticmethod
         def _grad_key(g):

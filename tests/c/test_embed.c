@@ -3,14 +3,25 @@
 ** arguments, malformed JSON, unknown and mistyped options and settings, unknown recipes, parameters that do
 ** not fit, a recipe that fails mid-step, corrupt checkpoints), the AdamW recipe against an f64 AdamW written
 ** here, a least-squares problem trained to a small loss, schedules and grad_scale, and checkpoints that
-** resume bit for bit.  Linked to libmoonstep.so like a trainer (the Lua side loads that same library).
+** resume bit for bit.  Several ranks: ms_optimizer_set_comm and ms_optimizer_add_param_sharded's refusals, a
+** world of one, and two ranks (this program started twice more, on the CPU's communicator) whose sharded and
+** replicated parameters end where one optimizer on the whole tensors does.  Linked to libmoonstep.so like a
+** trainer (the Lua side loads that same library).
 */
+#include <arpa/inet.h>
 #include <dlfcn.h>
 #include <math.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <spawn.h>
+#include <stdbool.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "check.h"
@@ -933,11 +944,341 @@ done:
     unlink(other);
 }
 
+
+/* --- several ranks ----------------------------------------------------------------------------------- */
+
+/* A generator of its own per seed, so that every process makes the same full tensors. */
+static void fill_seeded(float *x, int n, uint64_t seed, double scale)
+{
+    uint64_t s = (seed + 1) * 0x9E3779B97F4A7C15ULL;
+    for (int i = 0; i < n; i++) {
+        s ^= s << 13;
+        s ^= s >> 7;
+        s ^= s << 17;
+        x[i] = (float)(scale * ((double)(s >> 11) * 0x1p-53 * 2.0 - 1.0));
+    }
+}
+
+static void test_comm_and_shard_errors(void)
+{
+    ms_optimizer *opt = NULL;
+    CHECK(ms_optimizer_set_comm(NULL, NULL) == MS_E_ARG && contains(ms_last_error(), "opt is NULL"),
+          "set_comm(NULL): %s", ms_last_error());
+    CHECK(ms_optimizer_add_param_sharded(NULL, "w", NULL, NULL, NULL, NULL) == MS_E_ARG, "add_param_sharded(NULL)");
+    ms_status st = ms_optimizer_new(cpu, "sinkgd", NULL, "{\"comm\": 2}", &opt);
+    CHECK(st == MS_E_ARG && opt == NULL && contains(ms_last_error(), "setting 'comm'") &&
+          contains(ms_last_error(), "ms_optimizer_set_comm"), "comm in the settings: %s %s", ms_status_name(st),
+          ms_last_error());
+
+    CHECK(ms_optimizer_new(cpu, "sinkgd", NULL, NULL, &opt) == MS_OK, "sinkgd: %s", ms_last_error());
+    if (opt == NULL) return;
+    CHECK(ms_optimizer_set_comm(opt, NULL) == MS_OK, "set_comm(opt, NULL): %s", ms_last_error());
+    /* a world of one on the optimizer's context is accepted; one on another context (even of the same device) is
+    ** not: the collectives would be queued apart from the step */
+    ms_ctx *other = NULL;
+    ms_comm *mine = NULL, *theirs = NULL;
+    ms_comm_options one = { .rank = 0, .world_size = 1 };
+    CHECK(ms_ctx_new("cpu", NULL, &other) == MS_OK && ms_comm_new(cpu, &one, &mine) == MS_OK &&
+          ms_comm_new(other, &one, &theirs) == MS_OK, "worlds of one: %s", ms_last_error());
+    st = ms_optimizer_set_comm(opt, theirs);
+    CHECK(st == MS_E_DEVICE && contains(ms_last_error(), "the communicator was made on another context"),
+          "a comm of another context: %s %s", ms_status_name(st), ms_last_error());
+    CHECK(ms_optimizer_set_comm(opt, mine) == MS_OK, "a comm of the optimizer's context: %s", ms_last_error());
+    float w[24], g[24], b[6];
+    fill_random(w, 24, 1);
+    fill_random(g, 24, 1);
+    fill_random(b, 6, 1);
+    int64_t s46[2] = { 4, 6 }, s6[1] = { 6 };
+    ms_tensor *tw = wrap(w, 2, s46), *tg = wrap(g, 2, s46), *tb = wrap(b, 1, s6);
+    struct { ms_shard shard; ms_tensor *param; const char *needle; } bad[] = {
+        { { (ms_shard_dim)7, 0, 8 }, tw, "shard dim 7 is none of MS_SHARD_NONE" },
+        { { MS_SHARD_ROWS, 0, 8 }, tb, "a param of shape [6] has no rows to shard" },
+        { { MS_SHARD_COLS, 0, 6 }, tb, "a param of shape [6] has no columns to shard" },
+        { { MS_SHARD_ROWS, -1, 8 }, tw, "rows [-1, 3) held here do not lie within the global [0, 8)" },
+        { { MS_SHARD_ROWS, 5, 8 }, tw, "rows [5, 9) held here do not lie within the global [0, 8)" },
+        { { MS_SHARD_COLS, 0, 5 }, tw, "columns [0, 6) held here do not lie within the global [0, 5)" },
+        { { MS_SHARD_COLS, 0, 0 }, tw, "columns [0, 6) held here do not lie within the global [0, 0)" },
+    };
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        st = ms_optimizer_add_param_sharded(opt, "w", bad[i].param, NULL, NULL, &bad[i].shard);
+        CHECK(st == MS_E_ARG && contains(ms_last_error(), bad[i].needle) && contains(ms_last_error(), "'w'"),
+              "bad shard %zu: %s %s", i, ms_status_name(st), ms_last_error());
+    }
+    ms_shard rows = { MS_SHARD_ROWS, 4, 8 }, none = { MS_SHARD_NONE, 3, 1 };
+    st = ms_optimizer_add_param_sharded(opt, "w", tw, tb, NULL, &rows);
+    CHECK(st == MS_E_SHAPE && contains(ms_last_error(), "grad shape [6] != param shape [4,6]"), "grad of another "
+          "shape: %s %s", ms_status_name(st), ms_last_error());
+    /* the checks refused everything above: "w" is still free */
+    CHECK(ms_optimizer_add_param_sharded(opt, "w", tw, tg, "sinkgd", NULL) == MS_OK, "NULL shard: %s", ms_last_error());
+    CHECK(ms_optimizer_add_param_sharded(opt, "b", tb, NULL, NULL, &none) == MS_OK, "MS_SHARD_NONE (its offset "
+          "and global unused): %s", ms_last_error());
+    CHECK(ms_optimizer_add_param_sharded(opt, "b", tb, NULL, NULL, &none) == MS_E_ARG &&
+          contains(ms_last_error(), "duplicate parameter name 'b'"), "duplicate: %s", ms_last_error());
+    char *info = NULL;
+    CHECK(ms_optimizer_info(opt, &info) == MS_OK, "info: %s", ms_last_error());   /* starts the optimizer */
+    ms_string_free(info);
+    st = ms_optimizer_add_param_sharded(opt, "v", tw, NULL, NULL, &rows);
+    CHECK(st == MS_E_ARG && contains(ms_last_error(), "has started"), "sharded param after the start: %s",
+          ms_last_error());
+    st = ms_optimizer_set_comm(opt, NULL);
+    CHECK(st == MS_E_ARG && contains(ms_last_error(), "has started") && contains(ms_last_error(), "communicator"),
+          "set_comm after the start: %s", ms_last_error());
+    CHECK(ms_optimizer_step(opt) == MS_OK, "the optimizer still steps: %s", ms_last_error());
+    ms_optimizer_free(opt);
+    ms_comm_free(mine);       /* after the optimizer that used it */
+    ms_comm_free(theirs);
+    ms_ctx_free(other);
+
+    /* a slice that is not the whole parameter, with no other rank to hold the rest: refused when the optimizer
+    ** starts, naming the parameter, and nothing is updated */
+    float before[24];
+    memcpy(before, w, sizeof w);
+    CHECK(ms_optimizer_new(cpu, "sinkgd", NULL, NULL, &opt) == MS_OK, "sinkgd: %s", ms_last_error());
+    CHECK(ms_optimizer_add_param_sharded(opt, "half", tw, tg, NULL, &rows) == MS_OK, "rows [4, 8): %s",
+          ms_last_error());
+    st = ms_optimizer_step(opt);
+    CHECK(st != MS_OK && contains(ms_last_error(), "half"), "a partial slice on one rank: %s %s", ms_status_name(st),
+          ms_last_error());
+    CHECK(memcmp(before, w, sizeof w) == 0, "the refused step changed nothing");
+    ms_optimizer_free(opt);
+    ms_tensor_free(tw);
+    ms_tensor_free(tg);
+    ms_tensor_free(tb);
+}
+
+/* The distributed problem: every param's full values, and each rank's slice of it. */
+enum { DIST_PARAMS = 5, DIST_STEPS = 3, DIST_MAX = 64 };
+typedef struct dist_param {
+    const char  *name;
+    int          ndim;
+    int64_t      shape[3];
+    ms_shard_dim dim;
+    int64_t      split;       /* rank 0 holds [0, split) of the sharded dim, rank 1 the rest */
+} dist_param;
+
+static const dist_param dist_params[DIST_PARAMS] = {
+    { "a.weight", 2, { 8, 6 }, MS_SHARD_ROWS, 5 },        /* uneven rows */
+    { "b.weight", 2, { 6, 10 }, MS_SHARD_COLS, 4 },       /* columns */
+    { "c.weight", 2, { 4, 4 }, MS_SHARD_NONE, 0 },        /* whole on every rank: one owner updates it */
+    { "c.bias", 1, { 6 }, MS_SHARD_NONE, 0 },             /* AdamW, owned */
+    { "d.weight", 3, { 2, 3, 5 }, MS_SHARD_ROWS, 1 },     /* a stack, rows of each matrix */
+};
+static const char *dist_options = "{\"lr\": 0.05, \"sinkgd_lr_scale\": 1, \"sinkgd_spectral_norm\": true, "
+                                  "\"adamw_state\": \"f32\"}";
+
+static int64_t numel_of(int ndim, const int64_t *shape)
+{
+    int64_t n = 1;
+    for (int i = 0; i < ndim; i++) n *= shape[i];
+    return n;
+}
+
+/* rank's slice (rank -1: the whole) of param k's full values `full` into out; its shape into shape. */
+static int64_t dist_slice(const dist_param *d, int rank, const float *full, float *out, int64_t *shape)
+{
+    memcpy(shape, d->shape, sizeof d->shape);
+    if (rank < 0 || d->dim == MS_SHARD_NONE) {
+        int64_t n = numel_of(d->ndim, d->shape);
+        memcpy(out, full, (size_t)n * sizeof *out);
+        return n;
+    }
+    int axis = d->ndim - (d->dim == MS_SHARD_ROWS ? 2 : 1);
+    int64_t lo = rank == 0 ? 0 : d->split, hi = rank == 0 ? d->split : d->shape[axis];
+    shape[axis] = hi - lo;
+    int64_t outer = 1, inner = 1;       /* full = [outer, shape[axis], inner] */
+    for (int i = 0; i < axis; i++) outer *= d->shape[i];
+    for (int i = axis + 1; i < d->ndim; i++) inner *= d->shape[i];
+    int64_t n = 0;
+    for (int64_t o = 0; o < outer; o++)
+        for (int64_t j = lo; j < hi; j++)
+            for (int64_t i = 0; i < inner; i++) out[n++] = full[(o * d->shape[axis] + j) * inner + i];
+    return n;
+}
+
+/* Runs the problem as `rank` of 2 (comm given) or alone (rank -1, comm NULL): params[k] <- the final slices. */
+static bool dist_run(int rank, ms_comm *comm, float params[DIST_PARAMS][DIST_MAX])
+{
+    ms_optimizer *opt = NULL;
+    ms_status st = ms_optimizer_new(cpu, "sinkgd", dist_options, NULL, &opt);
+    CHECK(st == MS_OK, "rank %d: new: %s", rank, ms_last_error());
+    if (st != MS_OK) return false;
+    if (comm) CHECK((st = ms_optimizer_set_comm(opt, comm)) == MS_OK, "rank %d: set_comm: %s", rank, ms_last_error());
+    static float grads[DIST_PARAMS][DIST_MAX];
+    float full[DIST_MAX];
+    int64_t n[DIST_PARAMS];
+    for (int k = 0; st == MS_OK && k < DIST_PARAMS; k++) {
+        const dist_param *d = &dist_params[k];
+        int64_t shape[3];
+        fill_seeded(full, (int)numel_of(d->ndim, d->shape), 1000 + k, 1);
+        n[k] = dist_slice(d, rank, full, params[k], shape);
+        ms_tensor *tp = NULL, *tg = NULL;
+        st = ms_tensor_wrap(cpu, params[k], MS_DTYPE_F32, d->ndim, shape, NULL, &tp);
+        if (st == MS_OK) st = ms_tensor_wrap(cpu, grads[k], MS_DTYPE_F32, d->ndim, shape, NULL, &tg);
+        int axis = d->ndim - (d->dim == MS_SHARD_ROWS ? 2 : 1);
+        ms_shard shard = { rank < 0 ? MS_SHARD_NONE : d->dim, rank == 1 ? d->split : 0, d->shape[axis] };
+        if (st == MS_OK) st = ms_optimizer_add_param_sharded(opt, d->name, tp, tg, NULL, &shard);
+        CHECK(st == MS_OK, "rank %d: add %s: %s", rank, d->name, ms_last_error());
+        ms_tensor_free(tp);
+        ms_tensor_free(tg);
+    }
+    for (int s = 1; st == MS_OK && s <= DIST_STEPS; s++) {
+        for (int k = 0; k < DIST_PARAMS; k++) {
+            int64_t shape[3];
+            fill_seeded(full, (int)numel_of(dist_params[k].ndim, dist_params[k].shape), 100 * s + k, 0.5);
+            dist_slice(&dist_params[k], rank, full, grads[k], shape);
+        }
+        st = ms_optimizer_step(opt);
+        CHECK(st == MS_OK, "rank %d: step %d: %s", rank, s, ms_last_error());
+    }
+    ms_optimizer_free(opt);
+    for (int k = 0; st == MS_OK && k < DIST_PARAMS; k++)
+        for (int64_t i = 0; i < n[k]; i++)
+            if (!isfinite(params[k][i])) st = MS_E_ARG;
+    CHECK(st == MS_OK, "rank %d: finite results", rank);
+    return st == MS_OK;
+}
+
+/* One rank of the two (this program, started by test_two_ranks): its slices into dir/rank<r>.bin. */
+static int dist_rank_main(const char *out_dir)
+{
+    int rank = atoi(getenv("RANK"));
+    ms_comm *comm = NULL;
+    ms_status st = ms_comm_new_from_env(cpu, 20000, &comm);
+    CHECK(st == MS_OK && ms_comm_size(comm) == 2 && ms_comm_rank(comm) == rank, "rank %d: comm from the environment: "
+          "%s", rank, ms_last_error());
+    if (st != MS_OK) return CHECK_REPORT();
+    static float params[DIST_PARAMS][DIST_MAX];
+    if (dist_run(rank, comm, params)) {
+        char path[128];
+        snprintf(path, sizeof path, "%s/rank%d.bin", out_dir, rank);
+        FILE *f = fopen(path, "wb");
+        CHECK(f && fwrite(params, sizeof params, 1, f) == 1, "rank %d: write %s", rank, path);
+        if (f) fclose(f);
+    }
+    /* slices that overlap (rows [0, 3) of 4 on both ranks): both ranks refuse at the start, naming it */
+    float p[12], g[12];
+    fill_random(p, 12, 1);
+    fill_random(g, 12, 1);
+    int64_t s34[2] = { 3, 4 };
+    ms_tensor *tp = wrap(p, 2, s34), *tg = wrap(g, 2, s34);
+    ms_shard overlap = { MS_SHARD_ROWS, 0, 4 };
+    ms_optimizer *opt = NULL;
+    CHECK(ms_optimizer_new(cpu, "sinkgd", NULL, NULL, &opt) == MS_OK && ms_optimizer_set_comm(opt, comm) == MS_OK &&
+          ms_optimizer_add_param_sharded(opt, "overlapping", tp, tg, NULL, &overlap) == MS_OK, "rank %d: %s", rank,
+          ms_last_error());
+    st = ms_optimizer_step(opt);
+    CHECK(st != MS_OK && contains(ms_last_error(), "overlapping"), "rank %d: overlapping slices: %s %s", rank,
+          ms_status_name(st), ms_last_error());
+    ms_optimizer_free(opt);
+    ms_tensor_free(tp);
+    ms_tensor_free(tg);
+    ms_comm_free(comm);
+    printf("rank %d: ", rank);
+    return CHECK_REPORT();
+}
+
+/* A free TCP port on 127.0.0.1 (0 when there is none). */
+static int free_port(void)
+{
+    int fd = socket(AF_INET, SOCK_STREAM, 0), port = 0;
+    struct sockaddr_in a = { .sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK) };
+    socklen_t len = sizeof a;
+    if (fd >= 0 && bind(fd, (struct sockaddr *)&a, sizeof a) == 0 && getsockname(fd, (struct sockaddr *)&a, &len) == 0)
+        port = ntohs(a.sin_port);
+    if (fd >= 0) close(fd);
+    return port;
+}
+
+extern char **environ;
+
+/* Two ranks on the CPU's communicator (this program again, as `moonstep launch` would start it), against
+** one optimizer on the whole tensors here. */
+static void test_two_ranks(void)
+{
+    int port = free_port();
+    CHECK(port > 0, "a free port");
+    if (port <= 0) return;
+    char port_s[16];
+    snprintf(port_s, sizeof port_s, "%d", port);
+    setenv("MASTER_ADDR", "127.0.0.1", 1);
+    setenv("MASTER_PORT", port_s, 1);
+    setenv("WORLD_SIZE", "2", 1);
+    setenv("MS_TEST_EMBED_RANK_DIR", dir, 1);
+    pid_t pid[2] = { -1, -1 };
+    for (int r = 0; r < 2; r++) {
+        char rank_s[4];
+        snprintf(rank_s, sizeof rank_s, "%d", r);
+        setenv("RANK", rank_s, 1);
+        setenv("LOCAL_RANK", rank_s, 1);
+        char *argv[] = { "test_embed", NULL };
+        CHECK(posix_spawn(&pid[r], "/proc/self/exe", NULL, NULL, argv, environ) == 0, "start rank %d", r);
+    }
+    const char *vars[] = { "MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "MS_TEST_EMBED_RANK_DIR" };
+    for (size_t i = 0; i < sizeof vars / sizeof vars[0]; i++) unsetenv(vars[i]);
+    /* the ranks' communicator times out after 20 s; a rank still running at 60 s is hung */
+    int status[2] = { -1, -1 };
+    for (int tick = 0, left = 2; left > 0 && tick < 600; tick++) {
+        for (int r = 0; r < 2; r++)
+            if (pid[r] > 0 && status[r] == -1 && waitpid(pid[r], &status[r], WNOHANG) == 0) status[r] = -1;
+        left = (status[0] == -1 && pid[0] > 0) + (status[1] == -1 && pid[1] > 0);
+        if (left) nanosleep(&(struct timespec){ .tv_nsec = 100000000 }, NULL);
+    }
+    for (int r = 0; r < 2; r++) {
+        if (pid[r] > 0 && status[r] == -1) {
+            kill(pid[r], SIGKILL);
+            waitpid(pid[r], NULL, 0);
+        }
+        CHECK(status[r] != -1 && WIFEXITED(status[r]) && WEXITSTATUS(status[r]) == 0, "rank %d: %s %d", r,
+              status[r] == -1 ? "still running after 60 s, killed" : WIFEXITED(status[r]) ? "exit status" : "signal",
+              status[r] == -1 ? 0 : WIFEXITED(status[r]) ? WEXITSTATUS(status[r]) : WTERMSIG(status[r]));
+    }
+
+    static float want[DIST_PARAMS][DIST_MAX], got[2][DIST_PARAMS][DIST_MAX];
+    if (!dist_run(-1, NULL, want)) return;
+    for (int r = 0; r < 2; r++) {
+        char path[128];
+        snprintf(path, sizeof path, "%s/rank%d.bin", dir, r);
+        FILE *f = fopen(path, "rb");
+        CHECK(f && fread(got[r], sizeof got[r], 1, f) == 1, "read %s", path);
+        if (f) fclose(f);
+        unlink(path);
+        if (!f) return;
+    }
+    for (int k = 0; k < DIST_PARAMS; k++) {
+        const dist_param *d = &dist_params[k];
+        float want_slice[DIST_MAX], before[DIST_MAX];
+        int64_t shape[3];
+        fill_seeded(before, (int)numel_of(d->ndim, d->shape), 1000 + k, 1);
+        for (int r = 0; r < 2; r++) {
+            int64_t n = dist_slice(d, r, want[k], want_slice, shape);
+            float start[DIST_MAX];
+            dist_slice(d, r, before, start, shape);
+            double worst = 0;
+            int moved = 0;
+            for (int64_t i = 0; i < n; i++) {
+                double err = fabs((double)got[r][k][i] - want_slice[i]) / (1e-6 + 1e-5 * fabs(want_slice[i]));
+                worst = err > worst || err != err ? err : worst;
+                moved += got[r][k][i] != start[i];
+            }
+            CHECK(worst <= 1, "%s on rank %d: %.3g times the tolerance from one optimizer on the whole", d->name, r,
+                  worst);
+            CHECK(moved == n, "%s on rank %d: %d of %lld elements moved", d->name, r, moved, (long long)n);
+        }
+    }
+}
+
 int main(void)
 {
     snprintf(dir, sizeof dir, "/tmp/ms_embed_XXXXXX");
     if (mkdtemp(dir) == NULL) { printf("cannot make a temporary folder\n0 passed, 1 failed\n"); return 1; }
     if (ms_ctx_new("cpu", NULL, &cpu) != MS_OK) { printf("cpu context: %s\n0 passed, 1 failed\n", ms_last_error()); return 1; }
+    const char *rank_dir = getenv("MS_TEST_EMBED_RANK_DIR");
+    if (rank_dir) {                   /* one of test_two_ranks's ranks */
+        rmdir(dir);
+        int rc = dist_rank_main(rank_dir);
+        ms_ctx_free(cpu);
+        return rc;
+    }
     test_null_arguments();
     test_bad_json();
     test_bad_options_and_settings();
@@ -952,6 +1293,8 @@ int main(void)
     test_two_optimizers();
     test_save_load();
     test_prepare_replay_on_cpu();
+    test_comm_and_shard_errors();
+    test_two_ranks();
     ms_ctx *probe = NULL;
     cudart rt;
     if (ms_ctx_new("cuda", NULL, &probe) != MS_OK) {
