@@ -4,7 +4,8 @@ step of recipes/dash.lua, on the 2-D parameters of DASH's Llama-953M with B = 10
 
   build/moonstep bench/dash_bench.lua [--set subset|full] [--solvers ndb_pim,ndb_fro,cn_f32,cn_f16,evd,cheb,auto]
                                       (default: all but cheb; the full set leaves evd out unless named)
-                                      [--parts solver,step] [--tol 1e-2,1e-3] [--spectrum controlled|random]
+                                      [--parts solver,step] [--tol 1e-2,1e-3] [--spectrum controlled|random|lm]
+                                      [--lm-steps 300] [--lm-width 1024] [--lm-layers 8]
                                       [--trials 5] [--steps 10] [--evd-paths] [--splits] [--json PATH]
                                       [--device cuda] [--tiny]
   python3 bench/torch_baselines/dash.py --spectrum controlled      -- DASH's math in PyTorch, own process
@@ -14,7 +15,9 @@ share, the set of research/anchors-h200.md); "full" = all 80 (1568 x 1024 + 96 x
 spectra as the pinned baseline makes them -- Q diag(l) Q^T, condition numbers log-uniform in [1e1, 1e7], every
 tenth block rank-deficient (half its eigenvalues 0) -- with Q from a pool of 32 random orthogonal matrices
 (eigenvectors of random symmetric matrices; the solvers' work does not depend on Q); "random": EMAs of G G^T
-over 4 Gaussian steps (condition ~10, easy).
+over 4 Gaussian steps (condition ~10, easy); "lm": the factor blocks of a real training run (the built-in lm
+problem at width 1024, 8 hidden layers, trained with recipes/dash.lua for --lm-steps steps), repeated to fill
+the set's stacks, with a histogram of their condition numbers.
 
 Part "solver": ms.inv_root on the two factor stacks per configuration (TF32 on, DASH's settings: 10 Newton
 steps, PIM 16 vectors x 10 steps in bf16, const 2), fixed iterations and, for CN/NDB, early exit at each --tol:
@@ -188,8 +191,59 @@ local function q_pool(b, count, seed)
   return Q
 end
 
+-- "lm": the factors of a real training run -- the built-in lm problem (width 1024 or --lm-width, --lm-layers
+-- hidden layers) trained with recipes/dash.lua (NDB-PIM, its defaults) for --lm-steps steps; the trained factor
+-- blocks of each size, and each block's condition number from an f32 eigendecomposition (eigenvalues below
+-- 1e-7 lambda_max count as zero: rank-deficient, kappa = inf)
+local lm = nil
+local function lm_trained()
+  if lm then return lm end
+  local E = require("moonstep.experiment")
+  local steps = args.lm_steps or 300
+  local t0 = E.clock()
+  local r = E.run { problem = "lm", problem_options = { width = args.lm_width or (args.tiny and 64 or 1024),
+                    layers = args.lm_layers or 8 }, recipe = "dash", recipe_options = { block_size = B },
+                    steps = steps, eval_every = steps, ctx = ctx, seed = 1 }
+  lm = { stacks = {}, kappa = {}, loss = r.val_loss, steps = steps,
+         seconds = E.clock() - t0 }
+  for _, g in ipairs(r.opt.groups) do
+    if g.route == "dash" then
+      for key, f in pairs(g.state.factor) do
+        local b = tonumber(key:match("^(%d+)p4$"))
+        if b then
+          lm.stacks[b] = f:clone()
+          local w = ms.eigh(f):to("cpu"):tolist_flat()   -- [m, b] ascending, f32 on the device
+          local m = f:size(0)
+          lm.kappa[b] = {}
+          for k = 1, m do
+            local top, low = w[k * b], w[(k - 1) * b + 1]
+            lm.kappa[b][k] = (top > 0 and low > 1e-7 * top) and top / low or math.huge
+          end
+        end
+      end
+    end
+  end
+  r = nil
+  release()
+  return lm
+end
+
 -- factors [n, b, b] and each block's condition number (controlled) on the device
 local function factors(n, b, seed)
+  if args.spectrum == "lm" then
+    -- the trained blocks of this size, repeated to fill the stack (the set's block counts, the run's spectra); a
+    -- size the run has no blocks of takes the top-left corners of the largest ones (SPD too, kappa at most theirs)
+    local t = lm_trained()
+    local src = t.stacks[b] or t.stacks[B]
+    local kap = t.kappa[b] or t.kappa[B]
+    local m = src:size(0)
+    local A, kappa = ms.empty({ n, b, b }, { ctx = ctx }), {}
+    for k = 0, n - 1 do
+      A:select(0, k):copy_(src:select(0, k % m):narrow(0, 0, b):narrow(1, 0, b))
+      kappa[k + 1] = kap[k % m + 1]
+    end
+    return A, kappa
+  end
   if args.spectrum == "random" then
     local A = ms.zeros({ n, b, b }, { ctx = ctx })
     for s = 1, 4 do
@@ -227,6 +281,23 @@ end
 local stacks, kappas = {}, {}
 for i, s in ipairs(sizes) do stacks[s], kappas[s] = factors(factor_n[s], s, 9000 + 100 * i) end
 ctx:sync()
+if lm then
+  -- the trained blocks' condition numbers by decade (issue 6: auto on a real run's factors, with its histogram)
+  print(("lm factors: problem lm, %d steps with recipes/dash.lua (%.1f s), validation loss %s"):format(lm.steps,
+        lm.seconds, lm.loss and ("%.4f"):format(lm.loss) or "-"))
+  for b, kap in pairs(lm.kappa) do
+    local bins, order = {}, {}
+    for _, k in ipairs(kap) do
+      local d = k == math.huge and "inf (rank-deficient)" or ("1e%d-1e%d"):format(math.floor(math.log10(k)), math.floor(math.log10(k)) + 1)
+      if not bins[d] then bins[d] = 0 order[#order + 1] = d end
+      bins[d] = bins[d] + 1
+    end
+    table.sort(order)
+    io.write(("  %d blocks of %d, condition numbers:"):format(#kap, b))
+    for _, d in ipairs(order) do io.write(("  %s: %d"):format(d, bins[d])) end
+    print()
+  end
+end
 
 -- f64 references on the CPU: 4 sample blocks of the largest stack (eigendecomposition kept; the references of
 -- each solver are made from it on demand)
@@ -692,7 +763,7 @@ local function step_run(name)
 end
 
 if has(PARTS, "step") then
-  print("\nthe optimizer step (recipes/dash.lua, controlled factors injected):")
+  print(("\nthe optimizer step (recipes/dash.lua, %s factors injected):"):format(args.spectrum))
   for _, name in ipairs(SOLVERS) do
     if CONFIG[name] or name == "auto" then
       local ok, err = pcall(step_run, name)
