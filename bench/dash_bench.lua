@@ -2,7 +2,8 @@
 bench/dash_bench.lua -- DASH on the GPU host (issue 6): the inverse-root solvers alone and the whole optimizer
 step of recipes/dash.lua, on the 2-D parameters of DASH's Llama-953M with B = 1024 (research/dash.md §1.5, §8).
 
-  build/moonstep bench/dash_bench.lua [--set subset|full] [--solvers ndb_pim,ndb_fro,cn_f32,cn_f16,evd,cheb,auto]
+  build/moonstep bench/dash_bench.lua [--set subset|full] [--solvers ndb_pim,ndb_fro,cn_f32,cn_f16,evd,cheb,auto,
+                                       ndb_pim_f16,ndb_fro_f16]
                                       (default: all but cheb; the full set leaves evd out unless named)
                                       [--parts solver,step] [--tol 1e-2,1e-3] [--spectrum controlled|random|lm]
                                       [--lm-steps 300] [--lm-width 1024] [--lm-layers 8]
@@ -419,6 +420,8 @@ end
 local CONFIG = {
   ndb_pim = { method = "ndb", scaling = "pim", dash = 56, label = "NDB-PIM" },
   ndb_fro = { method = "ndb", scaling = "fro", dash = 56, label = "NDB-Fro" },
+  ndb_pim_f16 = { method = "ndb", scaling = "pim", matmul_dtype = "f16", dash = 56, label = "NDB-PIM f16" },
+  ndb_fro_f16 = { method = "ndb", scaling = "fro", matmul_dtype = "f16", dash = 56, label = "NDB-Fro f16" },
   cn_f32 = { method = "cn", scaling = "fro", dash = 40, label = "CN-Fro f32" },
   cn_f16 = { method = "cn", scaling = "fro", matmul_dtype = "f16", dash = 40, label = "CN-Fro f16" },
   evd = { method = "evd", eps = 1e-10, label = "EVD" },
