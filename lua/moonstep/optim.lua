@@ -1116,13 +1116,18 @@ function Optimizer:_replay(e)
   w[self.step_t] = st == 0 and step or nil
   core.check(st, 3)
   self.step_count = step
-  self.reports = {}
-  self.last = { step = step, lr = lr, device_checks = true, captured = "step", reports = self.reports,
-                launches = launches(h) - launches0 }
-  self.last_checks = e.checks
-  self.fast = e
+  -- one record for every bare replay (no garbage per step: a collector step inside the call would cost more
+  -- than the call); stats() fills in what the device decided
+  local last = self.replay_last
+  if last == nil then
+    last = { device_checks = true, captured = "step", reports = {} }
+    self.replay_last = last
+  end
+  last.step, last.lr, last.launches = step, lr, launches(h) - launches0
+  last.skipped, last.grad_norm, last.clipped = nil, nil, nil
+  self.reports, self.last, self.last_checks, self.fast = last.reports, last, e.checks, e
   if self.settings.nonfinite == "apply" or #self.active == 0 then
-    self.last.skipped = false
+    last.skipped = false
     return true, true
   end
   return nil, true
