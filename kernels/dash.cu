@@ -421,6 +421,16 @@ __device__ __forceinline__ uint2 pack16(const float v[4], int dt)
     return make_uint2((unsigned)h[0] | ((unsigned)h[1] << 16), (unsigned)h[2] | ((unsigned)h[3] << 16));
 }
 
+/* Four 16-bit dt values from 8 bytes, as floats (pack16 reversed: exact) */
+__device__ __forceinline__ void unpack16(uint2 w, int dt, float v[4])
+{
+    const unsigned short h[4] = { (unsigned short)(w.x & 0xffffu), (unsigned short)(w.x >> 16),
+                                  (unsigned short)(w.y & 0xffffu), (unsigned short)(w.y >> 16) };
+#pragma unroll
+    for (int k = 0; k < 4; k++)
+        v[k] = dt == MS_DTYPE_F16 ? __half2float(__ushort_as_half(h[k])) : __bfloat162float(__ushort_as_bfloat16(h[k]));
+}
+
 /* The finish of a plain product (split 1) into f32 x with n % 4 == 0: the whole matrix is the one diagonal
 ** block, so the pass is elementwise -- float4 loads and stores, no tile decoding, no shared-memory transpose.
 ** The tile kernel ran this pass at a fraction of the memory bandwidth (~1 ms per check of a 228 x 1024 stack on
@@ -432,11 +442,19 @@ __global__ void __launch_bounds__(T_ELEM) finish_flat_kernel(const msk_dash_fini
 {
     const int64_t p = y0 + blockIdx.y, nn = n * n, lo = (int64_t)blockIdx.x * FLAT_CHUNK;
     const int64_t hi = lo + FLAT_CHUNK < nn ? lo + FLAT_CHUNK : nn;
+    /* x is f32, or 16-bit (CN's M written by its product in 16 bits: read only, diag 0, no x16) */
+    const bool x32 = F.xdt == MS_DTYPE_F32;
     float4 *x4 = (float4 *)((float *)F.x + p * nn);
+    const uint2 *x2 = (const uint2 *)((const unsigned short *)F.x + p * nn);
     float dmax = 0;
     for (int64_t e0 = lo + 4 * (int64_t)threadIdx.x; e0 < hi; e0 += 4 * T_ELEM) {
-        const float4 t = x4[e0 / 4];
-        float v[4] = { t.x, t.y, t.z, t.w };
+        float v[4];
+        if (x32) {
+            const float4 t = x4[e0 / 4];
+            v[0] = t.x; v[1] = t.y; v[2] = t.z; v[3] = t.w;
+        } else {
+            unpack16(x2[e0 / 4], F.xdt, v);
+        }
         const int64_t row = row_of(e0, n), dk = row - (e0 - row * n);   /* the diagonal is element dk of the four */
         if (dk >= 0 && dk < 4 && F.diag != 0) {
 #pragma unroll
@@ -475,7 +493,9 @@ extern "C" ms_status msk_dash_finish_run(ms_ctx *ctx, cudaStream_t s, const msk_
     ** n * n * 4 bytes apart) and 8-byte aligned for the packed 16-bit stores */
     const bool aligned = (((uintptr_t)f->x | (uintptr_t)f->cn_n32) & 15) == 0 &&
                          (((uintptr_t)f->x16 | (uintptr_t)f->cn_n16) & 7) == 0;
-    if (S.split == 1 && diag_mode == 2 && f->xdt == MS_DTYPE_F32 && S.n % 4 == 0 && aligned) {
+    /* 16-bit x only as CN's M (read, not written): diag 0 and no 16-bit copy */
+    const bool flat_x = f->xdt == MS_DTYPE_F32 || (f->cn_p > 0 && f->diag == 0 && f->x16 == NULL);
+    if (S.split == 1 && diag_mode == 2 && flat_x && S.n % 4 == 0 && aligned) {
         const int64_t nn = S.n * S.n;
         for (int64_t y0 = 0; y0 < f->batch; y0 += MAX_GRID_Y) {
             const int64_t cnt = f->batch - y0 < MAX_GRID_Y ? f->batch - y0 : MAX_GRID_Y;

@@ -426,6 +426,9 @@ static int root_cn(const root_call *rc, work *w, const float *areg, double s, fl
             gemm(b, N2, M, T1, rc->mm, ra, rb);
             gemm(b, N2, T1, M, rc->mm, ra, rb);
         }
+        /* 16-bit: M is kept in 16 bits (the next products' operand), and N and the distance come from it */
+        if (rc->mm != MS_DTYPE_F32)
+            for (int64_t i = 0; i < bb; i++) M[i] = round16(M[i], rc->mm);
         it++;
         float dev = max_dev_identity(M, b);
         if ((tol > 0 && dev < tol) || !(dev <= (float)(p + 1))) break;

@@ -717,12 +717,13 @@ static ms_status cn_solve(solver *S)
                 np = shadow(S, 3);
             }
             MS_TRY(product(S, shadow(S, 4), h, np, shadow(S, 0), h, 1, 0, 0, false, NULL));
-            /* M <- np (np M) in f32 (slot 3); the finish rounds M into shadow 0 and forms N (slot ns, shadow 2) */
-            MS_TRY(gemm_sym(S, slot(S, 3), MS_DTYPE_F32, np, shadow(S, 4), h, false, 1.0f, 0.0f));
+            /* M <- np (np M), rounded once into 16 bits by the product itself (shadow 0: the next products' operand);
+            ** the finish forms N from it (slot ns, shadow 2): a 16-bit read where an f32 M would be written and
+            ** read back (engine/cpu/dash.c's root_cn rounds M alike) */
+            MS_TRY(gemm_sym(S, shadow(S, 0), h, np, shadow(S, 4), h, false, 1.0f, 0.0f));
             msk_dash_finish f = {
-                .x = slot(S, 3), .xdt = MS_DTYPE_F32, .x16 = shadow(S, 0), .x16dt = h, .diag = 0,
-                .dev = S->early ? S->dev : NULL, .batch = S->pos.batch, .cn_p = p, .cn_n32 = slot(S, ns),
-                .cn_n16 = shadow(S, 2),
+                .x = shadow(S, 0), .xdt = h, .x16 = NULL, .x16dt = h, .diag = 0, .dev = S->early ? S->dev : NULL,
+                .batch = S->pos.batch, .cn_p = p, .cn_n32 = slot(S, ns), .cn_n16 = shadow(S, 2),
             };
             MS_CUDA_LAUNCH(S->ctx, msk_dash_finish_run(S->ctx, S->st, &S->sym, &f));
             S->launches++;

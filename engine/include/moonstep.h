@@ -859,7 +859,8 @@ typedef struct ms_root_options {
 **   EVD:  A_reg = Q diag(l) Q^T (LAPACK / cuSOLVER syevd in f32); with evd_shift l <- l + eps - min(l_1, 0);
 **         X = Q diag(l^(-1/p)) Q^T, where an l <= 0 contributes 0 (pseudo-inverse; only with eps = 0).
 **   CN:   z = (p + 1) / (2 s), X = z^(1/p) I, M = z A_reg; per iteration N = ((p + 1) I - M) / p,
-**         X <- X N, M <- N^p M (p = 4: N2 = N N, M <- N2 (N2 M)).  16-bit: the products of the M recursion.
+**         X <- X N, M <- N^p M (p = 4: N2 = N N, M <- N2 (N2 M)).  16-bit: the products of the M recursion,
+**         and M kept in 16 bits (rounded once after each update; N and the distance are formed from it).
 **   NDB:  one square-root chain on C with scale c: Y = C / c, Z = I; step 1 is E = 1.5 I - 0.5 Y, Y <- Y E,
 **         Z <- E (one product); steps 2..T: E = 1.5 I - 0.5 Z Y, Y <- Y E, Z <- E Z; the last step skips the
 **         product that is not returned.  p = 2: X = Z_T / sqrt(s) from the chain on A_reg with c = s.
