@@ -1662,21 +1662,6 @@ static_assert(sizeof(skargs<MSK_SINKGD_CAP>) % 16 == 0 && sizeof(skargs<SMALL_CA
 
 static size_t table_bytes() { return TABLE_SLOTS * sizeof(skargs<MSK_SINKGD_CAP>); }
 
-extern "C" size_t msk_sinkgd_scratch(int n, const msk_sinkgd_mat *m)
-{
-    skmat *tmp = new (std::nothrow) skmat[MSK_SINKGD_CAP];
-    if (tmp == NULL) return (size_t)-1;
-    const int G = ctas_per_pass();
-    int64_t most = 0, gtot;
-    int grid, nfold;
-    for (int first = 0; first < n; first += MSK_SINKGD_CAP) {
-        const int cnt = n - first < MSK_SINKGD_CAP ? n - first : MSK_SINKGD_CAP;
-        const int64_t b = plan_chunk(cnt, m + first, G, NULL, tmp, &gtot, &grid, &nfold);
-        most = b > most ? b : most;
-    }
-    delete[] tmp;
-    return (size_t)most + table_bytes();
-}
 
 /* One launch of kernel K with the table of the given flags. */
 template <int CAP>
@@ -1780,6 +1765,7 @@ static size_t side_bytes() { return sizeof(skcols<MSK_SINKGD_CAP>); }
 
 static int64_t xch_bytes(int dim, int cnt, int64_t gtot, int nfold)
 {
+    if (dim == 0) return 0;   /* unsharded: no exchange buffer */
     if (dim == MSK_SHARD_ROWS) return ((int64_t)nfold * FOLD_COLS + 3 * (int64_t)cnt) * 8;
     return (2 * gtot + 3 * (int64_t)cnt) * 8 + up4(gtot) * 4;
 }
@@ -1800,6 +1786,8 @@ extern "C" size_t msk_sinkgd_sharded_scratch(int dim, int n, const msk_sinkgd_ma
     delete[] tmp;
     return (size_t)most + table_bytes() + side_bytes();
 }
+
+extern "C" size_t msk_sinkgd_scratch(int n, const msk_sinkgd_mat *m) { return msk_sinkgd_sharded_scratch(0, n, m); }
 
 template <int CAP>
 static ms_status write_tables(ms_ctx *ctx, cudaStream_t s, const skargs<CAP> &a, skargs<CAP> *tables, unsigned used,

@@ -292,18 +292,25 @@ static void run_matrix(const call *cl, const mat *x, double *scratch, int nt)
     apply(cl, x, &k, 1.0, a, t / f, nt);
 }
 
+/* The call's settings from the options, with the step read from its scalar (lr: *lr). */
+static call call_of(const ms_sinkgd_options *o, double *lr)
+{
+    *lr = ms_cpu_read_scalar(&(ms_scalar){ o->lr, o->lr_t });
+    double step = rint(ms_cpu_read_scalar(&(ms_scalar){ o->step, o->step_t }));
+    return (call){
+        .mode = o->mode, .iters = o->iters, .sn_iters = o->sn_iters, .target = o->target, .eps = o->eps,
+        .wd = o->weight_decay, .key = { (uint32_t)o->seed, (uint32_t)(o->seed >> 32) },
+        .round = ms_cpu_rounding_of(o->stochastic_round != 0, o->seed, step),
+    };
+}
+
 ms_status ms_cpu_sinkgd_step(ms_ctx *ctx, int n, ms_tensor *const *params, const ms_tensor *const *grads,
                              ms_tensor *const *specnorm_u, ms_tensor *const *md_target_norm,
                              const double *scales, const ms_sinkgd_options *o)
 {
     if (o->skip_t != NULL && ms_cpu_read_scalar(&(ms_scalar){ 0, o->skip_t }) != 0) return MS_OK;   /* NaN skips */
-    double lr = ms_cpu_read_scalar(&(ms_scalar){ o->lr, o->lr_t });
-    double step = rint(ms_cpu_read_scalar(&(ms_scalar){ o->step, o->step_t }));
-    call cl = {
-        .mode = o->mode, .iters = o->iters, .sn_iters = o->sn_iters, .target = o->target, .eps = o->eps,
-        .wd = o->weight_decay, .key = { (uint32_t)o->seed, (uint32_t)(o->seed >> 32) },
-        .round = ms_cpu_rounding_of(o->stochastic_round != 0, o->seed, step),
-    };
+    double lr;
+    call cl = call_of(o, &lr);
 
     /* the matrices, the big ones first (in call order), and the scratch they need */
     int64_t count = 0;
@@ -695,13 +702,8 @@ ms_status ms_cpu_sinkgd_step_sharded(ms_ctx *ctx, int n, ms_tensor *const *param
                                      const ms_exchange *xch)
 {
     if (o->skip_t != NULL && ms_cpu_read_scalar(&(ms_scalar){ 0, o->skip_t }) != 0) return MS_OK;   /* NaN skips */
-    double lr = ms_cpu_read_scalar(&(ms_scalar){ o->lr, o->lr_t });
-    double step = rint(ms_cpu_read_scalar(&(ms_scalar){ o->step, o->step_t }));
-    call cl = {
-        .mode = o->mode, .iters = o->iters, .sn_iters = o->sn_iters, .target = o->target, .eps = o->eps,
-        .wd = o->weight_decay, .key = { (uint32_t)o->seed, (uint32_t)(o->seed >> 32) },
-        .round = ms_cpu_rounding_of(o->stochastic_round != 0, o->seed, step),
-    };
+    double lr;
+    call cl = call_of(o, &lr);
     int nt = ms_cpu_threads(ctx);
     sharded S = { .cl = &cl, .x = xch, .nt = nt };
 
