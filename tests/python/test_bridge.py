@@ -13,51 +13,17 @@ import math
 import os
 import sys
 import tempfile
-import traceback
 import weakref
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "python"))
-
-try:
-    import numpy as np
-except ImportError:
-    print("numpy is missing: the bridge tests need it")
-    print("0 passed, 0 failed, 1 skipped")
-    sys.exit(0)
-
-import moonstep  # noqa: E402
-
-TESTS = []
-
-
-def test(fn):
-    TESTS.append(fn)
-    return fn
+from harness import assert_close, expect_status, moonstep, np, run, test
 
 
 def rng(seed):
     return np.random.default_rng(seed)
 
 
-def assert_close(got, want, rtol, atol, what):
-    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
-    err = np.abs(got - want)
-    bound = atol + rtol * np.abs(want)
-    # NaN anywhere fails: the comparison is false
-    if not np.all(err <= bound):
-        worst = int(np.nanargmax(np.where(np.isnan(err), np.inf, err / bound)))
-        raise AssertionError("%s: worst element %d: got %r, want %r (tolerance %g)"
-                             % (what, worst, got.flat[worst], want.flat[worst], bound.flat[worst]))
-
-
 def expect_error(status, needle, fn, *args, **kwargs):
-    try:
-        fn(*args, **kwargs)
-    except moonstep.MoonstepError as e:
-        assert e.status == status, "status %s, want %s (%s)" % (e.status, status, e)
-        assert needle in str(e), "message lacks %r: %s" % (needle, e)
-        return e
-    raise AssertionError("no error; wanted %s with %r" % (status, needle))
+    return expect_status(status, needle, fn, *args, **kwargs)
 
 
 def adamw_reference(p, m, v, g, t, lr, b1, b2, eps, wd):
@@ -394,17 +360,7 @@ def prepare_replay_is_refused_on_the_cpu_and_changes_nothing():
 
 
 def main():
-    passed = failed = 0
-    for fn in TESTS:
-        try:
-            fn()
-            passed += 1
-            print("ok   %s" % fn.__name__)
-        except Exception:
-            failed += 1
-            print("FAIL %s\n%s" % (fn.__name__, traceback.format_exc()))
-    print("%d passed, %d failed" % (passed, failed))
-    return 1 if failed else 0
+    return run()
 
 
 if __name__ == "__main__":

@@ -14,50 +14,8 @@ import socket
 import subprocess
 import sys
 import tempfile
-import traceback
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "python"))
-
-try:
-    import numpy as np
-except ImportError:
-    print("numpy is missing: the communicator tests need it")
-    print("0 passed, 0 failed, 1 skipped")
-    sys.exit(0)
-
-import moonstep  # noqa: E402
-
-TESTS = []
-
-
-def test(fn):
-    TESTS.append(fn)
-    return fn
-
-
-def assert_close(got, want, rtol, atol, what):
-    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
-    assert got.shape == want.shape, "%s: shape %s, want %s" % (what, got.shape, want.shape)
-    err = np.abs(got - want)
-    bound = atol + rtol * np.abs(want)
-    if not np.all(err <= bound):             # NaN fails: the comparison is false
-        worst = int(np.nanargmax(np.where(np.isnan(err), np.inf, err / bound)))
-        raise AssertionError("%s: worst element %d: got %r, want %r (tolerance %g)"
-                             % (what, worst, got.flat[worst], want.flat[worst], bound.flat[worst]))
-
-
-def expect(exc, needle, fn, *args, **kwargs):
-    try:
-        fn(*args, **kwargs)
-    except exc as e:
-        assert needle in str(e), "message lacks %r: %s" % (needle, e)
-        return e
-    raise AssertionError("no %s; wanted one with %r" % (exc.__name__, needle))
-
-
-def expect_status(status, needle, fn, *args, **kwargs):
-    e = expect(moonstep.MoonstepError, needle, fn, *args, **kwargs)
-    assert e.status == status, "status %s, want %s (%s)" % (e.status, status, e)
+from harness import assert_close, expect, expect_status, moonstep, np, run, test
 
 
 def seeded(seed, shape, scale=1.0):
@@ -320,17 +278,7 @@ def main():
     if len(sys.argv) == 3 and sys.argv[1] == "--worker":
         worker(sys.argv[2])
         return 0
-    passed = failed = 0
-    for fn in TESTS:
-        try:
-            fn()
-            passed += 1
-            print("ok   %s" % fn.__name__)
-        except Exception:
-            failed += 1
-            print("FAIL %s\n%s" % (fn.__name__, traceback.format_exc()))
-    print("%d passed, %d failed" % (passed, failed))
-    return 1 if failed else 0
+    return run()
 
 
 if __name__ == "__main__":
