@@ -58,32 +58,14 @@ local ffi, C = core.ffi, core.C
 -- ---------------------------------------------------------------------------------------------------
 -- arguments
 -- ---------------------------------------------------------------------------------------------------
-local args = { set = "subset", parts = "solver,step",
-               tol = "1e-2,1e-3", spectrum = "controlled", trials = 5, steps = 10, device = "cuda" }
-do
-  local a = arg or {}
-  local i = 1
-  while i <= #a do
-    local k = a[i]:match("^%-%-(.+)$")
-    if not k then error("dash_bench: unexpected argument " .. a[i]) end
-    k = k:gsub("-", "_")
-    if k == "evd_paths" or k == "splits" or k == "tiny" then
-      args[k] = true
-      i = i + 1
-    else
-      if a[i + 1] == nil then error("dash_bench: --" .. k .. " needs a value") end
-      args[k] = tonumber(a[i + 1]) or a[i + 1]
-      i = i + 2
-    end
-  end
-end
+local A = dofile((arg and arg[0] and arg[0]:match("^(.*)/") or "bench") .. "/args.lua")
+local args = A.parse("dash_bench", { set = "subset", parts = "solver,step",
+                                    tol = "1e-2,1e-3", spectrum = "controlled", trials = 5, steps = 10,
+                                    device = "cuda" },
+                     { evd_paths = true, splits = true, tiny = true })
 -- full-set EVD (about 17 s per refresh) only when asked for by name
 args.solvers = args.solvers or (args.set == "full" and "ndb_pim,ndb_fro,cn_f32,cn_f16,auto" or "ndb_pim,ndb_fro,cn_f32,cn_f16,evd,auto")
-local function list(s)
-  local t = {}
-  for x in tostring(s):gmatch("[^,]+") do t[#t + 1] = x end
-  return t
-end
+local list = A.list
 local function has(lst, x) for _, v in ipairs(lst) do if v == x then return true end end return false end
 local SOLVERS, PARTS, TOLS = list(args.solvers), list(args.parts), {}
 for _, t in ipairs(list(args.tol)) do TOLS[#TOLS + 1] = tonumber(t) end

@@ -39,28 +39,10 @@ local C = core.C
 -- ---------------------------------------------------------------------------------------------------
 -- arguments
 -- ---------------------------------------------------------------------------------------------------
-local args = { what = "sinkgd,dash,allreduce", modes = "base", trials = 7 }
-do
-  local a, i = arg or {}, 1
-  while i <= #a do
-    local k = a[i]:match("^%-%-(.+)$")
-    if not k then error("dist_bench: unexpected argument " .. a[i]) end
-    k = k:gsub("-", "_")
-    if k == "tiny" or k == "no_single" then
-      args[k] = true
-      i = i + 1
-    else
-      if a[i + 1] == nil then error("dist_bench: --" .. k .. " needs a value") end
-      args[k] = tonumber(a[i + 1]) or a[i + 1]
-      i = i + 2
-    end
-  end
-end
-local function list(s)
-  local t = {}
-  for x in tostring(s):gmatch("[^,]+") do t[#t + 1] = x end
-  return t
-end
+local A = dofile((arg and arg[0] and arg[0]:match("^(.*)/") or "bench") .. "/args.lua")
+local args = A.parse("dist_bench", { what = "sinkgd,dash,allreduce", modes = "base", trials = 7 },
+                     { tiny = true, no_single = true })
+local list = A.list
 local function has(lst, x) for _, v in ipairs(lst) do if v == x then return true end end return false end
 local WHAT, MODES = list(args.what), list(args.modes)
 for _, w in ipairs(WHAT) do

@@ -69,17 +69,7 @@ local function orthogonal(b, seed)
   return Q
 end
 
-local function spread(kappa, b)
-  local l = {}
-  for i = 1, b do l[i] = b == 1 and 1 or kappa ^ (-(i - 1) / (b - 1)) end
-  return l
-end
-
-local function clustered(kappa, b)
-  local l = {}
-  for i = 1, b do l[i] = (1 + 0.01 * i) / (i <= b / 2 and 1 or kappa) end
-  return l
-end
+local spread, clustered = H.spectrum_spread, H.spectrum_clustered
 
 -- a [#specs, b, b] f32 stack (CPU) of Q diag(l) Q^T, each times a random size in [1e-2, 1e2]; specs: eigenvalue lists
 local function spd_stack(specs, seed)

@@ -28,15 +28,7 @@ local function randn(shape, dt, ctx) return ms.randn(shape, { dtype = dt or "f32
 local function urand(shape, lo, hi) return ms.rand(shape, { seed = H.seed(), low = lo, high = hi }) end
 local function gpu(t) return t:to(GPU) end
 
-local MANT, EMIN = { f32 = 24, bf16 = 8, f16 = 11 }, { f32 = -126, bf16 = -126, f16 = -14 }
-local function ulp(x, dt)
-  local e = EMIN[dt]
-  if x ~= 0 then
-    local _, ex = math.frexp(abs(x))
-    e = max(ex - 1, EMIN[dt])
-  end
-  return 2 ^ (e - MANT[dt] + 1)
-end
+local ulp = H.ulp
 
 -- |got - want| <= k ulp(want) + atol; NaN passes only against NaN
 local function assert_ulps(got, want, dt, what, k, atol)

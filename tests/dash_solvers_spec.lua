@@ -29,17 +29,7 @@ local function orthogonal(b, seed)
   return Q
 end
 
-local function spread(kappa, b)
-  local l = {}
-  for i = 1, b do l[i] = kappa ^ (-(i - 1) / (b - 1)) end
-  return l
-end
-
-local function clustered(kappa, b)
-  local l = {}
-  for i = 1, b do l[i] = (1 + 0.01 * i) / (i <= b / 2 and 1 or kappa) end
-  return l
-end
+local spread, clustered = H.spectrum_spread, H.spectrum_clustered
 
 -- blocks: {name, eigenvalues (times a random overall size)}; A = Q diag(l) Q^T in f64, stacked in f32
 local function make_blocks(b, seed0)

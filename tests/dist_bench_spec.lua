@@ -2,16 +2,9 @@
 -- a markdown table of 1-rank and 2-rank step times with the bytes each step communicates, and one rank the
 -- 1-rank rows alone.  The numbers here are CPU timings of toy shapes: only that they exist and are sane is
 -- checked, and the bytes against what the problem implies.
-local build = os.getenv("MOONSTEP_BUILD") or "build"
-local root = os.getenv("PWD")
-local host = (build:sub(1, 1) == "/" and build or (root .. "/" .. build)) .. "/moonstep"
-
 local function run(args)
-  local p = io.popen(("cd '%s' && '%s' launch %s 2>&1; echo \"exit=$?\""):format(root, host, args))
-  local out = p:read("*a")
-  p:close()
-  local body, code = out:match("^(.-)exit=(%d+)\n$")
-  return body, tonumber(code)
+  local out, code = H.moonstep("launch " .. args)
+  return out, code
 end
 
 local function positive(v) return type(v) == "number" and v > 0 and v < math.huge end

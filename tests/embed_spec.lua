@@ -1,16 +1,7 @@
 -- The C embedding API from the outside, as trainers use it: examples/c_train (built by `make examples`)
 -- trains its MLP through ms_optimizer_* on the CPU (and on the GPU where there is one), and the README's C
 -- trainer compiles against the build and runs as written.  The error paths are tests/c/test_embed.c's.
-local build = os.getenv("MOONSTEP_BUILD") or "build"
-local root = os.getenv("PWD")
-local build_dir = build:sub(1, 1) == "/" and build or (root .. "/" .. build)
-
-local function run(cmd)
-  local p = io.popen(cmd .. " 2>&1; echo \"exit=$?\"")
-  local out = p:read("*a")
-  p:close()
-  return out, tonumber(out:match("exit=(%d+)\n$"))
-end
+local root, build_dir, run = H.root, H.build_dir, H.shell
 
 -- the losses the program printed, in order
 local function losses(out)

@@ -121,25 +121,55 @@ function H.multigpu_it(name, fn)
   else env.pending(("%s (needs 2 CUDA devices, found %d)"):format(name, H.cuda_devices)) end
 end
 
+--- The spacing of dt's values (f32, bf16, f16) around x: one unit in the last place.
+local MANT, EMIN = { f32 = 24, bf16 = 8, f16 = 11 }, { f32 = -126, bf16 = -126, f16 = -14 }
+function H.ulp(x, dt)
+  local e = EMIN[dt]
+  if x ~= 0 then
+    local _, ex = math.frexp(math.abs(x))
+    e = math.max(ex - 1, EMIN[dt])
+  end
+  return 2 ^ (e - MANT[dt] + 1)
+end
+
+--- Eigenvalue lists of b entries for SPD test blocks of condition number kappa: spread log-uniformly from 1
+--- down to 1 / kappa, or in two clusters (near 1 and near 1 / kappa).
+function H.spectrum_spread(kappa, b)
+  local l = {}
+  for i = 1, b do l[i] = b == 1 and 1 or kappa ^ (-(i - 1) / (b - 1)) end
+  return l
+end
+function H.spectrum_clustered(kappa, b)
+  local l = {}
+  for i = 1, b do l[i] = (1 + 0.01 * i) / (i <= b / 2 and 1 or kappa) end
+  return l
+end
+
 -- ---------------------------------------------------------------------------------------------------
 -- specs that start processes (`moonstep launch -n N` rank scripts)
 -- ---------------------------------------------------------------------------------------------------
 local build = os.getenv("MOONSTEP_BUILD") or "build"
 H.root = os.getenv("PWD")
-H.host = (build:sub(1, 1) == "/" and build or (H.root .. "/" .. build)) .. "/moonstep"
+H.build_dir = build:sub(1, 1) == "/" and build or (H.root .. "/" .. build)
+H.host = H.build_dir .. "/moonstep"
 
 --- s quoted for the shell.
 function H.q(s) return "'" .. tostring(s):gsub("'", "'\\''") .. "'" end
+
+--- Runs a shell command: its output (stdout and stderr) followed by a line "exit=STATUS", and that status.
+function H.shell(cmd)
+  local p = io.popen(cmd .. " 2>&1; echo \"exit=$?\"")
+  local out = p:read("*a")
+  p:close()
+  return out, tonumber(out:match("exit=(%d+)\n$"))
+end
 
 --- Runs `moonstep ARGS` from the project root, `prefix` (environment assignments, `timeout N`, ...) before the
 --- host; returns its output (stdout and stderr), exit status and wall time in seconds.
 function H.moonstep(args, prefix)
   local t0 = require("moonstep.experiment").clock()
-  local p = io.popen(("cd %s && %s %s %s 2>&1; echo \"exit=$?\""):format(H.q(H.root), prefix or "", H.q(H.host), args))
-  local out = p:read("*a")
-  p:close()
-  local body, code = out:match("^(.-)exit=(%d+)\n$")
-  return body or out, tonumber(code), require("moonstep.experiment").clock() - t0
+  local out, code = H.shell(("cd %s && %s %s %s"):format(H.q(H.root), prefix or "", H.q(H.host), args))
+  return out:match("^(.-)exit=%d+\n$") or out, code, require("moonstep.experiment").clock() - t0
 end
 
 local temp_dir

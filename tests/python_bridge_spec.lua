@@ -5,16 +5,7 @@
 -- prints "N passed, N failed"; any failure fails the spec, with the script's output.  Tagged #external: python3
 -- would inherit the sanitizer that `make memcheck` preloads.
 -- The README's Python examples run as written too: the NumPy one here, the PyTorch one where torch has a GPU.
-local build = os.getenv("MOONSTEP_BUILD") or "build"
-local root = os.getenv("PWD")
-local build_dir = build:sub(1, 1) == "/" and build or (root .. "/" .. build)
-
-local function run(cmd)
-  local p = io.popen(cmd .. " 2>&1; echo \"exit=$?\"")
-  local out = p:read("*a")
-  p:close()
-  return out, tonumber(out:match("exit=(%d+)\n$"))
-end
+local root, build_dir, run = H.root, H.build_dir, H.shell
 
 local function python_ok(code)
   local _, rc = run("python3 -c '" .. code .. "'")

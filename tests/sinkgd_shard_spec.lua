@@ -26,14 +26,7 @@ local abs, max = math.abs, math.max
 local function randn(shape, dt) return ms.randn(shape, { dtype = dt or "f32", seed = H.seed() }) end
 local function vals(t) return t:tolist_flat() end
 
-local function ulp(x)
-  local e = -126
-  if x ~= 0 then
-    local _, ex = math.frexp(abs(x))
-    e = max(ex - 1, -126)
-  end
-  return 2 ^ (e - 23)
-end
+local function ulp(x) return H.ulp(x, "f32") end
 
 -- |got - want| <= k ulp(want) + atol elementwise, NaN failing
 local function assert_ulps(got, want, what, k, atol)

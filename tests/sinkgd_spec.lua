@@ -31,15 +31,7 @@ local fbuf = ffi.new("float[1]")
 local function F(x) fbuf[0] = x return fbuf[0] end   -- x rounded to f32 (nearest even)
 
 -- spacing of the dtype's values around x
-local MANT, EMIN = { f32 = 24, bf16 = 8, f16 = 11 }, { f32 = -126, bf16 = -126, f16 = -14 }
-local function ulp(x, dt)
-  local e = EMIN[dt]
-  if x ~= 0 then
-    local _, ex = math.frexp(abs(x))
-    e = max(ex - 1, EMIN[dt])
-  end
-  return 2 ^ (e - MANT[dt] + 1)
-end
+local ulp = H.ulp
 
 -- equal values, NaN matching NaN and -0 told from +0: for the dtypes here, the same bits
 local function same_bits(a, b)
