@@ -47,7 +47,7 @@ time = step ms - the apply-only step ms of the same configuration (an optimizer 
 refresh - non-refresh), with auto's classes per stack and GEMMs run against NDB-10's (the recipe's auto.report).
 --evd-paths: EVD per block for MOONSTEP_DASH_EVD = streams (1, 4, 8, 16 streams, one host thread each; 8 streams
 from one thread) and batched, on 32 + 12 blocks.
---splits: NDB-PIM solver time and its floor with MOONSTEP_DASH_SPLIT = 1, 2, 4.
+--splits: NDB-PIM's and CN f32's solver time and floor with MOONSTEP_DASH_SPLIT = 1, 2, 3, 4.
 ]]
 local ms = require("moonstep")
 local core = require("moonstep.core")
@@ -793,15 +793,17 @@ if args.evd_paths then
 end
 
 if args.splits then
-  print("\nNDB-PIM with the products on panels or plain (MOONSTEP_DASH_SPLIT):")
-  for _, split in ipairs { 1, 2, 4 } do
-    with_env("MOONSTEP_DASH_SPLIT", split, function()
-      local o = root_opts(CONFIG.ndb_pim)
-      local t = time_median(function() solve(o) end, 1, args.trials)
-      local fl = floor_ms(CONFIG.ndb_pim)
-      print(("  split %d: %8.2f ms  floor %8.2f (x%.2f)"):format(split, t, fl, t / fl))
-      rows[#rows + 1] = { part = "split", split = split, ms = t, floor_ms = fl }
-    end)
+  print("\nNDB-PIM and CN f32 with the products on panels or plain (MOONSTEP_DASH_SPLIT):")
+  for _, name in ipairs { "ndb_pim", "cn_f32" } do
+    for _, split in ipairs { 1, 2, 3, 4 } do
+      with_env("MOONSTEP_DASH_SPLIT", split, function()
+        local o = root_opts(CONFIG[name])
+        local t = time_median(function() solve(o) end, 1, args.trials)
+        local fl = floor_ms(CONFIG[name])
+        print(("  %s split %d: %8.2f ms  floor %8.2f (x%.2f)"):format(name, split, t, fl, t / fl))
+        rows[#rows + 1] = { part = "split", solver = name, split = split, ms = t, floor_ms = fl }
+      end)
+    end
   end
 end
 

@@ -279,7 +279,8 @@ template <class T> __device__ __forceinline__ void load8(const T *p, float *x)
 **        r = c = 1) sum G_ij^2. */
 
 template <int R>
-__device__ __forceinline__ void row_sums(float (&ps)[R], float (&pf)[R], bool ff, int Cp, int rho, bool on, float *red)
+__device__ __forceinline__ void row_sums(float (&ps)[R], float (&pf)[R], bool ff, int Cp, int P, int rho, bool on,
+                                         float *red)
 {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     if (Cp <= 32) {   /* the row's lanes are an aligned power-of-two part of a warp */
@@ -304,7 +305,6 @@ __device__ __forceinline__ void row_sums(float (&ps)[R], float (&pf)[R], bool ff
     /* only the warps of one row lane meet here (a named barrier each), so the lanes run decoupled; threads past
     ** the last whole lane (when Cp does not divide T_SWEEP) form a lane of their own */
     {
-        const int P = T_SWEEP / Cp;
         const int count = rho < P ? Cp : T_SWEEP - P * Cp;
         asm volatile("bar.sync %0, %1;\n" ::"r"(1 + rho), "r"(count) : "memory");
     }
@@ -339,13 +339,17 @@ __device__ __noinline__ void fast_segment(const skargs<CAP> &A, const skmat &M, 
     const bool want_ff = KIND == K_POWER && unit;
     const float eps = (float)A.o.eps, sqn = sqrtf((float)n);
     float *red = (float *)(smem + STAGES * STAGE_BYTES + RRING);
+    const T *const g = (const T *)M.g;
+    float *const rvec = S.r;
 
     /* the thread's columns: c^2 (SINK) or c u (POWER), and their accumulators */
     float cv[K][E], acc[K][E];
+    unsigned kmask = 0;   /* bit k: the thread's chunk k lies in the row */
 #pragma unroll
     for (int k = 0; k < K; k++) {
         const int ch = kap + Cp * k;
         const bool ok = on && ch < C;
+        kmask |= ok ? 1u << k : 0u;
 #pragma unroll
         for (int e = 0; e < E; e++) {
             acc[k][e] = 0;
@@ -363,43 +367,62 @@ __device__ __noinline__ void fast_segment(const skargs<CAP> &A, const skmat &M, 
         }
     }
 
+    /* Groups are issued and consumed in walk order (ascending, or descending when rev); the addresses, rows and
+    ** ring slots advance by constant steps, so an issue is a few additions and the copies themselves.  A copy
+    ** whose chunk lies outside the matrix reads nothing (src-size 0) and zero-fills its slot. */
     const int64_t ng = lb - la;
-    const T *g = (const T *)M.g;
-    auto issue = [&](int64_t q) {
-        const int64_t gi = rev ? lb - 1 - q : la + q;
-        char *st = smem + (int)(q % STAGES) * STAGE_BYTES;
+    const int64_t gfirst = rev ? lb - 1 : la;
+    const int64_t rstep = rev ? -(int64_t)GR : (int64_t)GR;   /* rows between consecutive groups of the walk */
+    const int64_t estep = rstep * n;                         /* elements likewise */
+    int64_t irow = gfirst * GR + rho;                         /* the thread's first row in the group issued next */
+    const T *isrc = g + irow * n + (int64_t)kap * E;
+    const float *irs = rvec + irow;
+    const unsigned sbase = (unsigned)__cvta_generic_to_shared(smem) + (unsigned)t * 16u;
+    const unsigned rbase = (unsigned)__cvta_generic_to_shared(smem + STAGES * STAGE_BYTES) + (unsigned)rho * 4u;
+    int istage = 0, irslot = 0;
+    auto issue = [&]() {
+        const unsigned sd = sbase + (unsigned)(istage * STAGE_BYTES);
 #pragma unroll
         for (int r = 0; r < R; r++) {
-            const int64_t row = gi * GR + rho + (int64_t)P * r;
-            const bool rv = on && row < m;
+            const bool rv = on && irow + (int64_t)P * r < m;
 #pragma unroll
             for (int k = 0; k < K; k++) {
-                const int ch = kap + Cp * k;
-                const bool ok = rv && ch < C;
-                cp16(st + ((r * K + k) * T_SWEEP + t) * 16, g + (ok ? row * n + (int64_t)ch * E : 0), ok ? 16 : 0);
+                const bool ok = rv && ((kmask >> k) & 1u);
+                /* (a copy that reads nothing still gets a valid address) */
+                asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(sd + (unsigned)((r * K + k) * T_SWEEP * 16)),
+                             "l"(ok ? isrc + (int64_t)P * r * n + Cp * k * E : g), "r"(ok ? 16 : 0)
+                             : "memory");
             }
             if (need_rs && kap == 0)   /* one copy a row, by its first lane */
-                cp4(smem + STAGES * STAGE_BYTES + (int)(q % (STAGES + 1)) * RSLOT + (r * P + rho) * 4,
-                    S.r + (rv ? row : 0), rv ? 4 : 0);
+                asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(rbase + (unsigned)(irslot * RSLOT + r * P * 4)),
+                             "l"(rv ? irs + P * r : rvec), "r"(rv ? 4 : 0)
+                             : "memory");
         }
+        irow += rstep;
+        isrc += estep;
+        irs += rstep;
+        istage = istage + 1 == STAGES ? 0 : istage + 1;
+        irslot = irslot + 1 == STAGES + 1 ? 0 : irslot + 1;
     };
 
     double vv = 0, ff = 0;
 #pragma unroll 1
     for (int s = 0; s < STAGES - 1; s++) {
-        if (s < ng) issue(s);
+        if (s < ng) issue();
         cp_commit();
     }
+    int64_t crow = gfirst * GR + rho;   /* the thread's first row in the group consumed */
+    int cstage = 0, crslot = 0;
 #pragma unroll 1
     for (int64_t q = 0; q < ng; q++) {
-        if (q + STAGES - 1 < ng) issue(q + STAGES - 1);
+        if (q + STAGES - 1 < ng) issue();
         cp_commit();
         cp_wait<STAGES - 1>();   /* this thread's copies of group q have landed (zeros where out of range) */
-        const char *st = smem + (int)(q % STAGES) * STAGE_BYTES;
-        const int64_t gi = rev ? lb - 1 - q : la + q;
+        const char *st = smem + cstage * STAGE_BYTES;
         auto chunk = [&](int r, int k) { return *(const uint4 *)(st + ((r * K + k) * T_SWEEP + t) * 16); };
-        /* the chunks are read from shared memory twice (for the row sums, then for the column accumulators)
-        ** rather than held in registers across the row reduction: registers bound this kernel */
+        /* SINK keeps G^2 of its chunks in registers for the column accumulators (one square an element);
+        ** POWER reads the chunks from shared memory a second time */
+        float z[KIND == K_SINK ? R : 1][KIND == K_SINK ? K : 1][KIND == K_SINK ? E : 1];
         float rs[R], ps[R], pf[R];
 #pragma unroll
         for (int r = 0; r < R; r++) {
@@ -412,8 +435,9 @@ __device__ __noinline__ void fast_segment(const skargs<CAP> &A, const skmat &M, 
                 fk[k] = 0;
 #pragma unroll
                 for (int e = 0; e < E; e++) {
-                    if (KIND == K_SINK) {   /* (G c)^2 = G^2 c^2, (r G)^2 = r^2 G^2 */
-                        pk[k] = fmaf(x[e] * x[e], cv[k][e], pk[k]);
+                    if constexpr (KIND == K_SINK) {   /* (G c)^2 = G^2 c^2, (r G)^2 = r^2 G^2 */
+                        z[r][k][e] = x[e] * x[e];
+                        pk[k] = fmaf(z[r][k][e], cv[k][e], pk[k]);
                     } else {
                         pk[k] = fmaf(x[e], cv[k][e], pk[k]);
                         if (want_ff) fk[k] = fmaf(x[e], x[e], fk[k]);
@@ -428,15 +452,15 @@ __device__ __noinline__ void fast_segment(const skargs<CAP> &A, const skmat &M, 
                 pf[r] = fk[0];
             }
         }
-        row_sums<R>(ps, pf, want_ff, Cp, rho, on, red + (int)(q & 1) * 2 * SLOTS * WARPS);
+        row_sums<R>(ps, pf, want_ff, Cp, P, rho, on, red + (int)(q & 1) * 2 * SLOTS * WARPS);
         if (Cp <= 32) __syncwarp();   /* the row's first lane's scale copy is visible to its other lanes */
-        const char *rsl = smem + STAGES * STAGE_BYTES + (int)(q % (STAGES + 1)) * RSLOT;
+        const char *rsl = smem + STAGES * STAGE_BYTES + crslot * RSLOT;
 #pragma unroll
         for (int r = 0; r < R; r++) rs[r] = need_rs ? *(const float *)(rsl + (r * P + rho) * 4) : 1.f;
         float co[R];
 #pragma unroll
         for (int r = 0; r < R; r++) {
-            const int64_t row = gi * GR + rho + (int64_t)P * r;
+            const int64_t row = crow + (int64_t)P * r;
             const bool rv = on && row < m;
             if (KIND == K_SINK) {
                 /* sqrt(n) r / max(r sqrt(S), eps) = sqrt(n) / sqrt(S) when r^2 S >= eps^2: one rsqrt; the exact
@@ -445,7 +469,7 @@ __device__ __noinline__ void fast_segment(const skargs<CAP> &A, const skmat &M, 
                 const float rn = ps[r] == 0         ? rs[r]
                                  : q2 >= eps * eps ? sqn * rsqrtf(ps[r])
                                                     : sqn * rs[r] / clampf(rs[r] * sqrtf(ps[r]), eps);
-                if (rv && kap == 0) S.r[row] = rn;
+                if (rv && kap == 0) rvec[row] = rn;
                 co[r] = rv ? rn * rn : 0.f;
             } else {
                 const float v = rs[r] * ps[r];
@@ -460,12 +484,19 @@ __device__ __noinline__ void fast_segment(const skargs<CAP> &A, const skmat &M, 
         for (int r = 0; r < R; r++)
 #pragma unroll
             for (int k = 0; k < K; k++) {
-                float x[E];
-                unpack(chunk(r, k), x, (const T *)0);
+                if constexpr (KIND == K_SINK) {
 #pragma unroll
-                for (int e = 0; e < E; e++)   /* SINK: r^2 G^2; POWER: (r v) G */
-                    acc[k][e] = fmaf(co[r], KIND == K_SINK ? x[e] * x[e] : x[e], acc[k][e]);
+                    for (int e = 0; e < E; e++) acc[k][e] = fmaf(co[r], z[r][k][e], acc[k][e]);   /* r^2 G^2 */
+                } else {
+                    float x[E];
+                    unpack(chunk(r, k), x, (const T *)0);
+#pragma unroll
+                    for (int e = 0; e < E; e++) acc[k][e] = fmaf(co[r], x[e], acc[k][e]);   /* (r v) G */
+                }
             }
+        crow += rstep;
+        cstage = cstage + 1 == STAGES ? 0 : cstage + 1;
+        crslot = crslot + 1 == STAGES + 1 ? 0 : crslot + 1;
     }
     cp_wait<0>();
 
@@ -914,46 +945,73 @@ __device__ __forceinline__ void elem_segment(const skargs<CAP> &A, const skmat &
             cfix[0] = c0.x; cfix[1] = c0.y; cfix[2] = c0.z; cfix[3] = c0.w;
             cfix[4] = c1.x; cfix[5] = c1.y; cfix[6] = c1.z; cfix[7] = c1.w;
         }
-        auto chunk_of = [&](uint32_t st, int u, uint32_t &ch) {
-            const uint32_t q = st * per + (uint32_t)(u * VT + vt);
-            ch = rev ? nch - 1 - q : q;
-            return q < nch;
+        /* A thread's chunks in walk order are q = vt, vt + VT, ... (stage st holds CPS of them); a walker follows
+        ** the chunk ch (q, or nch - 1 - q when rev), its row, column and first element by additions, one for the
+        ** copies and one for the work */
+        struct walker { int64_t e; int32_t row, col; uint32_t q; };
+        const int32_t dr = (int32_t)((uint32_t)VT / cpr), dc = (int32_t)((uint32_t)VT % cpr);
+        auto walk_start = [&]() {
+            walker w;
+            w.q = (uint32_t)vt;
+            const uint32_t ch = rev ? nch - 1 - w.q : w.q;   /* (out of range when q >= nch: then never used) */
+            w.row = (int32_t)(ch / cpr);
+            w.col = (int32_t)(ch - (uint32_t)w.row * cpr);
+            w.e = e_base + (int64_t)ch * 8;
+            return w;
         };
-        auto issue = [&](uint32_t st) {
-            char *sb = slots + (int)(st % ESTAGES) * ESTAGE_BYTES;
-            char *rb = rslots + (int)(st % ESTAGES) * ESTAGE_BYTES;
+        auto walk_next = [&](walker &w) {
+            w.q += (uint32_t)VT;
+            if (!rev) {
+                w.col += dc;
+                w.row += dr;
+                if (w.col >= (int32_t)cpr) { w.col -= (int32_t)cpr; w.row++; }
+                w.e += VT * 8;
+            } else {
+                w.col -= dc;
+                w.row -= dr;
+                if (w.col < 0) { w.col += (int32_t)cpr; w.row--; }
+                w.e -= VT * 8;
+            }
+        };
+        walker wi = walk_start(), wc = walk_start();
+        int istage = 0;
+        auto issue = [&]() {
+            char *sb = slots + istage * ESTAGE_BYTES;
+            char *rb = rslots + istage * ESTAGE_BYTES;
 #pragma unroll
             for (int u = 0; u < CPS; u++) {
-                uint32_t ch;
-                const bool ok = chunk_of(st, u, ch);
-                const int64_t e = ok ? e_base + (int64_t)ch * 8 : 0;
-                if (!unit) cp4(rb + u * T_SWEEP * 4, S.r + r0 + (ok ? ch / cpr : 0), ok ? 4 : 0);
+                const bool ok = wi.q < nch;
+                const int64_t e = ok ? wi.e : 0;   /* (a copy that reads nothing still gets a valid address) */
+                if (!unit) cp4(rb + u * T_SWEEP * 4, S.r + r0 + (ok ? wi.row : 0), ok ? 4 : 0);
 #pragma unroll
-                for (int w = 0; w < GW; w++)
-                    cp16(sb + (u * (GW + PW) + w) * T_SWEEP * 16, g + (ok ? e + 4 * w : 0), ok ? 16 : 0);
+                for (int w = 0; w < GW; w++) cp16(sb + (u * (GW + PW) + w) * T_SWEEP * 16, g + e + 4 * w, ok ? 16 : 0);
 #pragma unroll
                 for (int w = 0; w < PW; w++)
-                    cp16(sb + (u * (GW + PW) + GW + w) * T_SWEEP * 16, p + (ok ? e + 4 * w : 0), ok ? 16 : 0);
+                    cp16(sb + (u * (GW + PW) + GW + w) * T_SWEEP * 16, p + e + 4 * w, ok ? 16 : 0);
+                walk_next(wi);
             }
+            istage = istage + 1 == ESTAGES ? 0 : istage + 1;
         };
 #pragma unroll 1
         for (int s = 0; s < ESTAGES - 1; s++) {
-            if ((uint32_t)s < nst) issue(s);
+            if ((uint32_t)s < nst) issue();
             cp_commit();
         }
+        int cstage = 0;
 #pragma unroll 1
         for (uint32_t st = 0; st < nst; st++) {
-            if (st + ESTAGES - 1 < nst) issue(st + ESTAGES - 1);
+            if (st + ESTAGES - 1 < nst) issue();
             cp_commit();
             cp_wait<ESTAGES - 1>();
-            const char *sb = slots + (int)(st % ESTAGES) * ESTAGE_BYTES;
-            const char *rb = rslots + (int)(st % ESTAGES) * ESTAGE_BYTES;
+            const char *sb = slots + cstage * ESTAGE_BYTES;
+            const char *rb = rslots + cstage * ESTAGE_BYTES;
+            cstage = cstage + 1 == ESTAGES ? 0 : cstage + 1;
 #pragma unroll
             for (int u = 0; u < CPS; u++) {
-                uint32_t ch;
-                if (!chunk_of(st, u, ch)) continue;
-                const uint32_t row = ch / cpr;
-                const int64_t j = (int64_t)(ch - row * cpr) * 8, e = e_base + (int64_t)ch * 8;
+                const walker w0 = wc;
+                walk_next(wc);
+                if (w0.q >= nch) continue;
+                const int64_t j = (int64_t)w0.col * 8, e = w0.e;
                 float gx[8], px[8], out[8], cc[8], rr = 1.f;
                 raw8<TG> gw;
                 raw8<TP> pw;

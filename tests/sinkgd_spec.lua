@@ -638,6 +638,18 @@ describe("ms_sinkgd_step options", function()
     assert_same(vals(base), snap, "param")
   end)
 
+  it("ms.sinkgd_step refuses a tensor where an array of tensors is expected (its rows would pass as params)", function()
+    local p, g = randn({ 4, 8 }), randn({ 4, 8 })
+    local snap = vals(p)
+    local ok, err = pcall(ms.sinkgd_step, { params = p, grads = { g } })
+    assert.is_false(ok)
+    assert.truthy(tostring(err):find("params must be an array of tensors (got a tensor", 1, true))
+    ok, err = pcall(ms.adamw_step, { params = { p }, grads = g, exp_avg = { ms.zeros({ 4, 8 }) }, exp_avg_sq = { ms.zeros({ 4, 8 }) } })
+    assert.is_false(ok)
+    assert.truthy(tostring(err):find("grads must be an array of tensors", 1, true))
+    assert_same(vals(p), snap, "param")
+  end)
+
   describe("validation (each error names the problem and changes nothing)", function()
     local function fresh(mode)
       local a = { params = { randn({ 4, 6 }), randn({ 2, 3, 5 }, "bf16") }, grads = { randn({ 4, 6 }), randn({ 2, 3, 5 }, "bf16") },

@@ -15,7 +15,10 @@ local M = {}
 -- a C array of the tensors' handles: "ms_tensor *[?]" for tensors written, "const ms_tensor *[?]" for sources
 local function list(arr, what, n, optional, const)
   if arr == nil and optional then return nil end
-  if type(arr) ~= "table" then error(what .. " must be an array of tensors", 4) end
+  -- (a tensor is a table too, and indexes as its rows: taken for an array, it would update every row as a param)
+  if type(arr) ~= "table" or tensor.is_tensor(arr) then
+    error(what .. " must be an array of tensors" .. (tensor.is_tensor(arr) and (" (got a tensor: wrap it, {t})") or ""), 4)
+  end
   n = n or #arr
   if #arr ~= n then error(("%s has %d entries, %d expected"):format(what, #arr, n), 4) end
   local out = ffi.new(const and "const ms_tensor *[?]" or "ms_tensor *[?]", n > 0 and n or 1)
