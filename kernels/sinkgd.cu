@@ -345,77 +345,81 @@ __device__ __noinline__ void fast_segment(const skargs<CAP> &A, const skmat &M, 
     /* the thread's columns: c^2 (SINK) or c u (POWER), and their accumulators */
     float cv[K][E], acc[K][E];
     unsigned kmask = 0;   /* bit k: the thread's chunk k lies in the row */
+    /* 16-byte loads, all issued before the first use (one at a time, waiting for each, they cost a few us) */
+    const float4 one4 = make_float4(1.f, 1.f, 1.f, 1.f), zero4 = make_float4(0.f, 0.f, 0.f, 0.f);
+    float4 cl[K][E / 4], ul[K][E / 4];
 #pragma unroll
     for (int k = 0; k < K; k++) {
         const int ch = kap + Cp * k;
         const bool ok = on && ch < C;
         kmask |= ok ? 1u << k : 0u;
+        const float4 *c4 = reinterpret_cast<const float4 *>(S.c + (ok ? (int64_t)ch * E : 0));
+        const float4 *u4 = reinterpret_cast<const float4 *>(S.uv + (ok ? (int64_t)ch * E : 0));
 #pragma unroll
-        for (int e = 0; e < E; e++) {
-            acc[k][e] = 0;
-            float v = 0;
-            if (ok) {
-                const int64_t j = (int64_t)ch * E + e;
-                if (KIND == K_SINK) {
-                    v = first ? 1.f : __ldcg(S.c + j);
-                    v *= v;
-                } else {
-                    v = (unit ? 1.f : __ldcg(S.c + j)) * __ldcg(S.uv + j);
-                }
-            }
-            cv[k][e] = v;   /* SINK: c^2; POWER: c u */
+        for (int f = 0; f < E / 4; f++) {
+            const bool need_c = KIND == K_SINK ? !first : !unit;
+            cl[k][f] = !ok ? zero4 : need_c ? __ldcg(c4 + f) : one4;
+            ul[k][f] = KIND == K_POWER && ok ? __ldcg(u4 + f) : one4;
         }
     }
+#pragma unroll
+    for (int k = 0; k < K; k++)
+#pragma unroll
+        for (int e = 0; e < E; e++) {
+            const float4 &c = cl[k][e / 4], &u = ul[k][e / 4];
+            const float cj = (e & 3) == 0 ? c.x : (e & 3) == 1 ? c.y : (e & 3) == 2 ? c.z : c.w;
+            const float uj = (e & 3) == 0 ? u.x : (e & 3) == 1 ? u.y : (e & 3) == 2 ? u.z : u.w;
+            acc[k][e] = 0;
+            cv[k][e] = KIND == K_SINK ? cj * cj : cj * uj;   /* SINK: c^2; POWER: c u (0 outside the row) */
+        }
 
     /* Groups are issued and consumed in walk order (ascending, or descending when rev); the addresses, rows and
     ** ring slots advance by constant steps, so an issue is a few additions and the copies themselves.  A copy
     ** whose chunk lies outside the matrix reads nothing (src-size 0) and zero-fills its slot. */
-    const int64_t ng = lb - la;
-    const int64_t gfirst = rev ? lb - 1 : la;
-    const int64_t rstep = rev ? -(int64_t)GR : (int64_t)GR;   /* rows between consecutive groups of the walk */
-    const int64_t estep = rstep * n;                         /* elements likewise */
-    int64_t irow = gfirst * GR + rho;                         /* the thread's first row in the group issued next */
-    const T *isrc = g + irow * n + (int64_t)kap * E;
-    const float *irs = rvec + irow;
+    /* 32-bit rows and group counts (the host sends matrices of 2^31 rows or more to the generic path): fewer
+    ** registers, and this loop is bound by them */
+    const int ng = (int)(lb - la), mi = (int)m, ni = (int)n;
+    const int rstep = rev ? -GR : GR;                              /* rows between consecutive groups of the walk */
+    const int row0 = (int)(rev ? lb - 1 : la) * GR + rho;          /* the thread's first row in the walk's first group */
+    const int kofs = kap * E;
+    int irow = row0;                                               /* ... in the group issued next */
     const unsigned sbase = (unsigned)__cvta_generic_to_shared(smem) + (unsigned)t * 16u;
     const unsigned rbase = (unsigned)__cvta_generic_to_shared(smem + STAGES * STAGE_BYTES) + (unsigned)rho * 4u;
-    int istage = 0, irslot = 0;
-    auto issue = [&]() {
+    auto issue = [&](int istage, int irslot) {
         const unsigned sd = sbase + (unsigned)(istage * STAGE_BYTES);
+        const T *src = g + (int64_t)irow * ni + kofs;
 #pragma unroll
         for (int r = 0; r < R; r++) {
-            const bool rv = on && irow + (int64_t)P * r < m;
+            const bool rv = on && irow + P * r < mi;
 #pragma unroll
             for (int k = 0; k < K; k++) {
                 const bool ok = rv && ((kmask >> k) & 1u);
                 /* (a copy that reads nothing still gets a valid address) */
                 asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(sd + (unsigned)((r * K + k) * T_SWEEP * 16)),
-                             "l"(ok ? isrc + (int64_t)P * r * n + Cp * k * E : g), "r"(ok ? 16 : 0)
+                             "l"(ok ? src + (int64_t)(P * r) * ni + Cp * k * E : g), "r"(ok ? 16 : 0)
                              : "memory");
             }
             if (need_rs && kap == 0)   /* one copy a row, by its first lane */
                 asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(rbase + (unsigned)(irslot * RSLOT + r * P * 4)),
-                             "l"(rv ? irs + P * r : rvec), "r"(rv ? 4 : 0)
+                             "l"(rvec + (rv ? irow + P * r : 0)), "r"(rv ? 4 : 0)
                              : "memory");
         }
         irow += rstep;
-        isrc += estep;
-        irs += rstep;
-        istage = istage + 1 == STAGES ? 0 : istage + 1;
-        irslot = irslot + 1 == STAGES + 1 ? 0 : irslot + 1;
     };
 
     double vv = 0, ff = 0;
 #pragma unroll 1
     for (int s = 0; s < STAGES - 1; s++) {
-        if (s < ng) issue();
+        if (s < ng) issue(s, s);
         cp_commit();
     }
-    int64_t crow = gfirst * GR + rho;   /* the thread's first row in the group consumed */
+    int crow = row0;   /* the thread's first row in the group consumed */
     int cstage = 0, crslot = 0;
 #pragma unroll 1
-    for (int64_t q = 0; q < ng; q++) {
-        if (q + STAGES - 1 < ng) issue();
+    for (int q = 0; q < ng; q++) {
+        /* group q + STAGES - 1 goes to the stage consumed just before this one, its row scales STAGES - 1 slots on */
+        if (q + STAGES - 1 < ng)
+            issue((cstage + STAGES - 1) % STAGES, (crslot + STAGES - 1) % (STAGES + 1));
         cp_commit();
         cp_wait<STAGES - 1>();   /* this thread's copies of group q have landed (zeros where out of range) */
         const char *st = smem + cstage * STAGE_BYTES;
@@ -460,8 +464,8 @@ __device__ __noinline__ void fast_segment(const skargs<CAP> &A, const skmat &M, 
         float co[R];
 #pragma unroll
         for (int r = 0; r < R; r++) {
-            const int64_t row = crow + (int64_t)P * r;
-            const bool rv = on && row < m;
+            const int row = crow + P * r;
+            const bool rv = on && row < mi;
             if (KIND == K_SINK) {
                 /* sqrt(n) r / max(r sqrt(S), eps) = sqrt(n) / sqrt(S) when r^2 S >= eps^2: one rsqrt; the exact
                 ** formula where eps clamps, and for NaN (which fails the comparison) */
@@ -1039,25 +1043,32 @@ __device__ __forceinline__ void elem_segment(const skargs<CAP> &A, const skmat &
                         *reinterpret_cast<float4 *>(p + e) = make_float4(out[0], out[1], out[2], out[3]);
                         *reinterpret_cast<float4 *>(p + e + 4) = make_float4(out[4], out[5], out[6], out[7]);
                     } else {
-                        msk_pack<uint16_t, 8> h;
+                        /* the 8 results packed in four registers and stored as one 16-byte word; no array is
+                        ** indexed by a loop variable here (it would live in local memory, read back every chunk) */
                         if (cf.stochastic) {
 #pragma unroll 1
-                            for (int k = 0; k < 8; k += 2) {   /* two at a time: few registers */
-                                const uint16_t lo = msk_sr_16(out[k], M.pdt == MS_DTYPE_BF16, (uint64_t)(M.e0 + e + k),
+                            for (int k = 0; k < 8; k += 2) {   /* two at a time, each pair stored: few registers */
+                                float o0 = out[0], o1 = out[1];
+#pragma unroll
+                                for (int q = 2; q < 8; q += 2)
+                                    if (k == q) { o0 = out[q]; o1 = out[q + 1]; }
+                                const uint16_t lo = msk_sr_16(o0, M.pdt == MS_DTYPE_BF16, (uint64_t)(M.e0 + e + k),
                                                               cf.step, (uint32_t)M.member, cf.k0, cf.k1);
-                                const uint16_t hi = msk_sr_16(out[k + 1], M.pdt == MS_DTYPE_BF16,
+                                const uint16_t hi = msk_sr_16(o1, M.pdt == MS_DTYPE_BF16,
                                                               (uint64_t)(M.e0 + e + k + 1), cf.step, (uint32_t)M.member,
                                                               cf.k0, cf.k1);
-                                reinterpret_cast<uint32_t *>(h.v)[k / 2] = (uint32_t)lo | ((uint32_t)hi << 16);
+                                reinterpret_cast<uint32_t *>(p + e)[k / 2] = (uint32_t)lo | ((uint32_t)hi << 16);
                             }
                         } else {
+                            uint32_t hw[4];
 #pragma unroll
-                            for (int k = 0; k < 8; k++) {
-                                const TP v = msk_store_of<TP>::cvt(out[k]);
-                                h.v[k] = *reinterpret_cast<const uint16_t *>(&v);
+                            for (int k = 0; k < 8; k += 2) {
+                                const TP lo = msk_store_of<TP>::cvt(out[k]), hi = msk_store_of<TP>::cvt(out[k + 1]);
+                                hw[k / 2] = (uint32_t)*reinterpret_cast<const uint16_t *>(&lo) |
+                                            ((uint32_t)*reinterpret_cast<const uint16_t *>(&hi) << 16);
                             }
+                            *reinterpret_cast<uint4 *>(p + e) = make_uint4(hw[0], hw[1], hw[2], hw[3]);
                         }
-                        *reinterpret_cast<msk_pack<uint16_t, 8> *>(p + e) = h;
                     }
                 }
             }
@@ -1639,7 +1650,8 @@ static int64_t plan_chunk(int cnt, const msk_sinkgd_mat *mm, int maxgrid, char *
         x.pdt = a.pdt;
         const int es = dtype_size(a.gdt), E = 16 / es;
         const bool dense = a.cs == 1 && (a.rs == a.n || a.m == 1);
-        x.fast = dim != MSK_SHARD_COLS && dense && aligned16(a.g) && a.n % E == 0 && a.n / E <= 4 * T_SWEEP;
+        x.fast = dim != MSK_SHARD_COLS && dense && aligned16(a.g) && a.n % E == 0 && a.n / E <= 4 * T_SWEEP &&
+                 a.m < INT32_MAX;   /* (32-bit rows) */
         x.pvec = dense && aligned16(a.g) && aligned16(a.p) && a.n > 0 && a.n % 8 == 0 &&
                  a.m * a.n / 8 < ((int64_t)1 << 31);
         if (dim == MSK_SHARD_COLS) {
