@@ -197,7 +197,7 @@ end
 -- every thread map of the sweep and the elementwise passes (kernels/sinkgd.cu, plan_chunk)
 local PATHS = {
   { shape = { 3000, 256 }, dt = "bf16" },            -- row lanes of 32 threads within a warp, many groups
-  { shape = { 8, 8192 }, dt = "bf16" },              -- K = 2 chunks a thread
+  { shape = { 8, 8192 }, dt = "bf16" },              -- K = 2 chunks a thread (G in L2), else 4
   { shape = { 4, 14336 }, dt = "bf16" },             -- K = 4 (the Llama MLP width)
   { shape = { 2, 20000 }, dt = "bf16" },             -- rows too long for the registers: generic path
   { shape = { 1100, 1024 }, dt = "f32" },            -- row lanes across warps, a matrix over many CTAs
@@ -230,6 +230,24 @@ describe("cuda ms_sinkgd_step", function()
       end
     end)
   end
+
+  -- plan_chunk gives K = 2 chunks a thread when the call's G fits in L2 (every group above), K = 4 when it
+  -- streams from DRAM; MOONSTEP_SINKGD_K forces either, so both thread maps meet every shape here
+  cuda_it("the CPU's results with K = 4 and K = 2 forced on every thread map, base and spectral", function()
+    pcall(ffi.cdef, "int setenv(const char *k, const char *v, int overwrite); int unsetenv(const char *k);")
+    for _, kforce in ipairs { "4", "2" } do
+      ffi.C.setenv("MOONSTEP_SINKGD_K", kforce, 1)
+      local ok, err = pcall(function()
+        for _, mode in ipairs { "base", "spectral" } do
+          local cm, gm = group(PATHS, mode)
+          local o = { mode = mode, iters = 5, sn_iters = 2, target = "unit", lr = 0.05, weight_decay = 0.02, step = 1 }
+          step_and_compare(cm, gm, o, nil, mode .. " K = " .. kforce)
+        end
+      end)
+      ffi.C.unsetenv("MOONSTEP_SINKGD_K")
+      assert(ok, err)
+    end
+  end)
 
   cuda_it("takes transposed, row-sliced and permuted grads in place (the CPU's results)", function()
     for _, mode in ipairs { "base", "spectral" } do
