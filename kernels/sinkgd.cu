@@ -222,6 +222,16 @@ __device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_grou
 
 template <int N> __device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
 
+/* --- programmatic dependent launch (sm_90): run_chunk launches each pass with the attribute, so its CTAs are
+** scheduled as the previous pass's leave their SMs instead of after a full launch round trip.  Every kernel of
+** the sequence waits for the previous grid (its completion and memory) before it reads anything -- a no-op when
+** launched without the attribute -- and lets the next one launch at once. */
+__device__ __forceinline__ void pdl_enter()
+{
+    asm volatile("griddepcontrol.wait;\n" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+}
+
 /* --- 16 bytes of a dtype as floats -------------------------------------------------------------------------- */
 
 template <class T> struct elems16 { static constexpr int n = 16 / (int)sizeof(T); };
@@ -655,6 +665,7 @@ __device__ __forceinline__ void sweep_typed(const skargs<CAP> &A, const skmat &M
 template <int CAP, int KIND>
 __global__ void __launch_bounds__(T_SWEEP, 1) sweep_kernel(const skargs<CAP> *__restrict__ tables, int flags)
 {
+    pdl_enter();
     const skargs<CAP> &A = tables[flags];
     extern __shared__ __align__(16) char smem[];
     if (A.o.skip.ptr && msk_scalar_value(A.o.skip) != 0) return;   /* NaN skips too, as on the CPU */
@@ -696,6 +707,7 @@ enum { FOLD_WHOLE = 0, FOLD_PART = 1, FOLD_FINISH = 2 };
 template <int CAP, int KIND, int STAGE = FOLD_WHOLE>
 __global__ void __launch_bounds__(FOLD_THREADS) fold_kernel(const skargs<CAP> *__restrict__ tables, int flags)
 {
+    pdl_enter();
     const skargs<CAP> &A = tables[flags];
     __shared__ float sm[FOLD_THREADS / 32][FOLD_COLS];
     __shared__ double dred[FOLD_THREADS / 32];
@@ -729,7 +741,16 @@ __global__ void __launch_bounds__(FOLD_THREADS) fold_kernel(const skargs<CAP> *_
         if (jl < n) {
             const float *col = S.part + jl;
             int bb = warp;
-            for (; bb + 3 * (FOLD_THREADS / 32) < M.nbands; bb += 4 * (FOLD_THREADS / 32)) {   /* 4 loads in flight */
+            /* 8 loads in flight (a pass's 132 bands are ~17 a warp: 3 rounds of L2 latency, not 5), added in band
+            ** order as one at a time would */
+            for (; bb + 7 * (FOLD_THREADS / 32) < M.nbands; bb += 8 * (FOLD_THREADS / 32)) {
+                float v[8];
+#pragma unroll
+                for (int u = 0; u < 8; u++) v[u] = __ldcg(col + (int64_t)(bb + u * (FOLD_THREADS / 32)) * n);
+#pragma unroll
+                for (int u = 0; u < 8; u++) s1 += v[u];
+            }
+            for (; bb + 3 * (FOLD_THREADS / 32) < M.nbands; bb += 4 * (FOLD_THREADS / 32)) {
                 float v[4];
 #pragma unroll
                 for (int u = 0; u < 4; u++) v[u] = __ldcg(col + (int64_t)(bb + u * (FOLD_THREADS / 32)) * n);
@@ -842,6 +863,7 @@ __global__ void __launch_bounds__(FOLD_THREADS) fold_kernel(const skargs<CAP> *_
 template <int CAP>
 __global__ void __launch_bounds__(PREP_THREADS) prep_kernel(const skargs<CAP> *__restrict__ tables, int flags)
 {
+    pdl_enter();
     const skargs<CAP> &A = tables[flags];
     __shared__ double dred[PREP_THREADS / 32];
     if (A.o.skip.ptr && msk_scalar_value(A.o.skip) != 0) return;
@@ -1162,6 +1184,7 @@ __device__ __forceinline__ coefs coefs_of(const skargs<CAP> &A, const skmat &M, 
 template <int CAP, int KIND>
 __global__ void __launch_bounds__(T_SWEEP, 1) elem_kernel(const skargs<CAP> *__restrict__ tables, int flags)
 {
+    pdl_enter();
     const skargs<CAP> &A = tables[flags];
     extern __shared__ __align__(16) char smem[];
     __shared__ double dred[WARPS];
@@ -1779,9 +1802,29 @@ static size_t table_bytes() { return TABLE_SLOTS * sizeof(skargs<MSK_SINKGD_CAP>
 /* One launch of kernel K with the table of the given flags. */
 template <int CAP>
 static ms_status launch(ms_ctx *ctx, cudaStream_t s, void (*K)(const skargs<CAP> *, int), const skargs<CAP> *tables,
-                        int flags, unsigned grid, unsigned threads, size_t smem, const char *what, int *launches)
+                        int flags, unsigned grid, unsigned threads, size_t smem, const char *what, int *launches,
+                        bool pdl = false)
 {
-    K<<<grid, threads, smem, s>>>(tables, flags);
+    if (pdl) {   /* programmatic dependent launch (pdl_enter): overlaps this launch with the previous pass's tail */
+        cudaLaunchAttribute at[1];
+        at[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+        at[0].val.programmaticStreamSerializationAllowed = 1;
+        cudaLaunchConfig_t cfg = {};
+        cfg.gridDim = dim3(grid);
+        cfg.blockDim = dim3(threads);
+        cfg.dynamicSmemBytes = smem;
+        cfg.stream = s;
+        cfg.attrs = at;
+        cfg.numAttrs = 1;
+        const cudaError_t e = cudaLaunchKernelEx(&cfg, K, tables, flags);
+        if (e != cudaSuccess) {
+            (void)cudaGetLastError();
+            return ms_error_at(ctx, MS_E_BACKEND, __FILE__, __LINE__, "cuda %s: kernel launch failed: %s (%s)", what,
+                               cudaGetErrorName(e), cudaGetErrorString(e));
+        }
+    } else {
+        K<<<grid, threads, smem, s>>>(tables, flags);
+    }
     MSK_CHECK_LAUNCH(ctx, what);
     ++*launches;
     return MS_OK;
@@ -1817,7 +1860,7 @@ static ms_status run_chunk(ms_ctx *ctx, cudaStream_t s, const msk_sinkgd *o, int
     bool collect = true;
     auto go = [&](kernel_t K, int flags, unsigned grid, unsigned threads, size_t smem, const char *what) {
         if (collect) used |= 1u << flags;
-        else if (st == MS_OK) st = launch<CAP>(ctx, s, K, tables, flags, grid, threads, smem, what, launches);
+        else if (st == MS_OK) st = launch<CAP>(ctx, s, K, tables, flags, grid, threads, smem, what, launches, true);
     };
     auto sequence = [&]() {
         for (int k = 1; k <= o->iters; k++) {
