@@ -40,7 +40,9 @@
 #define T_SWEEP     512                                   /* threads of the sweep and elementwise kernels */
 #define WARPS       (T_SWEEP / 32)
 #define SLOTS       4                                     /* 16-byte chunks of G per thread per group */
+#ifndef STAGES
 #define STAGES      4                                     /* groups in the cp.async ring */
+#endif
 #define STAGE_DATA  (SLOTS * T_SWEEP * 16)                /* 32 KiB of G */
 #define RSLOT       (SLOTS * T_SWEEP * 4)                 /* a group's row scales (at most one per slot row) */
 /* The row scales have their own ring, one slot longer than the stages': a row's scale is copied by the row's
@@ -55,7 +57,7 @@
 #define FOLD_COLS   32                                    /* a lane's column; 8 warps split the bands */
 #define PREP_THREADS 256
 #define ESTAGES     3                                     /* stages of the elementwise ring (64 KiB each) */
-#define ESTAGE_BYTES (8 * T_SWEEP * 16 + 4 * T_SWEEP * 4) /* 8 words of G and p a thread + 4 row scales */
+#define ESTAGE_BYTES (8 * T_SWEEP * 16)                  /* 8 words of G and p a thread */
 #define ELEM_SMEM   (ESTAGES * ESTAGE_BYTES)
 #define ESPLIT      1                                     /* CTAs of an elementwise pass per sweep range */
 #define SMALL_CAP   16                                    /* a second table size: small groups pass ~2 KB */
@@ -971,10 +973,8 @@ __device__ __forceinline__ void elem_segment(const skargs<CAP> &A, const skmat &
         const uint32_t cpr = (uint32_t)(n / 8), nch = (uint32_t)((r1 - r0) * cpr);
         const uint32_t per = (uint32_t)(CPS * VT), nst = (nch + per - 1) / per;
         const int64_t e_base = r0 * n;
-        /* word w of stage s: slots + s * ESTAGE_BYTES + w * T_SWEEP * 16; the row scale of chunk u after the words,
-        ** copied with the chunk so that its latency hides in the ring as the data's does */
+        /* word w of stage s: slots + s * ESTAGE_BYTES + w * T_SWEEP * 16 */
         char *slots = smem + threadIdx.x * 16;
-        char *rslots = smem + 8 * T_SWEEP * 16 + threadIdx.x * 4;
         /* when a row's chunks divide the threads evenly, a thread's chunks are always the same columns: its 8
         ** column scales are loaded once */
         const bool ccol = !unit && VT % cpr == 0;
@@ -1020,12 +1020,10 @@ __device__ __forceinline__ void elem_segment(const skargs<CAP> &A, const skmat &
         int istage = 0;
         auto issue = [&]() {
             char *sb = slots + istage * ESTAGE_BYTES;
-            char *rb = rslots + istage * ESTAGE_BYTES;
 #pragma unroll
             for (int u = 0; u < CPS; u++) {
                 const bool ok = wi.q < nch;
                 const int64_t e = ok ? wi.e : 0;   /* (a copy that reads nothing still gets a valid address) */
-                if (!unit) cp4(rb + u * T_SWEEP * 4, S.r + r0 + (ok ? wi.row : 0), ok ? 4 : 0);
 #pragma unroll
                 for (int w = 0; w < GW; w++) cp16(sb + (u * (GW + PW) + w) * T_SWEEP * 16, g + e + 4 * w, ok ? 16 : 0);
 #pragma unroll
@@ -1045,14 +1043,22 @@ __device__ __forceinline__ void elem_segment(const skargs<CAP> &A, const skmat &
         for (uint32_t st = 0; st < nst; st++) {
             if (st + ESTAGES - 1 < nst) issue();
             cp_commit();
+            /* the chunks' row scales: loads from L1/L2 (a warp's lanes mostly share a row), issued before the wait
+            ** so that they land with the stage (copied through the ring, they cost an LDGSTS and an LDS a chunk) */
+            walker wu[CPS];
+            float rrv[CPS];
+#pragma unroll
+            for (int u = 0; u < CPS; u++) {
+                wu[u] = wc;
+                rrv[u] = !unit && wc.q < nch ? __ldg(S.r + r0 + wc.row) : 1.f;
+                walk_next(wc);
+            }
             cp_wait<ESTAGES - 1>();
             const char *sb = slots + cstage * ESTAGE_BYTES;
-            const char *rb = rslots + cstage * ESTAGE_BYTES;
             cstage = cstage + 1 == ESTAGES ? 0 : cstage + 1;
 #pragma unroll
             for (int u = 0; u < CPS; u++) {
-                const walker w0 = wc;
-                walk_next(wc);
+                const walker w0 = wu[u];
                 if (w0.q >= nch) continue;
                 const int64_t j = (int64_t)w0.col * 8, e = w0.e;
                 float gx[8], px[8], out[8], cc[8], rr = 1.f;
@@ -1067,7 +1073,7 @@ __device__ __forceinline__ void elem_segment(const skargs<CAP> &A, const skmat &
 #pragma unroll
                 for (int k = 0; k < 8; k++) cc[k] = cfix[k];
                 if (!unit) {
-                    rr = *(const float *)(rb + u * T_SWEEP * 4);
+                    rr = rrv[u];
                     if (!ccol) {
                         const float4 c0 = __ldg(reinterpret_cast<const float4 *>(S.c + j));
                         const float4 c1 = __ldg(reinterpret_cast<const float4 *>(S.c + j + 4));
