@@ -83,7 +83,7 @@ NVCCFLAGS  := -O3 -std=c++17 -Xcompiler -fPIC,-fvisibility=hidden -DMS_BUILDING_
 
 ifeq ($(WITH_CUDA),1)
 LIB_CFLAGS += -DMS_WITH_CUDA -I$(CUDA_HOME)/include -Ikernels
-LIB_LIBS   += -L$(CUDA_HOME)/lib64 -Wl,-rpath,$(CUDA_HOME)/lib64 -lcublas -lcusolver -lcudart -lstdc++
+LIB_LIBS   += -L$(CUDA_HOME)/lib64 -Wl,-rpath,$(CUDA_HOME)/lib64 -lcublas -lcublasLt -lcusolver -lcudart -lstdc++
 endif
 ifeq ($(WITH_NCCL),1)
 LIB_CFLAGS += -DMS_WITH_NCCL -I$(dir $(NCCL_HEADER))

@@ -5,6 +5,7 @@ arithmetic), summed over 5 steps after 3 warm-up steps, on the benchmark's subse
 DASH's Llama-953M, B = 1024, random gradients), CN with Frobenius scaling.
 
   build/moonstep bench/dash_ops_profile.lua [refresh]     -- apply-only steps (default), or refreshing every step
+  build/moonstep bench/dash_ops_profile.lua products      -- also the step's products alone, each way they can run
   DEV=cpu build/moonstep bench/dash_ops_profile.lua       -- the same on the CPU (slow)
 
 The events themselves add a little to the step; the rows are for finding what to work on, the step time of
@@ -47,7 +48,65 @@ local function wrap(tbl, name)
     return r1, r2, r3
   end
 end
-for _, n in ipairs { "matmul", "blocks_gather", "dash_graft", "blocks_apply", "inv_root", "mul", "add" } do if ms[n] then wrap(ms, n) end end
+-- the products of the 1024 x 1024 stack alone (108 blocks, TF32), each way they can run: the factor products
+-- through ms.blocks_gather_factors per MOONSTEP_DASH_FACTOR_GEMM path (lt, ex, nt), with the grafting fused
+-- into the gather or not (MOONSTEP_DASH_GATHER_GRAFT), and the preconditioning products as (L G) R (the
+-- recipe's) and L (G R) with G R written transposed (both operands K-major)
+if arg[1] == "products" then
+  pcall(ffi.cdef, "int setenv(const char *name, const char *value, int overwrite);")
+  local n, b = 108, 1024
+  local blocks = {}
+  local gw = ms.randn({ 12 * b, 9 * b }, { ctx = ctx, seed = 7, std = 1e-3 })
+  for i = 0, n - 1 do blocks[#blocks + 1] = { tensor = gw, row0 = (i % 12) * b, col0 = math.floor(i / 12) * b } end
+  local list = ms.block_list(blocks)
+  local G, L, R = ms.empty({ n, b, b }, { ctx = ctx }), ms.zeros({ n, b, b }, { ctx = ctx }), ms.zeros({ n, b, b }, { ctx = ctx })
+  local X, Y = ms.empty({ n, b, b }, { ctx = ctx }), ms.empty({ n, b, b }, { ctx = ctx })
+  local e0, e1, el = event(), event(), ffi.new("double[1]")
+  local function time(label, f)
+    f() ctx:sync()
+    core.check(C.ms_event_record(h, e0))
+    for _ = 1, 10 do f() end
+    core.check(C.ms_event_record(h, e1))
+    ctx:sync()
+    core.check(C.ms_event_elapsed(e0, e1, el))
+    print(("  %-44s %8.3f ms"):format(label, el[0] / 10))
+  end
+  print(("products of %d blocks of %d^2, TF32 (mean of 10 after one):"):format(n, b))
+  for _, path in ipairs { "nt", "ex", "lt" } do
+    ffi.C.setenv("MOONSTEP_DASH_FACTOR_GEMM", path, 1)
+    time("gather + factors, beta 0.95, path " .. path, function()
+      ms.blocks_gather_factors { stack = G, blocks = list, left = L, right = R, alpha = 0.05, beta = 0.95, tf32 = true }
+    end)
+    time("gather + left factor only, path " .. path, function()
+      ms.blocks_gather_factors { stack = G, blocks = list, left = L, alpha = 0.05, beta = 0.95, tf32 = true }
+    end)
+  end
+  ffi.C.setenv("MOONSTEP_DASH_FACTOR_GEMM", "lt", 1)
+  local m, v, nrm = ms.zeros({ n, b, b }, { ctx = ctx }), ms.zeros({ n, b, b }, { ctx = ctx }), ms.zeros({ n }, { ctx = ctx })
+  local graft = { grad_ema = m, adam_v = v, norm = nrm, beta_grad = 0.9, beta_graft = 0.95, eps = 1e-8, step = 3 }
+  for _, fused in ipairs { "1", "0" } do
+    ffi.C.setenv("MOONSTEP_DASH_GATHER_GRAFT", fused, 1)
+    time("gather + graft + factors, graft fused " .. fused, function()
+      ms.blocks_gather_factors { stack = G, blocks = list, left = L, right = R, alpha = 0.05, beta = 0.95, tf32 = true,
+                                 graft = graft }
+    end)
+  end
+  ffi.C.setenv("MOONSTEP_DASH_GATHER_GRAFT", "1", 1)
+  time("gather alone", function() ms.blocks_gather(G, list) end)
+  time("graft alone", function()
+    ms.dash_graft { grad = G, grad_ema = m, adam_v = v, norm = nrm, beta_grad = 0.9, beta_graft = 0.95, eps = 1e-8, step = 3 }
+  end)
+  time("(L G) R: L G, then (L G) R", function()
+    ms.matmul(L, G, { out = X, tf32 = true }) ms.matmul(X, R, { out = Y, tf32 = true })
+  end)
+  time("L (G R): G R^T written transposed, then L V", function()
+    local V = X:transpose(1, 2)
+    ms.matmul(G, R, { trans_b = true, out = V, tf32 = true }) ms.matmul(L, V, { out = Y, tf32 = true })
+  end)
+  time("G G^T, beta 0 (ms.matmul)", function() ms.matmul(G, G, { trans_b = true, out = X, tf32 = true }) end)
+end
+
+for _, n in ipairs { "matmul", "blocks_gather", "blocks_gather_factors", "dash_graft", "blocks_apply", "inv_root", "mul", "add" } do if ms[n] then wrap(ms, n) end end
 local T = tensor.Tensor
 for _, n in ipairs { "norm", "reshape", "copy_", "mul_", "add_" } do if type(T[n]) == "function" then wrap(T, n) end end
 local mt = tensor.Tensor

@@ -102,7 +102,7 @@ __global__ void __launch_bounds__(T_ELEM) gather_kernel(const __grid_constant__ 
     for (int u = 0; u < PER_THREAD; u++) {
         const int64_t e = e0 + u * T_ELEM;
         if (e >= A.rc) break;
-        const int64_t i = e / A.c, j = e - i * A.c;
+        const int64_t i = row_of(e, A.c), j = e - i * A.c;
         dst[e] = load_f(B.p, i * B.rs + j * B.cs, B.dt);
     }
 }
@@ -134,7 +134,7 @@ __global__ void __launch_bounds__(T_ELEM) apply_kernel(const __grid_constant__ b
     for (int u = 0; u < PER_THREAD; u++) {
         const int64_t e = e0 + u * T_ELEM;
         if (e >= A.rc) break;
-        const int64_t i = e / A.c, j = e - i * A.c, off = i * B.rs + j * B.cs;
+        const int64_t i = row_of(e, A.c), j = e - i * A.c, off = i * B.rs + j * B.cs;
         const float s = src[e];
         const float x = o.update ? msk_sub(msk_mul(load_f(B.p, off, B.dt), dec), msk_mul(f, s)) : msk_mul(f, s);
         if (sr) ((uint16_t *)B.p)[off] = msk_sr_16(x, B.dt == MS_DTYPE_BF16, (uint64_t)(B.e0 + off), stepw, member,
@@ -176,6 +176,154 @@ static ms_status blocks_run(ms_ctx *ctx, cudaStream_t s, const msk_dash_apply *o
     return st;
 }
 
+/* gather with the transposes and the grafting update: tiles of TT x TT elements, so that the stack and its
+** transpose are both written in rows (coalesced) through shared memory; with GRAFT each element also updates
+** m and v (and P_graft) as graft_kernel does, and each strip of tiles writes its f64 sum of P_graft^2 (folded
+** in strip order by graft_fold_kernel) -- the grafting pass without reading the stack back */
+#define TT 32
+#define TT_ROWS 8
+
+struct graft_pass {
+    msk_dash_graft o;
+    float  *m, *v, *pg;
+    double *partials;   /* [n, strips] */
+};
+
+/* graft_kernel's per-element arithmetic (engine/cpu/dash.c's order, no FMA) */
+struct graft_coef {
+    bool  ema;
+    float b1, omb1, b2, omb2, eps, cm, cv;
+};
+__device__ __forceinline__ graft_coef graft_coef_of(const msk_dash_graft &o)
+{
+    const double t = rint(msk_scalar_value(o.step));
+    graft_coef g;
+    g.ema = o.beta_grad > 0;
+    g.b1 = (float)o.beta_grad;
+    g.omb1 = (float)(1.0 - o.beta_grad);
+    g.b2 = (float)o.beta_graft;
+    g.omb2 = (float)(1.0 - o.beta_graft);
+    g.eps = (float)o.eps;
+    g.cm = o.bias_correction && g.ema ? (float)(1.0 - pow(o.beta_grad, t)) : 1.0f;
+    g.cv = o.bias_correction ? (float)(1.0 - pow(o.beta_graft, t)) : 1.0f;
+    return g;
+}
+__device__ __forceinline__ float graft_elem(const graft_coef &g, float gj, float *m, float *v, int64_t i)
+{
+    const float mj = g.ema ? msk_add(msk_mul(g.b1, m[i]), msk_mul(g.omb1, gj)) : gj;
+    const float vj = msk_add(msk_mul(g.b2, v[i]), msk_mul(msk_mul(g.omb2, gj), gj));
+    m[i] = mj;
+    v[i] = vj;
+    return msk_div(msk_div(mj, g.cm), msk_add(g.eps, msk_sqrt(msk_div(vj, g.cv))));
+}
+
+/* One CTA per strip of TT rows x TT_STRIP tiles: the grafting coefficients (two pow) and the f64 block sum
+** are paid once per 32 elements a thread handles, as in graft_kernel (a CTA per tile paid them per 4). */
+#define TT_STRIP 8
+
+template <int CAP, bool TRANS, bool GRAFT>
+__global__ void __launch_bounds__(TT * TT_ROWS) gather_t_kernel(const __grid_constant__ blk_args<CAP> A, float *stack_t,
+                                                                int64_t r, int64_t strips_c, const graft_pass P)
+{
+    __shared__ float tile[TRANS ? TT : 1][TT + 1];
+    __shared__ double red[TT * TT_ROWS / 32];
+    const msk_dash_block &B = A.b[blockIdx.y];
+    const int64_t k = A.first + blockIdx.y, c = A.c;
+    const int64_t ti = blockIdx.x / (unsigned)strips_c, ts = blockIdx.x - ti * strips_c, i0 = ti * TT;
+    float *dst = A.stack + k * A.rc, *dst_t = TRANS ? stack_t + k * A.rc : NULL;
+    const int tx = threadIdx.x, ty = threadIdx.y;
+    const bool graft = GRAFT && !(P.o.skip.ptr && msk_scalar_value(P.o.skip) != 0);   /* NaN skips, as on the CPU */
+    graft_coef gc;
+    if (graft) gc = graft_coef_of(P.o);
+    double acc = 0;
+    for (int s = 0; s < TT_STRIP; s++) {
+        const int64_t j0 = (ts * TT_STRIP + s) * TT;
+        if (j0 >= c) break;   /* the same for the whole CTA */
+#pragma unroll
+        for (int u = ty; u < TT; u += TT_ROWS) {
+            const int64_t i = i0 + u, j = j0 + tx;
+            if (i < r && j < c) {
+                const float x = load_f(B.p, i * B.rs + j * B.cs, B.dt);
+                dst[i * c + j] = x;
+                if (TRANS) tile[u][tx] = x;
+                if (graft) {
+                    const int64_t e = k * A.rc + i * c + j;
+                    const float pj = graft_elem(gc, x, P.m, P.v, e);
+                    if (P.pg) P.pg[e] = pj;
+                    acc += (double)pj * pj;
+                }
+            }
+        }
+        if (TRANS) {
+            __syncthreads();
+#pragma unroll
+            for (int u = ty; u < TT; u += TT_ROWS) {
+                const int64_t j = j0 + u, i = i0 + tx;
+                if (j < c && i < r) dst_t[j * r + i] = tile[tx][u];
+            }
+            __syncthreads();
+        }
+    }
+    if (graft) {
+        acc = block_sum<double>(acc, red);
+        if (tx == 0 && ty == 0) P.partials[k * (int64_t)gridDim.x + blockIdx.x] = acc;
+    }
+}
+
+__global__ void graft_fold_kernel(const msk_dash_graft o, float *norm, int64_t N, int64_t chunks,
+                                  const double *partials);
+
+extern "C" size_t msk_dash_gather_graft_scratch(int64_t n, int64_t r, int64_t c)
+{
+    return (size_t)(n * cdiv(r, TT) * cdiv(c, (int64_t)TT * TT_STRIP)) * sizeof(double);
+}
+
+/* Contract: as msk_dash_gather; stack_t (NULL: none) dense [n, c, r] f32; g (NULL: no grafting) as
+** msk_dash_graft_run's stacks, its partials msk_dash_gather_graft_scratch bytes; nothing overlaps. */
+extern "C" ms_status msk_dash_gather_t(ms_ctx *ctx, cudaStream_t s, float *stack, float *stack_t, int64_t r, int64_t c,
+                                       int n, const msk_dash_block *b, const msk_dash_gather_graft *g, int *launches)
+{
+    blk_args<MSK_DASH_CAP> *a = new (std::nothrow) blk_args<MSK_DASH_CAP>;
+    if (a == NULL) return ms_error_at(ctx, MS_E_OOM, __FILE__, __LINE__, "cuda dash: no host memory for a launch table");
+    memset(&a->o, 0, sizeof a->o);
+    a->stack = stack;
+    a->scale = NULL;
+    a->c = c;
+    a->rc = r * c;
+    graft_pass P;
+    memset(&P, 0, sizeof P);
+    if (g) P = graft_pass{ g->o, g->m, g->v, g->pgraft, g->partials };
+    const int64_t tiles_c = cdiv(c, (int64_t)TT * TT_STRIP), tiles = cdiv(r, TT) * tiles_c;   /* strips */
+    ms_status st = MS_OK;
+    if (tiles > 0x7fffffff) st = ms_error_at(ctx, MS_E_UNSUPPORTED, __FILE__, __LINE__, "cuda dash: blocks of %lld elements",
+                                             (long long)(r * c));
+    for (int first = 0; first < n && st == MS_OK; first += MSK_DASH_CAP) {
+        const int cnt = n - first < MSK_DASH_CAP ? n - first : MSK_DASH_CAP;
+        a->first = first;
+        memcpy(a->b, b + first, sizeof *b * (size_t)cnt);
+        const dim3 grid((unsigned)tiles, (unsigned)cnt), block(TT, TT_ROWS);
+        if (stack_t && g) gather_t_kernel<MSK_DASH_CAP, true, true><<<grid, block, 0, s>>>(*a, stack_t, r, tiles_c, P);
+        else if (stack_t) gather_t_kernel<MSK_DASH_CAP, true, false><<<grid, block, 0, s>>>(*a, stack_t, r, tiles_c, P);
+        else if (g) gather_t_kernel<MSK_DASH_CAP, false, true><<<grid, block, 0, s>>>(*a, NULL, r, tiles_c, P);
+        else gather_t_kernel<MSK_DASH_CAP, false, false><<<grid, block, 0, s>>>(*a, NULL, r, tiles_c, P);
+        cudaError_t e = cudaGetLastError();
+        if (e != cudaSuccess)
+            st = ms_error_at(ctx, MS_E_BACKEND, __FILE__, __LINE__, "cuda ms_blocks_gather_factors: kernel launch failed: "
+                             "%s (%s)", cudaGetErrorName(e), cudaGetErrorString(e));
+        ++*launches;
+    }
+    delete a;
+    if (st == MS_OK && g) {
+        graft_fold_kernel<<<(unsigned)cdiv(n, 128), 128, 0, s>>>(g->o, g->norm, n, tiles, g->partials);
+        cudaError_t e = cudaGetLastError();
+        if (e != cudaSuccess)
+            st = ms_error_at(ctx, MS_E_BACKEND, __FILE__, __LINE__, "cuda ms_blocks_gather_factors (fold): kernel launch "
+                             "failed: %s (%s)", cudaGetErrorName(e), cudaGetErrorString(e));
+        ++*launches;
+    }
+    return st;
+}
+
 /* Contract: n >= 1 blocks of r x c (r, c >= 1), every element inside its tensor; for stochastic rounding the
 ** 16-bit tensors are contiguous (element (i, j) at e0 + i * c + j of the row-major index). */
 extern "C" ms_status msk_dash_gather(ms_ctx *ctx, cudaStream_t s, float *stack, int64_t r, int64_t c, int n,
@@ -210,22 +358,12 @@ __global__ void __launch_bounds__(T_ELEM) graft_kernel(const msk_dash_graft o, f
     __shared__ double red[T_ELEM / 32];
     if (o.skip.ptr && msk_scalar_value(o.skip) != 0) return;
     const int64_t k = y0 + blockIdx.y, c = blockIdx.x;
-    const double t = rint(msk_scalar_value(o.step));
-    const bool ema = o.beta_grad > 0;
-    const float b1 = (float)o.beta_grad, omb1 = (float)(1.0 - o.beta_grad);
-    const float b2 = (float)o.beta_graft, omb2 = (float)(1.0 - o.beta_graft), eps = (float)o.eps;
-    const float cm = o.bias_correction && ema ? (float)(1.0 - pow(o.beta_grad, t)) : 1.0f;
-    const float cv = o.bias_correction ? (float)(1.0 - pow(o.beta_graft, t)) : 1.0f;
+    const graft_coef gc = graft_coef_of(o);
     double acc = 0;
     const int64_t base = k * rc, lo = c * GRAFT_CHUNK, hi = lo + GRAFT_CHUNK < rc ? lo + GRAFT_CHUNK : rc;
     for (int64_t e = lo + threadIdx.x; e < hi; e += T_ELEM) {
         const int64_t i = base + e;
-        const float gj = g[i];
-        const float mj = ema ? msk_add(msk_mul(b1, m[i]), msk_mul(omb1, gj)) : gj;
-        const float vj = msk_add(msk_mul(b2, v[i]), msk_mul(msk_mul(omb2, gj), gj));
-        m[i] = mj;
-        v[i] = vj;
-        const float pj = msk_div(msk_div(mj, cm), msk_add(eps, msk_sqrt(msk_div(vj, cv))));
+        const float pj = graft_elem(gc, g[i], m, v, i);
         if (pg) pg[i] = pj;
         acc += (double)pj * pj;
     }

@@ -273,6 +273,7 @@ ms_status msk_dash_gather(ms_ctx *ctx, cudaStream_t s, float *stack, int64_t r, 
 ms_status msk_dash_apply_run(ms_ctx *ctx, cudaStream_t s, const msk_dash_apply *o, const float *stack, int64_t r,
                              int64_t c, const float *scale, int n, const msk_dash_block *b, int *launches);
 
+
 /* ms_dash_graft on N blocks of rc elements (f32 stacks, pgraft may be NULL); `partials` holds
 ** msk_dash_graft_scratch bytes.  Two launches: the pass over the stacks and the fold of the norms. */
 typedef struct msk_dash_graft {
@@ -283,6 +284,18 @@ typedef struct msk_dash_graft {
 size_t msk_dash_graft_scratch(int64_t N, int64_t rc);
 ms_status msk_dash_graft_run(ms_ctx *ctx, cudaStream_t s, const msk_dash_graft *o, float *m, float *v, float *norm,
                              float *pgraft, const float *g, int64_t N, int64_t rc, double *partials);
+
+/* The gather of ms_blocks_gather_factors in one tiled pass: the stack, its transposes stack_t [n, c, r] (NULL:
+** none) and, with g, ms_dash_graft's update of the stack (m, v, pgraft, norm; partials holding
+** msk_dash_gather_graft_scratch bytes).  Launches: ceil(n / MSK_DASH_CAP), and the fold with g. */
+typedef struct msk_dash_gather_graft {
+    msk_dash_graft o;
+    float  *m, *v, *norm, *pgraft;
+    double *partials;
+} msk_dash_gather_graft;
+size_t msk_dash_gather_graft_scratch(int64_t n, int64_t r, int64_t c);
+ms_status msk_dash_gather_t(ms_ctx *ctx, cudaStream_t s, float *stack, float *stack_t, int64_t r, int64_t c, int n,
+                            const msk_dash_block *b, const msk_dash_gather_graft *g, int *launches);
 
 /* --- the solvers' pieces ---------------------------------------------------------------------------- */
 

@@ -658,13 +658,15 @@ local dash_route = {
     local alpha, beta = sum and 1 or 1 - o.beta_LR, sum and 1 or o.beta_LR
     for _, s in ipairs(w.plan.stacks) do
       local k, G = s.key, w.G[s.key]
-      ms.blocks_gather(G, w.grad_list[k])
-      ms.matmul(G, G, { trans_b = true, alpha = alpha, beta = beta, out = w.left[k], tf32 = o.allow_tf32 })
-      if s.right then ms.matmul(G, G, { trans_a = true, alpha = alpha, beta = beta, out = w.right[k], tf32 = o.allow_tf32 }) end
-      ms.dash_graft {
-        grad = G, grad_ema = st.grad_ema[k], adam_v = st.adam_v[k], norm = w.norm[k], pgraft = not pre and w.P[k] or nil,
-        beta_grad = o.beta_G, beta_graft = o.beta_graft, eps = o.eps_grafting, step = ctx.step_t,
-        bias_correction = o.use_bias_correction,
+      -- G, the grafting state from it, then L <- beta L + alpha G G^T and R <- beta R + alpha G^T G, in one call
+      -- (on the GPU one pass gathers, grafts and writes G^T, so that the products read K-major operands: TF32
+      -- runs at full rate only on those)
+      ms.blocks_gather_factors {
+        stack = G, blocks = w.grad_list[k], left = w.left[k], right = s.right and w.right[k] or nil, alpha = alpha,
+        beta = beta, tf32 = o.allow_tf32,
+        graft = { grad_ema = st.grad_ema[k], adam_v = st.adam_v[k], norm = w.norm[k], pgraft = not pre and w.P[k] or nil,
+                  beta_grad = o.beta_G, beta_graft = o.beta_graft, eps = o.eps_grafting, step = ctx.step_t,
+                  bias_correction = o.use_bias_correction },
       }
     end
     if ctx.plan ~= "apply" then

@@ -792,3 +792,130 @@ describe("CUDA DASH rng_ids", function()
     g:free()
   end, true)
 end)
+
+-- ---------------------------------------------------------------------------------------------------
+-- gather with the factor products
+-- ---------------------------------------------------------------------------------------------------
+describe("CUDA ms.blocks_gather_factors", function()
+  -- blocks of 37 x 50 (partial 32 x 32 tiles of the transposing gather) from an f32 [74, 100] and a transposed
+  -- bf16 [100, 74] view; the same values on both devices
+  local function problem(ctx, seed)
+    local a = ms.randn({ 74, 100 }, { seed = seed }):to(ctx)
+    local b = ms.randn({ 100, 74 }, { seed = seed + 1, dtype = "bf16" }):to(ctx):t()
+    local blocks = {}
+    for _, t in ipairs { a, b } do
+      for r = 0, 1 do for c = 0, 1 do blocks[#blocks + 1] = { tensor = t, row0 = 37 * r, col0 = 50 * c } end end
+    end
+    return blocks, a
+  end
+
+  -- the worst block's max |got - want| / max |want|
+  local function worst(got, want)
+    local e = 0
+    for k = 0, want:size(0) - 1 do
+      local w, g = want:select(0, k):to("f64"), host(got):select(0, k):to("f64")
+      local m = (g - w):abs():max()
+      local s = w:abs():max()
+      m, s = type(m) == "number" and m or m:item(), type(s) == "number" and s or s:item()
+      e = max(e, m / s)
+      if m ~= m then return 0 / 0 end
+    end
+    return e
+  end
+
+  cuda_it("matches the CPU on every product path (lt, ex, nt) in f32 and TF32, reproducibly, with and without a right factor", function()
+    local seed = H.seed()
+    local bc, bg = problem(CPU, seed), problem(GPU, seed)
+    local lg = ms.block_list(bg)
+    local l0, r0 = ms.randn({ 8, 37, 37 }, { seed = seed + 2 }), ms.randn({ 8, 50, 50 }, { seed = seed + 3 })
+    local Gc, Lc, Rc = ms.empty({ 8, 37, 50 }), l0:clone(), r0:clone()
+    ms.blocks_gather_factors { stack = Gc, blocks = bc, left = Lc, right = Rc, alpha = 0.05, beta = 0.95 }
+    for _, path in ipairs { "lt", "ex", "nt" } do
+      for _, tf32 in ipairs { false, true } do
+        with_env("MOONSTEP_DASH_FACTOR_GEMM", path, function()
+          local what = ("%s%s"):format(path, tf32 and " tf32" or "")
+          local G, L, R = ms.empty({ 8, 37, 50 }, { ctx = GPU }), dev(l0):clone(), dev(r0):clone()
+          ms.blocks_gather_factors { stack = G, blocks = lg, left = L, right = R, alpha = 0.05, beta = 0.95, tf32 = tf32 }
+          assert_same(vals(G), vals(Gc), what .. ": stack")
+          local tol = tf32 and 3e-3 or 2e-6
+          local el, er = worst(L, Lc), worst(R, Rc)
+          assert(el <= tol and er <= tol, ("%s: left %.3g, right %.3g off the CPU (tolerance %g)"):format(what, el, er, tol))
+          local L2, R2 = dev(l0):clone(), dev(r0):clone()
+          ms.blocks_gather_factors { stack = G, blocks = lg, left = L2, right = R2, alpha = 0.05, beta = 0.95, tf32 = tf32 }
+          assert_same(vals(L2), vals(L), what .. ": left again")
+          assert_same(vals(R2), vals(R), what .. ": right again")
+          -- no right factor: the left alone, beta = 0 ignoring old NaNs
+          local L3 = ms.full({ 8, 37, 37 }, 0 / 0, { ctx = GPU })
+          ms.blocks_gather_factors { stack = G, blocks = lg, left = L3, alpha = 2, beta = 0, tf32 = tf32 }
+          local Lw = ms.matmul(Gc, Gc, { trans_b = true }) * 2
+          local e3 = worst(L3, Lw)
+          assert(e3 <= tol, ("%s: left alone %.3g off"):format(what, e3))
+        end)
+      end
+    end
+  end)
+
+  cuda_it("grafts bit for bit as the CPU, in its own pass and fused into the gather (norms to 1e-6; EMA, beta_grad 0, pgraft, step_t, skip; with and without G^T)", function()
+    local seed = H.seed()
+    local bc, bg = problem(CPU, seed), problem(GPU, seed)
+    local lg = ms.block_list(bg)
+    local m0, v0 = ms.randn({ 8, 37, 50 }, { seed = seed + 4 }), ms.rand({ 8, 37, 50 }, { seed = seed + 5 })
+    local cases = {
+      { beta_grad = 0.9, beta_graft = 0.95, step = 3, pg = true, right = true },
+      { beta_grad = 0, beta_graft = 0.9, step = 5, device_step = true, bias_correction = false, right = true },
+      { beta_grad = 0.8, beta_graft = 0.99, step = 2, pg = true, right = false },
+      { beta_grad = 0.9, beta_graft = 0.95, step = 4, skip = true, right = true },
+    }
+    for i, case in ipairs(cases) do
+      local function run(ctx, blocks)
+        local G = ms.empty({ 8, 37, 50 }, { ctx = ctx })
+        local L, R = ms.zeros({ 8, 37, 37 }, { ctx = ctx }), case.right and ms.zeros({ 8, 50, 50 }, { ctx = ctx }) or nil
+        local g = { grad_ema = m0:to(ctx):clone(), adam_v = v0:to(ctx):clone(), norm = ms.full({ 8 }, -1, { ctx = ctx }),
+                    pgraft = case.pg and ms.empty({ 8, 37, 50 }, { ctx = ctx }) or nil, beta_grad = case.beta_grad,
+                    beta_graft = case.beta_graft, eps = 1e-8, bias_correction = case.bias_correction,
+                    step = case.device_step and ms.full({ 1 }, case.step, { ctx = ctx }) or case.step,
+                    skip = case.skip and ms.full({ 1 }, 1, { ctx = ctx }) or nil }
+        ms.blocks_gather_factors { stack = G, blocks = blocks, left = L, right = R, alpha = 1, beta = 0, graft = g }
+        return G, g
+      end
+      local Gc, gc = run(CPU, bc)
+      for _, fused in ipairs { "0", "1" } do
+      local Gg, gg
+      with_env("MOONSTEP_DASH_GATHER_GRAFT", fused, function() Gg, gg = run(GPU, lg) end)
+      local what = ("case %d, fused %s"):format(i, fused)
+      assert_same(vals(Gg), vals(Gc), what .. ": stack")
+      assert_same(vals(gg.grad_ema), vals(gc.grad_ema), what .. ": grad_ema")
+      assert_same(vals(gg.adam_v), vals(gc.adam_v), what .. ": adam_v")
+      if case.pg then assert_same(vals(gg.pgraft), vals(gc.pgraft), what .. ": pgraft") end
+      local nc, ng = vals(gc.norm), vals(gg.norm)
+      for k = 1, 8 do
+        assert(abs(ng[k] - nc[k]) <= 1e-6 * abs(nc[k]), ("%s: norm %d is %.9g, the CPU's %.9g"):format(what, k, ng[k], nc[k]))
+      end
+      if case.skip then assert_same(vals(gg.grad_ema), vals(m0), what .. ": skip leaves grad_ema") end
+      end
+    end
+  end)
+
+  cuda_it("replays a captured call with new gradients as an uncaptured call", function()
+    local seed = H.seed()
+    local bg, a = problem(GPU, seed)
+    local list = ms.block_list(bg)
+    local l0, r0 = ms.randn({ 8, 37, 37 }, { seed = seed + 2 }), ms.randn({ 8, 50, 50 }, { seed = seed + 3 })
+    local G, L, R = ms.empty({ 8, 37, 50 }, { ctx = GPU }), dev(l0):clone(), dev(r0):clone()
+    local o = { stack = G, blocks = list, left = L, right = R, alpha = 0.05, beta = 0.95, tf32 = true }
+    ms.blocks_gather_factors(o)                     -- warm-up: handle, algorithm and scratch exist before capture
+    GPU:sync()
+    local g = graph.capture(GPU, function() ms.blocks_gather_factors(o) end)
+    L:copy_(dev(l0):clone())
+    R:copy_(dev(r0):clone())
+    a:copy_(ms.randn({ 74, 100 }, { seed = seed + 9 }):to(GPU))
+    g:launch()
+    GPU:sync()
+    local G2, L2, R2 = ms.empty({ 8, 37, 50 }, { ctx = GPU }), dev(l0):clone(), dev(r0):clone()
+    ms.blocks_gather_factors { stack = G2, blocks = list, left = L2, right = R2, alpha = 0.05, beta = 0.95, tf32 = true }
+    assert_same(vals(G), vals(G2), "stack")
+    assert_same(vals(L), vals(L2), "left")
+    assert_same(vals(R), vals(R2), "right")
+    g:free()
+  end, true)
+end)

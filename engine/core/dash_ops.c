@@ -284,13 +284,11 @@ MS_API ms_status ms_blocks_apply(ms_ctx *ctx, int n, const ms_block *blocks, con
 
 /* --- grafting ------------------------------------------------------------------------------------------ */
 
-MS_API ms_status ms_dash_graft(ms_ctx *ctx, ms_tensor *grad_ema, ms_tensor *adam_v, ms_tensor *norm,
-                               ms_tensor *pgraft, const ms_tensor *grad, const ms_dash_graft_options *opts)
+/* ms_dash_graft's options and tensors (grad: the stack they update from) */
+static ms_status check_graft(ms_ctx *ctx, const char *fn, const ms_tensor *grad_ema, const ms_tensor *adam_v,
+                             const ms_tensor *norm, const ms_tensor *pgraft, const ms_tensor *grad,
+                             const ms_dash_graft_options *o)
 {
-    static const char fn[] = "ms_dash_graft";
-    if (ctx == NULL) return MS_FAIL(NULL, MS_E_ARG, "%s: ctx is NULL", fn);
-    if (opts == NULL) return MS_FAIL(ctx, MS_E_ARG, "%s: opts is NULL (betas, eps and step have no defaults)", fn);
-    const ms_dash_graft_options *o = opts;
     MS_TRY(check_range(ctx, fn, "beta_grad", o->beta_grad, 0, false, 1, true));
     MS_TRY(check_range(ctx, fn, "beta_graft", o->beta_graft, 0, false, 1, true));
     if (!(isfinite(o->eps) && o->eps > 0)) return MS_FAIL(ctx, MS_E_ARG, "%s: eps = %g must be finite and > 0", fn, o->eps);
@@ -303,7 +301,17 @@ MS_API ms_status ms_dash_graft(ms_ctx *ctx, ms_tensor *grad_ema, ms_tensor *adam
     MS_TRY(check_like(ctx, fn, "grad_ema", grad_ema, grad, false));
     MS_TRY(check_like(ctx, fn, "adam_v", adam_v, grad, false));
     MS_TRY(check_like(ctx, fn, "pgraft", pgraft, grad, true));
-    MS_TRY(check_vector(ctx, fn, "norm", norm, MS_DTYPE_F32, grad->shape[0], false));
+    return check_vector(ctx, fn, "norm", norm, MS_DTYPE_F32, grad->shape[0], false);
+}
+
+MS_API ms_status ms_dash_graft(ms_ctx *ctx, ms_tensor *grad_ema, ms_tensor *adam_v, ms_tensor *norm,
+                               ms_tensor *pgraft, const ms_tensor *grad, const ms_dash_graft_options *opts)
+{
+    static const char fn[] = "ms_dash_graft";
+    if (ctx == NULL) return MS_FAIL(NULL, MS_E_ARG, "%s: ctx is NULL", fn);
+    if (opts == NULL) return MS_FAIL(ctx, MS_E_ARG, "%s: opts is NULL (betas, eps and step have no defaults)", fn);
+    const ms_dash_graft_options *o = opts;
+    MS_TRY(check_graft(ctx, fn, grad_ema, adam_v, norm, pgraft, grad, o));
     ms_arg_use uses[7] = {
         { grad_ema, -1, "grad_ema", true }, { adam_v, -1, "adam_v", true }, { norm, -1, "norm", true },
         { pgraft, -1, "pgraft", true }, { grad, -1, "grad", false }, { o->step_t, -1, "step_t", false },
@@ -313,6 +321,56 @@ MS_API ms_status ms_dash_graft(ms_ctx *ctx, ms_tensor *grad_ema, ms_tensor *adam
     if (grad->shape[0] == 0) return MS_OK;
     if (ctx->backend->dash_graft == NULL) return unsupported(ctx, fn);
     DISPATCH(ctx, ctx->backend->dash_graft(ctx, grad_ema, adam_v, norm, pgraft, grad, o));
+}
+
+/* --- gather with the factor products (and grafting) ------------------------------------------------- */
+
+/* A factor stack of a gather_factors call: f32 [N, b, b], contiguous (NULL passes when optional). */
+static ms_status check_factor(ms_ctx *ctx, const char *fn, const char *who, const ms_tensor *t, int64_t N, int64_t b,
+                              bool optional)
+{
+    if (t == NULL) {
+        if (optional) return MS_OK;
+        return MS_FAIL(ctx, MS_E_ARG, "%s: %s is NULL", fn, who);
+    }
+    MS_TRY(check_stack(ctx, fn, who, t, true));
+    if (t->shape[0] != N || t->shape[1] != b)
+        return MS_FAIL(ctx, MS_E_SHAPE, "%s: %s has shape %s; it must be [%lld, %lld, %lld] for the stack's blocks",
+                       fn, who, ms_tshape(t), (long long)N, (long long)b, (long long)b);
+    return MS_OK;
+}
+
+MS_API ms_status ms_blocks_gather_factors(ms_ctx *ctx, ms_tensor *stack, ms_tensor *left, ms_tensor *right, int n,
+                                          const ms_block *blocks, const ms_dash_factor_options *opts)
+{
+    static const char fn[] = "ms_blocks_gather_factors";
+    if (ctx == NULL) return MS_FAIL(NULL, MS_E_ARG, "%s: ctx is NULL", fn);
+    if (opts == NULL) return MS_FAIL(ctx, MS_E_ARG, "%s: opts is NULL (alpha and beta have no defaults)", fn);
+    if (!isfinite(opts->alpha)) return MS_FAIL(ctx, MS_E_ARG, "%s: alpha = %g must be finite", fn, opts->alpha);
+    if (!isfinite(opts->beta)) return MS_FAIL(ctx, MS_E_ARG, "%s: beta = %g must be finite", fn, opts->beta);
+    if (stack == NULL) return MS_FAIL(ctx, MS_E_ARG, "%s: stack is NULL", fn);
+    MS_TRY(check_blocks_stack(ctx, fn, stack, n, blocks));
+    int64_t r = stack->shape[1], c = stack->shape[2];
+    MS_TRY(check_factor(ctx, fn, "left", left, n, r, false));
+    MS_TRY(check_factor(ctx, fn, "right", right, n, c, true));
+    const ms_dash_graft_options *g = opts->graft;
+    if (g) MS_TRY(check_graft(ctx, fn, opts->grad_ema, opts->adam_v, opts->norm, opts->pgraft, stack, g));
+    for (int k = 0; k < n; k++) MS_TRY(check_block(ctx, fn, k, &blocks[k], r, c, false, false));
+    if (n == 0) return MS_OK;
+    block_ref *refs;
+    int u;
+    MS_TRY(check_block_set(ctx, fn, n, blocks, r, c, false, &refs, &u));
+    ms_arg_use others[9] = {
+        { stack, -1, "stack", true }, { left, -1, "left", true }, { right, -1, "right", true },
+        { g ? opts->grad_ema : NULL, -1, "grad_ema", true }, { g ? opts->adam_v : NULL, -1, "adam_v", true },
+        { g ? opts->norm : NULL, -1, "norm", true }, { g ? opts->pgraft : NULL, -1, "pgraft", true },
+        { g ? g->step_t : NULL, -1, "step_t", false }, { g ? g->skip_t : NULL, -1, "skip_t", false },
+    };
+    ms_status st = check_block_overlaps(ctx, fn, refs, u, false, others, 9);
+    free(refs);
+    if (st != MS_OK) return st;
+    if (ctx->backend->blocks_gather_factors == NULL) return unsupported(ctx, fn);
+    DISPATCH(ctx, ctx->backend->blocks_gather_factors(ctx, stack, left, right, n, blocks, opts));
 }
 
 /* --- inverse roots ------------------------------------------------------------------------------------- */

@@ -202,6 +202,10 @@ struct ms_backend {
     ** nothing to do, the collectives run at once. */
     ms_status (*comm_group_begin)(ms_ctx *ctx, void *comm);
     ms_status (*comm_group_end)(ms_ctx *ctx, void *comm);
+    /* ms_blocks_gather_factors (engine/core/dash_ops.c validates), as in moonstep.h; right may be NULL;
+    ** NULL: MS_E_UNSUPPORTED. */
+    ms_status (*blocks_gather_factors)(ms_ctx *ctx, ms_tensor *stack, ms_tensor *left, ms_tensor *right, int n,
+                                       const ms_block *blocks, const ms_dash_factor_options *o);
 };
 
 /* Backends compiled into this build (the CUDA one only with MS_WITH_CUDA). */

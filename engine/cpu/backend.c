@@ -124,4 +124,5 @@ const ms_backend ms_cpu_backend = {
     /* .comm_connect     = */ ms_cpu_comm_connect,
     /* .comm_group_begin = */ NULL,   /* collectives run at once: the core's nesting count is all a group is */
     /* .comm_group_end   = */ NULL,
+    /* .blocks_gather_factors = */ ms_cpu_blocks_gather_factors,
 };

@@ -113,5 +113,7 @@ ms_status ms_cpu_inv_root(ms_ctx *ctx, ms_tensor *x, ms_tensor *residual, ms_ten
                           const ms_root_options *o);
 ms_status ms_cpu_spectrum_estimate(ms_ctx *ctx, ms_tensor *lam_max, ms_tensor *lam_min, const ms_tensor *a,
                                    const ms_tensor *x_root, const ms_spectrum_options *o);
+ms_status ms_cpu_blocks_gather_factors(ms_ctx *ctx, ms_tensor *stack, ms_tensor *left, ms_tensor *right, int n,
+                                       const ms_block *blocks, const ms_dash_factor_options *o);
 
 #endif /* MS_CPU_H */

@@ -130,6 +130,21 @@ ms_status ms_cpu_blocks_gather(ms_ctx *ctx, ms_tensor *stack, int n, const ms_bl
     return MS_OK;
 }
 
+/* The gather, the grafting update, then the factor products exactly as the ms_matmul calls DASH made before
+** this op existed (G G^T with trans_b, G^T G with trans_a): the CPU's results are those calls' to the bit. */
+ms_status ms_cpu_blocks_gather_factors(ms_ctx *ctx, ms_tensor *stack, ms_tensor *left, ms_tensor *right, int n,
+                                       const ms_block *blocks, const ms_dash_factor_options *o)
+{
+    MS_TRY(ms_cpu_blocks_gather(ctx, stack, n, blocks));
+    if (o->graft) MS_TRY(ms_cpu_dash_graft(ctx, o->grad_ema, o->adam_v, o->norm, o->pgraft, stack, o->graft));
+    ms_matmul_options mo = { .trans_b = 1, .alpha = o->alpha, .beta = o->beta, .allow_tf32 = o->allow_tf32 };
+    MS_TRY(ms_cpu_matmul(ctx, left, stack, stack, &mo));
+    if (right == NULL) return MS_OK;
+    mo.trans_a = 1;
+    mo.trans_b = 0;
+    return ms_cpu_matmul(ctx, right, stack, stack, &mo);
+}
+
 ms_status ms_cpu_blocks_apply(ms_ctx *ctx, int n, const ms_block *blocks, const ms_tensor *stack,
                               const ms_tensor *scale, const ms_blocks_apply_options *o)
 {

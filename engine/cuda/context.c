@@ -477,4 +477,5 @@ const ms_backend ms_cuda_backend = {
     .comm_group_begin = ms_cuda_comm_group_begin,
     .comm_group_end   = ms_cuda_comm_group_end,
 #endif
+    .blocks_gather_factors = ms_cuda_blocks_gather_factors,
 };

@@ -42,6 +42,7 @@
 */
 #include "cuda.h"
 
+#include <cublasLt.h>
 #include <limits.h>
 #include <math.h>
 #include <stdio.h>
@@ -54,6 +55,7 @@
 #define EVD_STREAMS_MAX 16
 #define PIN_RING 8                          /* compaction counts in flight (> the largest lag) */
 #define NSLOTS_MAX 8
+#define LT_CACHE 16                         /* factor-product shapes whose cuBLASLt algorithm is kept */
 
 /* the options' rng_ids as the kernels read them (on the device: no host copy, so captures replay new ids) */
 static const int *rng_ids_of(const ms_tensor *rng_ids) { return rng_ids ? (const int *)ms_tensor_ptr(rng_ids) : NULL; }
@@ -98,6 +100,12 @@ struct ms_cuda_dash {
     cudaEvent_t        pin_ev[PIN_RING];
     int                pin_next;
     int64_t            batched_refused;     /* a size cusolverDnXsyevBatched refused (0: none): streams for it */
+    /* the factor products (ms_blocks_gather_factors): a cuBLASLt handle and the heuristic's first algorithm
+    ** per shape, asked once (the heuristic is deterministic for fixed descriptors; kept so that no call
+    ** depends on anything but its shapes) */
+    cublasLtHandle_t   lt;
+    int                nlt;
+    struct lt_entry { int64_t m, k, batch; bool tf32; cublasLtMatmulAlgo_t algo; } lt_algo[LT_CACHE];
 };
 
 void ms_cuda_dash_release(ms_cuda_ctx *c)
@@ -115,6 +123,7 @@ void ms_cuda_dash_release(ms_cuda_ctx *c)
     for (int i = 0; i < PIN_RING; i++)
         if (d->pin_ev[i]) cudaEventDestroy(d->pin_ev[i]);
     if (d->pinned) cudaFreeHost(d->pinned);
+    if (d->lt) cublasLtDestroy(d->lt);
     free(d);
     c->dash = NULL;
 }
@@ -307,6 +316,190 @@ ms_status ms_cuda_dash_graft(ms_ctx *ctx, ms_tensor *grad_ema, ms_tensor *adam_v
     ms_cuda_track_tensor(ctx, o->step_t);
     ms_cuda_track_tensor(ctx, o->skip_t);
     ctx->launches += 1;   /* the fold */
+    return MS_OK;
+}
+
+/* --- gather with the factor products ------------------------------------------------------------------ */
+
+typedef enum factor_path { FACTOR_LT, FACTOR_EX, FACTOR_NT } factor_path;
+
+/* MOONSTEP_DASH_FACTOR_GEMM (moonstep.h): lt (default), ex, nt */
+static factor_path factor_path_of(void)
+{
+    const char *v = getenv("MOONSTEP_DASH_FACTOR_GEMM");
+    if (v && strcmp(v, "ex") == 0) return FACTOR_EX;
+    if (v && strcmp(v, "nt") == 0) return FACTOR_NT;
+    return FACTOR_LT;
+}
+
+/* The heuristic's first algorithm for C [m, m] = alpha A A^T + beta C over `batch` row-major A [m, k] (asked
+** once per shape and kept); false: none (the caller falls back to cublasGemmStridedBatchedEx). */
+static ms_status lt_algo(ms_ctx *ctx, struct ms_cuda_dash *d, cublasLtMatmulDesc_t desc, cublasLtMatrixLayout_t la,
+                         cublasLtMatrixLayout_t lc, int64_t m, int64_t k, int64_t batch, bool tf32,
+                         const cublasLtMatmulAlgo_t **out)
+{
+    *out = NULL;
+    for (int i = 0; i < d->nlt; i++) {
+        const struct lt_entry *e = &d->lt_algo[i];
+        if (e->m == m && e->k == k && e->batch == batch && e->tf32 == tf32) { *out = &e->algo; return MS_OK; }
+    }
+    cublasLtMatmulPreference_t pref;
+    MS_CUBLAS_TRY(ctx, cublasLtMatmulPreferenceCreate(&pref));
+    const uint64_t ws = MS_CUDA_BLAS_WORKSPACE;
+    const uint32_t no_split_k = CUBLASLT_REDUCTION_SCHEME_NONE;   /* no split-K reductions of any kind */
+    cublasLtMatmulHeuristicResult_t res;
+    int found = 0;
+    cublasStatus_t s = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof ws);
+    if (s == CUBLAS_STATUS_SUCCESS)
+        s = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, &no_split_k,
+                                                 sizeof no_split_k);
+    if (s == CUBLAS_STATUS_SUCCESS) s = cublasLtMatmulAlgoGetHeuristic(d->lt, desc, la, la, lc, lc, pref, 1, &res, &found);
+    cublasLtMatmulPreferenceDestroy(pref);
+    if (s == CUBLAS_STATUS_NOT_SUPPORTED || (s == CUBLAS_STATUS_SUCCESS && (found < 1 || res.state != CUBLAS_STATUS_SUCCESS)))
+        return MS_OK;
+    if (s != CUBLAS_STATUS_SUCCESS) return ms_cublas_fail(ctx, s, "cublasLtMatmulAlgoGetHeuristic", __FILE__, __LINE__);
+    if (d->nlt == LT_CACHE) d->nlt = 0;   /* more shapes than kept: start over (each is asked again, same answer) */
+    d->lt_algo[d->nlt] = (struct lt_entry){ m, k, batch, tf32, res.algo };
+    *out = &d->lt_algo[d->nlt++].algo;
+    return MS_OK;
+}
+
+/* c [batch][m][m] <- alpha a a^T + beta c for row-major a [batch][m][k] (stacks, dense).  cuBLAS sees a as
+** column-major [k, m]: C = op_T(a) op_N(a), both operands K-major, as ms_matmul runs G G^T.  Through cuBLASLt
+** when the context has its handle (made on the first uncaptured call), else cublasGemmStridedBatchedEx. */
+static ms_status syrk_like(ms_ctx *ctx, struct ms_cuda_dash *d, bool use_lt, const float *a, float *c, int64_t m,
+                           int64_t k, int64_t batch, float alpha, float beta, bool tf32)
+{
+    cublasHandle_t h;
+    MS_TRY(ms_cuda_blas(ctx, &h));
+    const cublasComputeType_t comp = tf32 ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F;
+    const long long sa = (long long)(m * k), sc = (long long)(m * m);
+    if (use_lt && d != NULL && d->lt != NULL) {
+        cublasLtMatmulDesc_t desc = NULL;
+        cublasLtMatrixLayout_t la = NULL, lc = NULL;
+        const cublasOperation_t opT = CUBLAS_OP_T, opN = CUBLAS_OP_N;
+        const int32_t nb = (int32_t)batch;
+        cublasStatus_t s = cublasLtMatmulDescCreate(&desc, comp, CUDA_R_32F);
+        if (s == CUBLAS_STATUS_SUCCESS) s = cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSA, &opT, sizeof opT);
+        if (s == CUBLAS_STATUS_SUCCESS) s = cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSB, &opN, sizeof opN);
+        if (s == CUBLAS_STATUS_SUCCESS) s = cublasLtMatrixLayoutCreate(&la, CUDA_R_32F, (uint64_t)k, (uint64_t)m, k);
+        if (s == CUBLAS_STATUS_SUCCESS) s = cublasLtMatrixLayoutCreate(&lc, CUDA_R_32F, (uint64_t)m, (uint64_t)m, m);
+        if (s == CUBLAS_STATUS_SUCCESS) s = cublasLtMatrixLayoutSetAttribute(la, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &nb, sizeof nb);
+        if (s == CUBLAS_STATUS_SUCCESS) s = cublasLtMatrixLayoutSetAttribute(lc, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &nb, sizeof nb);
+        const int64_t sa64 = sa, sc64 = sc;
+        if (s == CUBLAS_STATUS_SUCCESS)
+            s = cublasLtMatrixLayoutSetAttribute(la, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, &sa64, sizeof sa64);
+        if (s == CUBLAS_STATUS_SUCCESS)
+            s = cublasLtMatrixLayoutSetAttribute(lc, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, &sc64, sizeof sc64);
+        const cublasLtMatmulAlgo_t *algo = NULL;
+        ms_status st = MS_OK;
+        if (s == CUBLAS_STATUS_SUCCESS) st = lt_algo(ctx, d, desc, la, lc, m, k, batch, tf32, &algo);
+        if (s == CUBLAS_STATUS_SUCCESS && st == MS_OK && algo != NULL)
+            s = cublasLtMatmul(d->lt, desc, &alpha, a, la, a, la, &beta, c, lc, c, lc, algo, ms_cuda(ctx)->blas_workspace,
+                               MS_CUDA_BLAS_WORKSPACE, ms_cuda(ctx)->stream);
+        if (lc) cublasLtMatrixLayoutDestroy(lc);
+        if (la) cublasLtMatrixLayoutDestroy(la);
+        if (desc) cublasLtMatmulDescDestroy(desc);
+        if (st != MS_OK) return st;
+        if (s != CUBLAS_STATUS_SUCCESS) return ms_cublas_fail(ctx, s, "cublasLtMatmul", __FILE__, __LINE__);
+        if (algo != NULL) return MS_OK;
+    }
+    MS_CUBLAS_TRY(ctx, cublasGemmStridedBatchedEx(h, CUBLAS_OP_T, CUBLAS_OP_N, (int)m, (int)m, (int)k, &alpha, a, CUDA_R_32F,
+                                                  (int)k, sa, a, CUDA_R_32F, (int)k, sa, &beta, c, CUDA_R_32F, (int)m, sc,
+                                                  (int)batch, comp, CUBLAS_GEMM_DEFAULT));
+    return MS_OK;
+}
+
+ms_status ms_cuda_blocks_gather_factors(ms_ctx *ctx, ms_tensor *stack, ms_tensor *left, ms_tensor *right, int n,
+                                        const ms_block *blocks, const ms_dash_factor_options *o)
+{
+    MS_NVTX_RANGE("ms_blocks_gather_factors");
+    MS_TRY(ms_cuda_enter(ctx));
+    const int64_t r = stack->shape[1], c = stack->shape[2];
+    if (n == 0) return MS_OK;
+    const factor_path path = factor_path_of();
+    const bool capturing = stream_capturing(ctx);
+    struct ms_cuda_dash *d = ms_cuda(ctx)->dash;
+    if (path == FACTOR_LT && !capturing) {
+        MS_TRY(dash_state(ctx, false, &d));
+        if (d->lt == NULL) MS_CUBLAS_TRY(ctx, cublasLtCreate(&d->lt));
+    }
+    cublasHandle_t h;
+    MS_TRY(ms_cuda_blas(ctx, &h));   /* the workspace the cuBLASLt calls share (same stream, in order) */
+    const bool tf32 = o->allow_tf32 != 0, lt = path == FACTOR_LT;
+    const float alpha = (float)o->alpha, beta = (float)o->beta;
+    if (r * c == 0) {   /* empty blocks: nothing to gather; ms_dash_graft's and ms_matmul's empty cases */
+        if (o->graft) MS_TRY(ms_cuda_dash_graft(ctx, o->grad_ema, o->adam_v, o->norm, o->pgraft, stack, o->graft));
+        ms_matmul_options mo = { .trans_b = 1, .alpha = o->alpha, .beta = o->beta, .allow_tf32 = o->allow_tf32 };
+        MS_TRY(ms_cuda_matmul(ctx, left, stack, stack, &mo));
+        if (right == NULL) return MS_OK;
+        mo.trans_a = 1;
+        mo.trans_b = 0;
+        return ms_cuda_matmul(ctx, right, stack, stack, &mo);
+    }
+    float *g = ms_tensor_ptr(stack), *gt = NULL;
+    const size_t gt_bytes = (size_t)n * (size_t)(r * c) * sizeof(float);
+    const bool transposed = right != NULL && path != FACTOR_NT;
+    /* grafting in the gather's pass: off by default -- on the H200 (108 blocks of 1024^2) gather + graft + factors
+    ** took 3.32 ms fused against 3.05 ms with ms_dash_graft's own pass after the gather */
+    const ms_dash_graft_options *go = env_int("MOONSTEP_DASH_GATHER_GRAFT", 0, 0, 1) ? o->graft : NULL;
+    msk_dash_gather_graft k_g = { 0 };
+    const size_t part_bytes = go ? msk_dash_gather_graft_scratch(n, r, c) : 0;
+    msk_dash_block *b;
+    MS_TRY(blocks_table(ctx, "ms_blocks_gather_factors", n, blocks, &b));
+    ms_status st = transposed ? ms_cuda_scratch(ctx, gt_bytes, (void **)&gt) : MS_OK;
+    if (st == MS_OK && go) {
+        k_g.o = (msk_dash_graft){ .step = ms_cuda_scalar(go->step, go->step_t), .skip = ms_cuda_scalar(0, go->skip_t),
+                                  .beta_grad = go->beta_grad, .beta_graft = go->beta_graft, .eps = go->eps,
+                                  .bias_correction = go->bias_correction != 0 };
+        k_g.m = ms_tensor_ptr(o->grad_ema);
+        k_g.v = ms_tensor_ptr(o->adam_v);
+        k_g.norm = ms_tensor_ptr(o->norm);
+        k_g.pgraft = o->pgraft ? ms_tensor_ptr(o->pgraft) : NULL;
+        st = ms_cuda_scratch(ctx, part_bytes, (void **)&k_g.partials);
+    }
+    int launches = 0;
+    if (st == MS_OK)
+        st = ms_cuda_note_failure(ctx, transposed || go ? msk_dash_gather_t(ctx, ms_cuda(ctx)->stream, g, gt, r, c, n, b,
+                                                                            go ? &k_g : NULL, &launches)
+                                                        : msk_dash_gather(ctx, ms_cuda(ctx)->stream, g, r, c, n, b, &launches));
+    free(b);
+    if (k_g.partials) ms_cuda_scratch_free(ctx, k_g.partials, part_bytes);
+    if (st == MS_OK && o->graft && go == NULL)   /* ms_dash_graft's own pass (the default) */
+        st = ms_cuda_dash_graft(ctx, o->grad_ema, o->adam_v, o->norm, o->pgraft, stack, o->graft);
+    if (st == MS_OK) {
+        st = syrk_like(ctx, d, lt, g, ms_tensor_ptr(left), r, c, n, alpha, beta, tf32);
+        launches++;
+    }
+    if (st == MS_OK && right != NULL) {
+        if (transposed) {
+            st = syrk_like(ctx, d, lt, gt, ms_tensor_ptr(right), c, r, n, alpha, beta, tf32);
+        } else {   /* G^T G reading G as stored: ms_matmul's trans_a call */
+            const long long s = (long long)(r * c), sc = (long long)(c * c);
+            const cublasComputeType_t comp = tf32 ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F;
+            cublasStatus_t bs = cublasGemmStridedBatchedEx(h, CUBLAS_OP_N, CUBLAS_OP_T, (int)c, (int)c, (int)r, &alpha, g,
+                                                           CUDA_R_32F, (int)c, s, g, CUDA_R_32F, (int)c, s, &beta,
+                                                           ms_tensor_ptr(right), CUDA_R_32F, (int)c, sc, n, comp,
+                                                           CUBLAS_GEMM_DEFAULT);
+            if (bs != CUBLAS_STATUS_SUCCESS) st = ms_cublas_fail(ctx, bs, "cublasGemmStridedBatchedEx", __FILE__, __LINE__);
+        }
+        launches++;
+    }
+    if (gt) ms_cuda_scratch_free(ctx, gt, gt_bytes);
+    if (st != MS_OK) return ms_cuda_note_failure(ctx, st);
+    track_blocks(ctx, n, blocks);
+    ms_cuda_track_tensor(ctx, stack);
+    ms_cuda_track_tensor(ctx, left);
+    ms_cuda_track_tensor(ctx, right);
+    if (go) {
+        ms_cuda_track_tensor(ctx, o->grad_ema);
+        ms_cuda_track_tensor(ctx, o->adam_v);
+        ms_cuda_track_tensor(ctx, o->norm);
+        ms_cuda_track_tensor(ctx, o->pgraft);
+        ms_cuda_track_tensor(ctx, go->step_t);
+        ms_cuda_track_tensor(ctx, go->skip_t);
+    }
+    ctx->launches += launches > 1 ? launches - 1 : 0;
     return MS_OK;
 }
 

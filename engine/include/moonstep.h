@@ -808,6 +808,36 @@ typedef struct ms_dash_graft_options {
 MS_API ms_status ms_dash_graft(ms_ctx *ctx, ms_tensor *grad_ema, ms_tensor *adam_v, ms_tensor *norm,
                                ms_tensor *pgraft, const ms_tensor *grad, const ms_dash_graft_options *opts);
 
+typedef struct ms_dash_factor_options {
+    double alpha;               /* weight of the new products (DASH: 1 - beta_LR, or 1 for plain sums) */
+    double beta;                /* weight of the old factors (0: their old contents are not read, NaN included) */
+    int    allow_tf32;          /* CUDA: TF32 tensor cores for the products (as ms_matmul's allow_tf32) */
+    /* DASH's grafting update of the gathered stack in the same pass (graft not NULL): exactly
+    ** ms_dash_graft(grad_ema, adam_v, norm, pgraft, stack, graft) after the gather, tensors as there (pgraft may
+    ** be NULL), none sharing memory with stack, left, right or a block's tensor.  graft NULL: no grafting. */
+    const ms_dash_graft_options *graft;
+    ms_tensor *grad_ema, *adam_v, *norm, *pgraft;
+} ms_dash_factor_options;
+
+/* DASH's factor accumulation (and grafting, opts->graft) with the gather it needs: stack [N, r, c] <- the
+** n = N blocks (exactly as
+** ms_blocks_gather), then with G = stack[k]:  left[k] <- beta left[k] + alpha G G^T  (left f32 [N, r, r]) and,
+** unless right is NULL,  right[k] <- beta right[k] + alpha G^T G  (right f32 [N, c, c]); the products as
+** ms_matmul computes them (f32 accumulation; TF32 operands on CUDA with allow_tf32).  The CPU backend runs
+** exactly those ms_matmul calls.  CUDA: the gather also writes G^T to scratch in the same pass, so both
+** products read K-major operands (TF32 on Hopper has no transposed-operand path at full rate), the grafting
+** update follows as ms_dash_graft's pass, and the products are cuBLASLt matmuls with the first algorithm the heuristic gives for the call's shapes (split-K
+** reductions excluded): fixed per shape, never chosen by timing, so results are reproducible run to run.
+** Under capture before any uncaptured call (no cuBLASLt handle yet), cublasGemmStridedBatchedEx runs them.
+** Knob for measurements: MOONSTEP_DASH_FACTOR_GEMM = lt (default) | ex (the same K-major products through
+** cublasGemmStridedBatchedEx) | nt (no G^T: the right product reads G transposed, as ms_matmul's trans_a);
+** MOONSTEP_DASH_GATHER_GRAFT = 0 (default) | 1 (the grafting update inside the gather's pass, the stack not read
+** back, norms summed per 32 x 256 strip in f64 in a fixed order; measured slower on the H200).
+** Errors: as ms_blocks_gather and ms_dash_graft, and MS_E_ARG (opts NULL, alpha or beta not finite), MS_E_SHAPE
+** (left, right), MS_E_LAYOUT (written tensors sharing memory with each other or with a block's tensor). */
+MS_API ms_status ms_blocks_gather_factors(ms_ctx *ctx, ms_tensor *stack, ms_tensor *left, ms_tensor *right, int n,
+                                          const ms_block *blocks, const ms_dash_factor_options *opts);
+
 typedef enum ms_root_method {
     MS_ROOT_EVD       = 0,   /* eigendecomposition; eigenvalues shifted as DistributedShampoo (evd_shift) */
     MS_ROOT_CN        = 1,   /* coupled Newton (research/dash.md 2.2), per-block stopping */

@@ -89,6 +89,45 @@ function M.blocks_gather(stack, blocks)
   return stack
 end
 
+-- ms_dash_graft_options from a table (ms.dash_graft's keys and defaults)
+local function graft_options(a)
+  local o = ffi.new("ms_dash_graft_options")
+  o.beta_grad, o.beta_graft = a.beta_grad or 0.9, a.beta_graft or 0.95
+  o.eps = a.eps or 1e-8
+  o.step, o.step_t = scalar(a.step, 1)
+  o.bias_correction = a.bias_correction == false and 0 or 1
+  o.skip_t = opt_handle(a.skip)
+  return o
+end
+
+--- ms.blocks_gather_factors{stack=, blocks=, left=, right=, alpha=, beta=, tf32=false, graft=} -> stack: the gather,
+---   then left[k] <- beta left[k] + alpha G G^T and (right given) right[k] <- beta right[k] + alpha G^T G, G = stack[k];
+---   graft = {grad_ema=, adam_v=, norm=, pgraft=, beta_grad=, ...} (ms.dash_graft's table, grad = the stack): that
+---   update in the same pass
+function M.blocks_gather_factors(a)
+  if type(a) ~= "table" or not tensor.is_tensor(a.stack) then error("blocks_gather_factors: stack must be a tensor", 2) end
+  if not tensor.is_tensor(a.left) then error("blocks_gather_factors: left must be a tensor", 2) end
+  if type(a.alpha) ~= "number" or type(a.beta) ~= "number" then
+    error("blocks_gather_factors: alpha and beta must be numbers (no defaults)", 2)
+  end
+  local l = resolve(a.blocks, 2)
+  local o = ffi.new("ms_dash_factor_options")
+  o.alpha, o.beta, o.allow_tf32 = a.alpha, a.beta, a.tf32 and 1 or 0
+  local go
+  if a.graft ~= nil then
+    local g = a.graft
+    if type(g) ~= "table" or not tensor.is_tensor(g.norm) then
+      error("blocks_gather_factors: graft must be a table {grad_ema=, adam_v=, norm=, ...} with a norm tensor", 2)
+    end
+    go = graft_options(g)
+    o.graft = go
+    o.grad_ema, o.adam_v, o.norm, o.pgraft = opt_handle(g.grad_ema), opt_handle(g.adam_v), H(g.norm), opt_handle(g.pgraft)
+  end
+  check(C.ms_blocks_gather_factors(ctx_of(a.stack), H(a.stack), H(a.left), opt_handle(a.right), l.n, l.array, o))
+  local _ = go   -- the graft options stay alive through the call
+  return a.stack
+end
+
 -- an i32 tensor on `like`'s device from a tensor or a Lua array (index, rng_ids); nil stays nil
 local function i32_of(v, like)
   if type(v) == "table" and not tensor.is_tensor(v) then return tensor.tensor(v, { dtype = "i32", ctx = like:context() }) end

@@ -43,7 +43,7 @@ for _, name in ipairs { "adamw_step", "sgd_step", "foreach_sumsq", "foreach_scal
 -- Shampoo on stacked blocks (DASH): block lists and plans, gather/apply, grafting, inverse roots
 local dash = require("moonstep.dash")
 for _, name in ipairs { "block_list", "blocks_gather", "blocks_apply", "blocks_scatter", "dash_graft", "inv_root",
-                         "spectrum_estimate" } do ms[name] = dash[name] end
+                         "spectrum_estimate", "blocks_gather_factors" } do ms[name] = dash[name] end
 ms.block_plan = require("moonstep.blocks").plan
 
 function ms.zeros_like(t, opts)

@@ -228,7 +228,7 @@ local safe_ms = {
   "adamw_step", "sgd_step", "foreach_sumsq", "foreach_scale", "version",
   "sinkgd_step", "adamw8_step", "adamw8_qmap",
   "block_list", "blocks_gather", "blocks_apply", "blocks_scatter", "dash_graft", "inv_root", "spectrum_estimate",
-  "block_plan",
+  "block_plan", "blocks_gather_factors",
 }
 
 local function readonly(t, what)
