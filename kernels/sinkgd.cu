@@ -313,7 +313,7 @@ __device__ __forceinline__ void row_sums(float (&ps)[R], float (&pf)[R], bool ff
         if (ff) pf[r] = warp_sum(pf[r]);
         if (lane == 0) {
             red[r * WARPS + warp] = ps[r];
-            red[(SLOTS + r) * WARPS + warp] = pf[r];
+            if (ff) red[(SLOTS + r) * WARPS + warp] = pf[r];
         }
     }
     /* only the warps of one row lane meet here (a named barrier each), so the lanes run decoupled; threads past
@@ -322,17 +322,21 @@ __device__ __forceinline__ void row_sums(float (&ps)[R], float (&pf)[R], bool ff
         const int count = rho < P ? Cp : T_SWEEP - P * Cp;
         asm volatile("bar.sync %0, %1;\n" ::"r"(1 + rho), "r"(count) : "memory");
     }
-    const int wpr = Cp >> 5, w0 = rho * wpr;
+    /* the lane's wpr <= 16 warp sums: lane l of each 16 takes warp l's, then a fixed butterfly over 16 lanes
+    ** (zeros past wpr) -- every thread gets the same bits, in 1 load and 4 shuffles a row */
+    const int wpr = Cp >> 5, w0 = rho * wpr, l16 = lane & 15;
+    const bool take = on && l16 < wpr;
 #pragma unroll
     for (int r = 0; r < R; r++) {
-        float s = 0, f = 0;
-        if (on) {
-            for (int w = 0; w < wpr; w++) s += red[r * WARPS + w0 + w];
-            if (ff)
-                for (int w = 0; w < wpr; w++) f += red[(SLOTS + r) * WARPS + w0 + w];
+        float a = take ? red[r * WARPS + w0 + l16] : 0.f, b = 0.f;
+        if (ff) b = take ? red[(SLOTS + r) * WARPS + w0 + l16] : 0.f;
+#pragma unroll
+        for (int o = 8; o >= 1; o >>= 1) {
+            a += __shfl_xor_sync(0xffffffffu, a, o);
+            if (ff) b += __shfl_xor_sync(0xffffffffu, b, o);
         }
-        ps[r] = s;
-        pf[r] = f;
+        ps[r] = a;
+        pf[r] = b;
     }
 }
 
@@ -433,7 +437,7 @@ __device__ __noinline__ void fast_segment(const skargs<CAP> &A, const skmat &M, 
     for (int q = 0; q < ng; q++) {
         /* group q + STAGES - 1 goes to the stage consumed just before this one, its row scales STAGES - 1 slots on */
         if (q + STAGES - 1 < ng)
-            issue((cstage + STAGES - 1) % STAGES, (crslot + STAGES - 1) % (STAGES + 1));
+            issue(cstage == 0 ? STAGES - 1 : cstage - 1, crslot >= 2 ? crslot - 2 : crslot + STAGES - 1);   /* (c + S - 1) mod S, (c + S - 1) mod (S + 1) */
         cp_commit();
         cp_wait<STAGES - 1>();   /* this thread's copies of group q have landed (zeros where out of range) */
         const char *st = smem + cstage * STAGE_BYTES;
@@ -1687,8 +1691,8 @@ static int64_t plan_chunk(int cnt, const msk_sinkgd_mat *mm, int maxgrid, char *
                           int *grid_out, int *nfold_out, int dim = 0)
 {
     /* Measured on an H200: when the chunk's G fits in L2, its passes after the first read it from there and are
-    ** bound by latency, and K = 2 (G^2 kept in registers, no spills) is 7-20% faster; streamed from DRAM,
-    ** K = 4's fewer instructions an element win by ~2% (tall 4096-wide matrices, the Llama-3-8B set). */
+    ** bound by latency, and K = 2 (G^2 kept in registers, no spills) is 7-20% faster; streamed from DRAM, K = 4
+    ** wins on the Llama-3-8B set by ~2% (31.2 against 31.8 ms), though K = 2 wins on one 14336 x 4096 (5%). */
     int64_t gbytes = 0;
     for (int k = 0; k < cnt; k++) gbytes += mm[k].m * mm[k].n * dtype_size(mm[k].gdt);
     const bool in_l2 = gbytes <= l2_bytes();
