@@ -15,7 +15,8 @@
 **   sums    (sphere) ||W||^2, <W, X>, ||X||^2 in f64, one pass over G and p.
 **   apply   p <- (p dec - coef X) fac, one pass over G and p, stochastic rounding as engine/cpu/optim.c.
 **
-** All matrices of a call go through each pass in one launch (a table of them in the kernel parameters).  The
+** All matrices of a call go through each pass in one launch (a table of them in device memory), and the passes
+** of a step are programmatic dependent launches (pdl_enter): a pass's CTAs start as the previous pass's leave.  The
 ** sweeps and the apply run one CTA per SM; the row groups of all the call's matrices are split into equal,
 ** contiguous ranges, one per CTA, so a CTA's band of a matrix is as large as possible (few partial rows) and
 ** every CTA has the same work.  Consecutive passes walk each range in opposite directions, so a pass starts on
