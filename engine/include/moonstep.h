@@ -628,7 +628,9 @@ typedef struct ms_sinkgd_options {
 ** copied).  grads: f32, bf16 or f16, the param's shape, any layout.  specnorm_u (spectral and sphere; may be
 ** NULL in base mode): f32 [..., n], contiguous.  md_target_norm (sphere; may be NULL otherwise): f32 [...]
 ** (for a 2-D param [] or [1]), contiguous.  With skip_t nonzero nothing changes, state included.  Results
-** do not depend on the thread count or on the grads' layout.
+** do not depend on the thread count or on the grads' layout.  On CUDA they are bitwise reproducible; the
+** thread map (2 or 4 16-byte chunks of a row per thread, chosen by whether the call's gradients fit in L2) may
+** change the last bits: MOONSTEP_SINKGD_K = 2 or 4 forces it (for tests and measurements).
 ** Errors: MS_E_ARG (NULL arrays or members, options out of range), MS_E_SHAPE, MS_E_DTYPE, MS_E_LAYOUT,
 ** MS_E_DEVICE, MS_E_OOM (scratch: O(m + n) per matrix), MS_E_UNSUPPORTED (a backend without the op). */
 MS_API ms_status ms_sinkgd_step(ms_ctx *ctx, int n, ms_tensor *const *params, const ms_tensor *const *grads,
