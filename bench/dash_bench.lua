@@ -7,7 +7,7 @@ step of recipes/dash.lua, on the 2-D parameters of DASH's Llama-953M with B = 10
                                       (default: all but cheb; the full set leaves evd out unless named)
                                       [--parts solver,step] [--tol 1e-2,1e-3] [--spectrum controlled|random|lm]
                                       [--lm-steps 300] [--lm-width 1024] [--lm-layers 8]
-                                      [--trials 5] [--steps 10] [--evd-paths] [--splits] [--json PATH]
+                                      [--trials 5] [--steps 10] [--evd-paths] [--splits] [--stacks] [--json PATH]
                                       [--device cuda] [--tiny]
   python3 bench/torch_baselines/dash.py --spectrum controlled      -- DASH's math in PyTorch, own process
 
@@ -48,6 +48,8 @@ refresh - non-refresh), with auto's classes per stack and GEMMs run against NDB-
 --evd-paths: EVD per block for MOONSTEP_DASH_EVD = streams (1, 4, 8, 16 streams, one host thread each; 8 streams
 from one thread) and batched, on 32 + 12 blocks.
 --splits: NDB-PIM's and CN f32's solver time and floor with MOONSTEP_DASH_SPLIT = 1, 2, 3, 4.
+--stacks: each solver's fixed-iteration time on each factor stack alone, against the call of both stacks (what a
+stack would cost if it ran beside the others).
 ]]
 local ms = require("moonstep")
 local core = require("moonstep.core")
@@ -62,7 +64,7 @@ local A = dofile((arg and arg[0] and arg[0]:match("^(.*)/") or "bench") .. "/arg
 local args = A.parse("dash_bench", { set = "subset", parts = "solver,step",
                                     tol = "1e-2,1e-3", spectrum = "controlled", trials = 5, steps = 10,
                                     device = "cuda" },
-                     { evd_paths = true, splits = true, tiny = true })
+                     { evd_paths = true, splits = true, tiny = true, stacks = true })
 -- full-set EVD (about 17 s per refresh) only when asked for by name
 args.solvers = args.solvers or (args.set == "full" and "ndb_pim,ndb_fro,cn_f32,cn_f16,auto" or "ndb_pim,ndb_fro,cn_f32,cn_f16,evd,auto")
 local list = A.list
@@ -803,6 +805,28 @@ if args.splits then
         print(("  %s split %d: %8.2f ms  floor %8.2f (x%.2f)"):format(name, split, t, fl, t / fl))
         rows[#rows + 1] = { part = "split", solver = name, split = split, ms = t, floor_ms = fl }
       end)
+    end
+  end
+end
+
+if args.stacks then
+  print("\nper stack, fixed iterations (ms.inv_root on one stack; both: the two calls back to back):")
+  for _, name in ipairs(SOLVERS) do
+    local cfg = CONFIG[name]
+    if cfg and cfg.method ~= "evd" then
+      local o = root_opts(cfg)
+      local both = time_median(function() solve(o) end, 1, args.trials)
+      local parts = {}
+      for _, s in ipairs(sizes) do
+        local os = {}
+        for k, v in pairs(o) do os[k] = v end
+        os.out = roots[s]
+        local t = time_median(function() ms.inv_root(stacks[s], os) end, 1, args.trials)
+        parts[#parts + 1] = ("%d x %d: %.3f ms"):format(factor_n[s], s, t)
+        rows[#rows + 1] = { part = "stack", solver = cfg.label, b = s, blocks = factor_n[s], ms = t, both_ms = both }
+      end
+      print(("  %-13s both %8.3f ms   %s"):format(cfg.label, both, table.concat(parts, "   ")))
+      release()
     end
   end
 end

@@ -6,7 +6,7 @@
 **   sweep   one pass over G per SR-Sinkhorn iteration.  Each CTA owns a band of whole rows; for each group of
 **           rows it computes the rows' sums of (G c)^2 (c of the previous iteration), the new r, and adds
 **           (r G)^2 into per-thread column accumulators, all from one read of the rows (staged in shared memory
-**           by cp.async, 3 groups in flight); at the end of its band it writes one row of column partials.
+**           by cp.async, 2 groups ahead); at the end of its band it writes one row of column partials.
 **   fold    sums each column's band partials in a fixed order and updates c.
 **   power   (spectral, sphere) one pass per power step: v = diag(r) G (c u) per row, and the column partials of
 **           G^T (r v) from the same rows; the fold makes w, sigma and the next u (the last CTA of a matrix, told
@@ -37,12 +37,13 @@
 #include <math.h>
 #include <stdlib.h>
 #include <new>
+#include <type_traits>
 
 #define T_SWEEP     512                                   /* threads of the sweep and elementwise kernels */
 #define WARPS       (T_SWEEP / 32)
 #define SLOTS       4                                     /* 16-byte chunks of G per thread per group */
 #ifndef STAGES
-#define STAGES      4                                     /* groups in the cp.async ring */
+#define STAGES      3                                     /* groups in the cp.async ring (4 leave no room for c^2) */
 #endif
 #define STAGE_DATA  (SLOTS * T_SWEEP * 16)                /* 32 KiB of G */
 #define RSLOT       (SLOTS * T_SWEEP * 4)                 /* a group's row scales (at most one per slot row) */
@@ -52,7 +53,9 @@
 #define STAGE_BYTES STAGE_DATA
 #define RRING       ((STAGES + 1) * RSLOT)
 #define RED_FLOATS  (2 * 2 * SLOTS * WARPS)               /* row sums: 2 parities x 2 kinds */
-#define SWEEP_SMEM  (STAGES * STAGE_BYTES + RRING + RED_FLOATS * 4 + WARPS * 8)
+/* a thread's columns' c^2 (or c u) live in shared memory, in its own slots: its registers hold the group's G^2 */
+#define CVS_OFF     (STAGES * STAGE_BYTES + RRING + RED_FLOATS * 4 + WARPS * 8)
+#define SWEEP_SMEM  (CVS_OFF + SLOTS * T_SWEEP * 32)
 #define GROUP_BYTES 32768                                 /* rows per group of the generic path: ~this many */
 #define FOLD_THREADS 256
 #define FOLD_COLS   32                                    /* a lane's column; 8 warps split the bands */
@@ -362,7 +365,7 @@ __device__ __noinline__ void fast_segment(const skargs<CAP> &A, const skmat &M, 
     float *const rvec = S.r;
 
     /* the thread's columns: c^2 (SINK) or c u (POWER), and their accumulators */
-    float cv[K][E], acc[K][E];
+    float acc[K][E];
     unsigned kmask = 0;   /* bit k: the thread's chunk k lies in the row */
     /* 16-byte loads, all issued before the first use (one at a time, waiting for each, they cost a few us) */
     const float4 one4 = make_float4(1.f, 1.f, 1.f, 1.f), zero4 = make_float4(0.f, 0.f, 0.f, 0.f);
@@ -381,16 +384,18 @@ __device__ __noinline__ void fast_segment(const skargs<CAP> &A, const skmat &M, 
             ul[k][f] = KIND == K_POWER && ok ? __ldcg(u4 + f) : one4;
         }
     }
+    float4 *cvs = reinterpret_cast<float4 *>(smem + CVS_OFF);
 #pragma unroll
-    for (int k = 0; k < K; k++)
+    for (int k = 0; k < K; k++) {
 #pragma unroll
-        for (int e = 0; e < E; e++) {
-            const float4 &c = cl[k][e / 4], &u = ul[k][e / 4];
-            const float cj = (e & 3) == 0 ? c.x : (e & 3) == 1 ? c.y : (e & 3) == 2 ? c.z : c.w;
-            const float uj = (e & 3) == 0 ? u.x : (e & 3) == 1 ? u.y : (e & 3) == 2 ? u.z : u.w;
-            acc[k][e] = 0;
-            cv[k][e] = KIND == K_SINK ? cj * cj : cj * uj;   /* SINK: c^2; POWER: c u (0 outside the row) */
+        for (int f = 0; f < E / 4; f++) {
+            const float4 c = cl[k][f], u = ul[k][f];
+            cvs[(k * (E / 4) + f) * T_SWEEP + t] = KIND == K_SINK ? make_float4(c.x * c.x, c.y * c.y, c.z * c.z, c.w * c.w)
+                                                                  : make_float4(c.x * u.x, c.y * u.y, c.z * u.z, c.w * u.w);
         }
+#pragma unroll
+        for (int e = 0; e < E; e++) acc[k][e] = 0;
+    }
 
     /* Groups are issued and consumed in walk order (ascending, or descending when rev); the addresses, rows and
     ** ring slots advance by constant steps, so an issue is a few additions and the copies themselves.  A copy
@@ -443,32 +448,52 @@ __device__ __noinline__ void fast_segment(const skargs<CAP> &A, const skmat &M, 
         cp_wait<STAGES - 1>();   /* this thread's copies of group q have landed (zeros where out of range) */
         const char *st = smem + cstage * STAGE_BYTES;
         auto chunk = [&](int r, int k) { return *(const uint4 *)(st + ((r * K + k) * T_SWEEP + t) * 16); };
-        /* Between the row sums and the column accumulators the chunks stay in registers: SINK with K <= 2 keeps
-        ** G^2 (one square an element), K = 4 the packed words (32 floats a thread would not fit beside c^2 and the
-        ** accumulators: the compiler spilled them and re-read shared memory); POWER reads shared memory again */
-        constexpr bool keep_z = KIND == K_SINK && K <= 2, keep_w = KIND == K_SINK && !keep_z;
+        /* Between the row sums and the column accumulators SINK keeps the group's G^2 in registers (one square an
+        ** element; c^2 comes from shared memory to make room for it); POWER reads shared memory again */
+        constexpr bool keep_z = KIND == K_SINK;
         float z[keep_z ? R : 1][keep_z ? K : 1][keep_z ? E : 1];
-        uint4 wv[keep_w ? R : 1][keep_w ? K : 1];
         float rs[R], ps[R], pf[R];
 #pragma unroll
         for (int r = 0; r < R; r++) {
             float pk[K], fk[K];   /* one chain per chunk: K independent FMA chains, added as a fixed tree */
 #pragma unroll
             for (int k = 0; k < K; k++) {
-                float x[E];
+                float x[E], cv[E];
+#pragma unroll
+                for (int f = 0; f < E / 4; f++) {
+                    const float4 c = cvs[(k * (E / 4) + f) * T_SWEEP + t];
+                    cv[4 * f] = c.x;
+                    cv[4 * f + 1] = c.y;
+                    cv[4 * f + 2] = c.z;
+                    cv[4 * f + 3] = c.w;
+                }
                 const uint4 w = chunk(r, k);
-                if constexpr (keep_w) wv[r][k] = w;
                 unpack(w, x, (const T *)0);
                 pk[k] = 0;
                 fk[k] = 0;
+                float sq[E];
+                if constexpr (keep_z && std::is_same<T, __nv_bfloat16>::value) {
+                    /* bf16: the squares straight from the packed words in one asm block -- written as x * x, ptxas
+                    ** recomputed them from the words in the column pass (two unpacks and squares an element) */
+                    const uint32_t wd[4] = { w.x, w.y, w.z, w.w };
+#pragma unroll
+                    for (int h = 0; h < 4; h++)
+                        asm("{\n\t.reg .b32 lo, hi;\n\tshl.b32 lo, %2, 16;\n\tand.b32 hi, %2, 0xffff0000;\n\t"
+                            "mul.f32 %0, lo, lo;\n\tmul.f32 %1, hi, hi;\n}\n"
+                            : "=f"(sq[2 * h]), "=f"(sq[2 * h + 1])
+                            : "r"(wd[h]));
+                } else {
+#pragma unroll
+                    for (int e = 0; e < E; e++) sq[e] = x[e] * x[e];
+                }
 #pragma unroll
                 for (int e = 0; e < E; e++) {
                     if constexpr (KIND == K_SINK) {   /* (G c)^2 = G^2 c^2, (r G)^2 = r^2 G^2 */
-                        const float x2 = x[e] * x[e];
+                        const float x2 = sq[e];
                         if constexpr (keep_z) z[r][k][e] = x2;
-                        pk[k] = fmaf(x2, cv[k][e], pk[k]);
+                        pk[k] = fmaf(x2, cv[e], pk[k]);
                     } else {
-                        pk[k] = fmaf(x[e], cv[k][e], pk[k]);
+                        pk[k] = fmaf(x[e], cv[e], pk[k]);
                         if (want_ff) fk[k] = fmaf(x[e], x[e], fk[k]);
                     }
                 }
@@ -519,11 +544,6 @@ __device__ __noinline__ void fast_segment(const skargs<CAP> &A, const skmat &M, 
                 if constexpr (keep_z) {
 #pragma unroll
                     for (int e = 0; e < E; e++) acc[k][e] = fmaf(co[r], z[r][k][e], acc[k][e]);   /* r^2 G^2 */
-                } else if constexpr (keep_w) {
-                    float x[E];
-                    unpack(wv[r][k], x, (const T *)0);
-#pragma unroll
-                    for (int e = 0; e < E; e++) acc[k][e] = fmaf(co[r], x[e] * x[e], acc[k][e]);   /* r^2 G^2 */
                 } else {
                     float x[E];
                     unpack(chunk(r, k), x, (const T *)0);
@@ -1692,8 +1712,9 @@ static int64_t plan_chunk(int cnt, const msk_sinkgd_mat *mm, int maxgrid, char *
                           int *grid_out, int *nfold_out, int dim = 0)
 {
     /* Measured on an H200: when the chunk's G fits in L2, its passes after the first read it from there and are
-    ** bound by latency, and K = 2 (G^2 kept in registers, no spills) is 7-20% faster; streamed from DRAM, K = 4
-    ** wins on the Llama-3-8B set by ~2% (31.2 against 31.8 ms), though K = 2 wins on one 14336 x 4096 (5%). */
+    ** bound by latency, and K = 2 (2 rows a group) was 7-20% faster; streamed from DRAM, K = 4 (fewer row
+    ** reductions) won on the Llama-3-8B set by ~2% (31.2 against 31.8 ms), though K = 2 won on one 14336 x 4096
+    ** (5%).  (Measured when K = 4 kept packed words; both keep G^2 now.) */
     int64_t gbytes = 0;
     for (int k = 0; k < cnt; k++) gbytes += mm[k].m * mm[k].n * dtype_size(mm[k].gdt);
     const bool in_l2 = gbytes <= l2_bytes();

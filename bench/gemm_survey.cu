@@ -1,0 +1,223 @@
+/*
+** bench/gemm_survey.cu -- the batched GEMMs of DASH's solvers under every operand layout and every cuBLASLt
+** candidate the heuristic offers (no split-K), timed on the GPU host.  The solvers' operands are symmetric (every
+** iterate is a polynomial in the factor), so op(A) = A either way and the layout is free to choose; this
+** measures which one the tensor cores run fastest, and how far the heuristic's first candidate is from the best.
+**
+**   nvcc -O2 -gencode arch=compute_90,code=[sm_90,compute_90] bench/gemm_survey.cu -lcublasLt -lcublas -o gemm_survey
+**   ./gemm_survey [n batch]...        (default: 1024 228  512 12, the subset's two factor stacks)
+*/
+#include <cublasLt.h>
+#include <cublas_v2.h>
+#include <cuda_runtime.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define CK(x) do { cudaError_t e_ = (x); if (e_ != cudaSuccess) { fprintf(stderr, "%s:%d %s\n", __FILE__, __LINE__, cudaGetErrorString(e_)); exit(1); } } while (0)
+#define CB(x) do { cublasStatus_t s_ = (x); if (s_ != CUBLAS_STATUS_SUCCESS) { fprintf(stderr, "%s:%d cublas %d\n", __FILE__, __LINE__, (int)s_); exit(1); } } while (0)
+
+__global__ void fill_sym(float *a, int n, long long nn, long long total, unsigned seed)
+{
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < total; i += (long long)gridDim.x * blockDim.x) {
+        long long b = i / nn, r = (i % nn) / n, c = i % n;
+        long long lo = r < c ? r : c, hi = r < c ? c : r;
+        unsigned h = (unsigned)(b * 2654435761u) ^ (unsigned)(lo * 40503u + hi * 9973u) ^ seed;
+        h ^= h >> 13; h *= 0x5bd1e995u; h ^= h >> 15;
+        a[i] = (float)(h & 0xffffff) / 16777216.0f - 0.5f + (r == c ? 2.0f : 0.0f);
+    }
+}
+
+static float time_it(cudaStream_t st, int reps, void (*fn)(void *), void *arg)
+{
+    cudaEvent_t e0, e1;
+    CK(cudaEventCreate(&e0));
+    CK(cudaEventCreate(&e1));
+    fn(arg);
+    fn(arg);
+    CK(cudaStreamSynchronize(st));
+    float best = 1e30f, t[64];
+    for (int r = 0; r < reps; r++) {
+        CK(cudaEventRecord(e0, st));
+        fn(arg);
+        CK(cudaEventRecord(e1, st));
+        CK(cudaEventSynchronize(e1));
+        CK(cudaEventElapsedTime(&t[r], e0, e1));
+    }
+    /* median */
+    for (int i = 0; i < reps; i++)
+        for (int j = i + 1; j < reps; j++)
+            if (t[j] < t[i]) { float x = t[i]; t[i] = t[j]; t[j] = x; }
+    best = t[reps / 2];
+    cudaEventDestroy(e0);
+    cudaEventDestroy(e1);
+    return best;
+}
+
+struct ex_arg { cublasHandle_t h; cublasOperation_t ta, tb; int n, batch; float *a, *b, *c; };
+static void run_ex(void *p)
+{
+    struct ex_arg *x = (struct ex_arg *)p;
+    const float one = 1, zero = 0;
+    long long nn = (long long)x->n * x->n;
+    CB(cublasGemmStridedBatchedEx(x->h, x->ta, x->tb, x->n, x->n, x->n, &one, x->a, CUDA_R_32F, x->n, nn, x->b, CUDA_R_32F,
+                                  x->n, nn, &zero, x->c, CUDA_R_32F, x->n, nn, x->batch, CUBLAS_COMPUTE_32F_FAST_TF32,
+                                  CUBLAS_GEMM_DEFAULT));
+}
+
+struct lt_arg { cublasLtHandle_t lt; cublasLtMatmulDesc_t d; cublasLtMatrixLayout_t l; const cublasLtMatmulAlgo_t *algo;
+                float *a, *b, *c; void *ws; size_t wsb; cudaStream_t st; };
+static void run_lt(void *p)
+{
+    struct lt_arg *x = (struct lt_arg *)p;
+    const float one = 1, zero = 0;
+    CB(cublasLtMatmul(x->lt, x->d, &one, x->a, x->l, x->b, x->l, &zero, x->c, x->l, x->c, x->l, x->algo, x->ws, x->wsb, x->st));
+}
+
+int main(int argc, char **argv)
+{
+    int shapes[8][2] = { { 1024, 228 }, { 512, 12 } }, ns = 2;
+    if (argc > 2) {
+        ns = 0;
+        for (int i = 1; i + 1 < argc && ns < 8; i += 2, ns++) { shapes[ns][0] = atoi(argv[i]); shapes[ns][1] = atoi(argv[i + 1]); }
+    }
+    cublasHandle_t h;
+    cublasLtHandle_t lt;
+    CB(cublasCreate(&h));
+    CB(cublasLtCreate(&lt));
+    cudaStream_t st = 0;
+    const size_t wsb = 32u << 20;
+    void *ws;
+    CK(cudaMalloc(&ws, wsb));
+    CB(cublasSetWorkspace(h, ws, wsb));
+    for (int s = 0; s < ns; s++) {
+        const int n = shapes[s][0], batch = shapes[s][1];
+        const long long nn = (long long)n * n, total = nn * batch;
+        float *a, *b, *c;
+        CK(cudaMalloc(&a, total * 4));
+        CK(cudaMalloc(&b, total * 4));
+        CK(cudaMalloc(&c, total * 4));
+        fill_sym<<<1024, 256>>>(a, n, nn, total, 1u);
+        fill_sym<<<1024, 256>>>(b, n, nn, total, 7u);
+        CK(cudaDeviceSynchronize());
+        const double flop = 2.0 * n * (double)n * n * batch;
+        printf("n = %d, batch = %d (TF32, f32 in and out)\n", n, batch);
+        const char *nm[4] = { "NN", "NT", "TN", "TT" };
+        for (int o = 0; o < 4; o++) {
+            struct ex_arg x = { h, (o & 2) ? CUBLAS_OP_T : CUBLAS_OP_N, (o & 1) ? CUBLAS_OP_T : CUBLAS_OP_N, n, batch, a, b, c };
+            float ms = time_it(st, 15, run_ex, &x);
+            printf("  GemmStridedBatchedEx %s: %8.4f ms  %6.1f TFLOPS\n", nm[o], ms, flop / ms / 1e9);
+        }
+        for (int o = 0; o < 4; o++) {
+            cublasOperation_t ta = (o & 2) ? CUBLAS_OP_T : CUBLAS_OP_N, tb = (o & 1) ? CUBLAS_OP_T : CUBLAS_OP_N;
+            cublasLtMatmulDesc_t d;
+            cublasLtMatrixLayout_t l;
+            CB(cublasLtMatmulDescCreate(&d, CUBLAS_COMPUTE_32F_FAST_TF32, CUDA_R_32F));
+            CB(cublasLtMatmulDescSetAttribute(d, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof ta));
+            CB(cublasLtMatmulDescSetAttribute(d, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof tb));
+            CB(cublasLtMatrixLayoutCreate(&l, CUDA_R_32F, n, n, n));
+            int32_t nb = batch;
+            int64_t sb = nn;
+            CB(cublasLtMatrixLayoutSetAttribute(l, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &nb, sizeof nb));
+            CB(cublasLtMatrixLayoutSetAttribute(l, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, &sb, sizeof sb));
+            cublasLtMatmulPreference_t pref;
+            CB(cublasLtMatmulPreferenceCreate(&pref));
+            uint64_t w = wsb;
+            uint32_t nosplit = CUBLASLT_REDUCTION_SCHEME_NONE;
+            CB(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &w, sizeof w));
+            CB(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, &nosplit, sizeof nosplit));
+            cublasLtMatmulHeuristicResult_t res[16];
+            int found = 0;
+            CB(cublasLtMatmulAlgoGetHeuristic(lt, d, l, l, l, l, pref, 16, res, &found));
+            for (int i = 0; i < found; i++) {
+                if (res[i].state != CUBLAS_STATUS_SUCCESS) continue;
+                int tile = -1, stages = -1, cluster = -1, swz = -1, id = -1;
+                size_t sz;
+                cublasLtMatmulAlgoConfigGetAttribute(&res[i].algo, CUBLASLT_ALGO_CONFIG_ID, &id, sizeof id, &sz);
+                cublasLtMatmulAlgoConfigGetAttribute(&res[i].algo, CUBLASLT_ALGO_CONFIG_TILE_ID, &tile, sizeof tile, &sz);
+                cublasLtMatmulAlgoConfigGetAttribute(&res[i].algo, CUBLASLT_ALGO_CONFIG_STAGES_ID, &stages, sizeof stages, &sz);
+                cublasLtMatmulAlgoConfigGetAttribute(&res[i].algo, CUBLASLT_ALGO_CONFIG_CLUSTER_SHAPE_ID, &cluster, sizeof cluster, &sz);
+                cublasLtMatmulAlgoConfigGetAttribute(&res[i].algo, CUBLASLT_ALGO_CONFIG_CTA_SWIZZLING, &swz, sizeof swz, &sz);
+                struct lt_arg x = { lt, d, l, &res[i].algo, a, b, c, ws, wsb, st };
+                float ms = time_it(st, 15, run_lt, &x);
+                printf("  Lt %s #%2d: %8.4f ms  %6.1f TFLOPS  (algo %d tile %d stages %d cluster %d swizzle %d ws %zu)\n", nm[o], i, ms,
+                       flop / ms / 1e9, id, tile, stages, cluster, swz, res[i].workspaceSize);
+            }
+            cublasLtMatmulPreferenceDestroy(pref);
+            cublasLtMatrixLayoutDestroy(l);
+            cublasLtMatmulDescDestroy(d);
+        }
+        cudaFree(a);
+        cudaFree(b);
+        cudaFree(c);
+    }
+    if (ns >= 2) {
+        /* the two first shapes' NN products, 36 of each (CN's count), one stream after the other or side by side */
+        const int n0 = shapes[0][0], b0 = shapes[0][1], n1 = shapes[1][0], b1 = shapes[1][1];
+        float *a0, *c0, *a1, *c1;
+        CK(cudaMalloc(&a0, (size_t)n0 * n0 * b0 * 4));
+        CK(cudaMalloc(&c0, (size_t)n0 * n0 * b0 * 4));
+        CK(cudaMalloc(&a1, (size_t)n1 * n1 * b1 * 4));
+        CK(cudaMalloc(&c1, (size_t)n1 * n1 * b1 * 4));
+        fill_sym<<<1024, 256>>>(a0, n0, (long long)n0 * n0, (long long)n0 * n0 * b0, 3u);
+        fill_sym<<<1024, 256>>>(a1, n1, (long long)n1 * n1, (long long)n1 * n1 * b1, 5u);
+        cublasHandle_t h2;
+        CB(cublasCreate(&h2));
+        void *ws2;
+        CK(cudaMalloc(&ws2, wsb));
+        CB(cublasSetWorkspace(h2, ws2, wsb));
+        cudaStream_t s2;
+        CK(cudaStreamCreateWithFlags(&s2, cudaStreamNonBlocking));
+        CB(cublasSetStream(h2, s2));
+        cudaEvent_t e0, e1, fork, join;
+        CK(cudaEventCreate(&e0));
+        CK(cudaEventCreate(&e1));
+        CK(cudaEventCreateWithFlags(&fork, cudaEventDisableTiming));
+        CK(cudaEventCreateWithFlags(&join, cudaEventDisableTiming));
+        struct ex_arg x0 = { h, CUBLAS_OP_N, CUBLAS_OP_N, n0, b0, a0, a0, c0 };
+        for (int mode = 0; mode < 4; mode++) {
+            float t[5];
+            for (int r = 0; r < 5; r++) {
+                CK(cudaDeviceSynchronize());
+                CK(cudaEventRecord(e0, st));
+                if (mode == 2) { CK(cudaEventRecord(fork, st)); CK(cudaStreamWaitEvent(s2, fork, 0)); }
+                for (int i = 0; i < 36; i++) {
+                    if (mode != 1) run_ex(&x0);
+                    if (mode >= 1) {
+                        struct ex_arg x1 = { mode == 2 ? h2 : h, CUBLAS_OP_N, CUBLAS_OP_N, n1, b1, a1, a1, c1 };
+                        run_ex(&x1);
+                    }
+                }
+                if (mode == 2) { CK(cudaEventRecord(join, s2)); CK(cudaStreamWaitEvent(st, join, 0)); }
+                CK(cudaEventRecord(e1, st));
+                CK(cudaEventSynchronize(e1));
+                CK(cudaEventElapsedTime(&t[r], e0, e1));
+            }
+            for (int i = 0; i < 5; i++) for (int j = i + 1; j < 5; j++) if (t[j] < t[i]) { float q = t[i]; t[i] = t[j]; t[j] = q; }
+            const char *what[4] = { "big alone", "small alone", "both, side by side", "both, one stream" };
+            if (mode == 3) continue;
+            printf("36 products: %-20s %8.3f ms\n", what[mode], t[2]);
+        }
+        /* one stream, interleaved */
+        {
+            float t[5];
+            for (int r = 0; r < 5; r++) {
+                CK(cudaDeviceSynchronize());
+                CK(cudaEventRecord(e0, st));
+                for (int i = 0; i < 36; i++) {
+                    run_ex(&x0);
+                    struct ex_arg x1 = { h, CUBLAS_OP_N, CUBLAS_OP_N, n1, b1, a1, a1, c1 };
+                    run_ex(&x1);
+                }
+                CK(cudaEventRecord(e1, st));
+                CK(cudaEventSynchronize(e1));
+                CK(cudaEventElapsedTime(&t[r], e0, e1));
+            }
+            for (int i = 0; i < 5; i++) for (int j = i + 1; j < 5; j++) if (t[j] < t[i]) { float q = t[i]; t[i] = t[j]; t[j] = q; }
+            printf("36 products: %-20s %8.3f ms\n", "both, one stream", t[2]);
+        }
+    }
+    cublasLtDestroy(lt);
+    cublasDestroy(h);
+    return 0;
+}
