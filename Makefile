@@ -190,12 +190,18 @@ test: all $(CTESTS) $(EXAMPLES)
 # the C test programs alone (build them here before carrying build/ to a host that cannot compile)
 tests: all $(CTESTS) $(EXAMPLES)
 
-# the C host-overhead bench through the embedding API (bench/overhead_c.c; run it on the GPU host)
-bench-c: $(BUILD)/bench/overhead_c
+# the C host-overhead bench through the embedding API (bench/overhead_c.c), and with CUDA the survey of the
+# DASH solvers' batched GEMMs (bench/gemm_survey.cu, cuBLAS alone); run them on the GPU host
+bench-c: $(BUILD)/bench/overhead_c $(if $(filter 1,$(WITH_CUDA)),$(BUILD)/bench/gemm_survey)
 $(BUILD)/bench/overhead_c: bench/overhead_c.c $(LIB)
 	$(E) CC $@
 	$(Q)mkdir -p $(dir $@)
 	$(Q)$(CC) $(CFLAGS_ALL) $< -o $@ -L$(BUILD) -lmoonstep -Wl,-rpath,'$$ORIGIN/..'
+$(BUILD)/bench/gemm_survey: bench/gemm_survey.cu
+	$(E) NVCC $@
+	$(Q)mkdir -p $(dir $@)
+	$(Q)$(NVCC) -O2 -gencode arch=compute_90,code=[sm_90,compute_90] $< -o $@ -L$(CUDA_HOME)/lib64 \
+	    -Xlinker -rpath,$(CUDA_HOME)/lib64 -lcublasLt -lcublas
 
 # the suite on an existing build, without rebuilding (a GPU host that received a carried build/)
 check:

@@ -4,8 +4,8 @@
 ** iterate is a polynomial in the factor), so op(A) = A either way and the layout is free to choose; this
 ** measures which one the tensor cores run fastest, and how far the heuristic's first candidate is from the best.
 **
-**   nvcc -O2 -gencode arch=compute_90,code=[sm_90,compute_90] bench/gemm_survey.cu -lcublasLt -lcublas -o gemm_survey
-**   ./gemm_survey [n batch]...        (default: 1024 228  512 12, the subset's two factor stacks)
+**   make bench-c                        (builds build/bench/gemm_survey with the CUDA toolkit)
+**   build/bench/gemm_survey [n batch]...   (default: 1024 228  512 12, the subset's two factor stacks)
 */
 #include <cublasLt.h>
 #include <cublas_v2.h>
@@ -28,6 +28,15 @@ __global__ void fill_sym(float *a, int n, long long nn, long long total, unsigne
     }
 }
 
+static float median(float *t, int n)
+{
+    for (int i = 0; i < n; i++)
+        for (int j = i + 1; j < n; j++)
+            if (t[j] < t[i]) { float x = t[i]; t[i] = t[j]; t[j] = x; }
+    return t[n / 2];
+}
+
+/* the median of `reps` timed calls of fn after two warm-ups */
 static float time_it(cudaStream_t st, int reps, void (*fn)(void *), void *arg)
 {
     cudaEvent_t e0, e1;
@@ -36,22 +45,17 @@ static float time_it(cudaStream_t st, int reps, void (*fn)(void *), void *arg)
     fn(arg);
     fn(arg);
     CK(cudaStreamSynchronize(st));
-    float best = 1e30f, t[64];
-    for (int r = 0; r < reps; r++) {
+    float t[64];
+    for (int r = 0; r < reps && r < 64; r++) {
         CK(cudaEventRecord(e0, st));
         fn(arg);
         CK(cudaEventRecord(e1, st));
         CK(cudaEventSynchronize(e1));
         CK(cudaEventElapsedTime(&t[r], e0, e1));
     }
-    /* median */
-    for (int i = 0; i < reps; i++)
-        for (int j = i + 1; j < reps; j++)
-            if (t[j] < t[i]) { float x = t[i]; t[i] = t[j]; t[j] = x; }
-    best = t[reps / 2];
     cudaEventDestroy(e0);
     cudaEventDestroy(e1);
-    return best;
+    return median(t, reps < 64 ? reps : 64);
 }
 
 struct ex_arg { cublasHandle_t h; cublasOperation_t ta, tb; int n, batch; float *a, *b, *c; };
@@ -152,7 +156,8 @@ int main(int argc, char **argv)
         cudaFree(c);
     }
     if (ns >= 2) {
-        /* the two first shapes' NN products, 36 of each (CN's count), one stream after the other or side by side */
+        /* CN's 36 products of the two first shapes: the big stack alone, the small alone, both interleaved on one
+        ** stream, and the small on a second stream (its own handle and workspace) beside the big */
         const int n0 = shapes[0][0], b0 = shapes[0][1], n1 = shapes[1][0], b1 = shapes[1][1];
         float *a0, *c0, *a1, *c1;
         CK(cudaMalloc(&a0, (size_t)n0 * n0 * b0 * 4));
@@ -174,47 +179,33 @@ int main(int argc, char **argv)
         CK(cudaEventCreate(&e1));
         CK(cudaEventCreateWithFlags(&fork, cudaEventDisableTiming));
         CK(cudaEventCreateWithFlags(&join, cudaEventDisableTiming));
-        struct ex_arg x0 = { h, CUBLAS_OP_N, CUBLAS_OP_N, n0, b0, a0, a0, c0 };
+        struct ex_arg big = { h, CUBLAS_OP_N, CUBLAS_OP_N, n0, b0, a0, a0, c0 };
+        struct ex_arg small = { h, CUBLAS_OP_N, CUBLAS_OP_N, n1, b1, a1, a1, c1 };
+        struct ex_arg side = { h2, CUBLAS_OP_N, CUBLAS_OP_N, n1, b1, a1, a1, c1 };
+        const char *what[4] = { "big alone", "small alone", "both, one stream", "both, side by side" };
         for (int mode = 0; mode < 4; mode++) {
             float t[5];
             for (int r = 0; r < 5; r++) {
                 CK(cudaDeviceSynchronize());
                 CK(cudaEventRecord(e0, st));
-                if (mode == 2) { CK(cudaEventRecord(fork, st)); CK(cudaStreamWaitEvent(s2, fork, 0)); }
-                for (int i = 0; i < 36; i++) {
-                    if (mode != 1) run_ex(&x0);
-                    if (mode >= 1) {
-                        struct ex_arg x1 = { mode == 2 ? h2 : h, CUBLAS_OP_N, CUBLAS_OP_N, n1, b1, a1, a1, c1 };
-                        run_ex(&x1);
-                    }
+                if (mode == 3) {
+                    CK(cudaEventRecord(fork, st));
+                    CK(cudaStreamWaitEvent(s2, fork, 0));
                 }
-                if (mode == 2) { CK(cudaEventRecord(join, s2)); CK(cudaStreamWaitEvent(st, join, 0)); }
-                CK(cudaEventRecord(e1, st));
-                CK(cudaEventSynchronize(e1));
-                CK(cudaEventElapsedTime(&t[r], e0, e1));
-            }
-            for (int i = 0; i < 5; i++) for (int j = i + 1; j < 5; j++) if (t[j] < t[i]) { float q = t[i]; t[i] = t[j]; t[j] = q; }
-            const char *what[4] = { "big alone", "small alone", "both, side by side", "both, one stream" };
-            if (mode == 3) continue;
-            printf("36 products: %-20s %8.3f ms\n", what[mode], t[2]);
-        }
-        /* one stream, interleaved */
-        {
-            float t[5];
-            for (int r = 0; r < 5; r++) {
-                CK(cudaDeviceSynchronize());
-                CK(cudaEventRecord(e0, st));
                 for (int i = 0; i < 36; i++) {
-                    run_ex(&x0);
-                    struct ex_arg x1 = { h, CUBLAS_OP_N, CUBLAS_OP_N, n1, b1, a1, a1, c1 };
-                    run_ex(&x1);
+                    if (mode != 1) run_ex(&big);
+                    if (mode == 1 || mode == 2) run_ex(&small);
+                    if (mode == 3) run_ex(&side);
+                }
+                if (mode == 3) {
+                    CK(cudaEventRecord(join, s2));
+                    CK(cudaStreamWaitEvent(st, join, 0));
                 }
                 CK(cudaEventRecord(e1, st));
                 CK(cudaEventSynchronize(e1));
                 CK(cudaEventElapsedTime(&t[r], e0, e1));
             }
-            for (int i = 0; i < 5; i++) for (int j = i + 1; j < 5; j++) if (t[j] < t[i]) { float q = t[i]; t[i] = t[j]; t[j] = q; }
-            printf("36 products: %-20s %8.3f ms\n", "both, one stream", t[2]);
+            printf("36 products: %-20s %8.3f ms (median of 5)\n", what[mode], median(t, 5));
         }
     }
     cublasLtDestroy(lt);
