@@ -1646,14 +1646,21 @@ static int dtype_size(int dt) { return dt == MS_DTYPE_F32 ? 4 : 2; }
 
 static bool aligned16(const void *p) { return ((uintptr_t)p & 15u) == 0; }
 
+/* The current device and its slot in the per-device caches below (a device past the 64th shares slot 0). */
+static int device_slot(int *dev)
+{
+    *dev = 0;
+    cudaGetDevice(dev);
+    return *dev >= 0 && *dev < 64 ? *dev : 0;
+}
+
 /* The shared-memory limit raised once for each sweep kernel, and the CTAs a pass launches: one per SM times
 ** the sweep's occupancy (1), cached per device. */
 template <int CAP, int KIND> static cudaError_t sweep_setup()
 {
     static bool done[64];
-    int dev = 0;
-    cudaGetDevice(&dev);
-    const int slot = dev >= 0 && dev < 64 ? dev : 0;
+    int dev;
+    const int slot = device_slot(&dev);
     if (done[slot]) return cudaSuccess;
     cudaError_t e = cudaFuncSetAttribute(sweep_kernel<CAP, KIND>, cudaFuncAttributeMaxDynamicSharedMemorySize, SWEEP_SMEM);
     if (e == cudaSuccess)
@@ -1665,9 +1672,8 @@ template <int CAP, int KIND> static cudaError_t sweep_setup()
 static int ctas_per_pass()
 {
     static int cache[64];
-    int dev = 0;
-    cudaGetDevice(&dev);
-    const int slot = dev >= 0 && dev < 64 ? dev : 0;
+    int dev;
+    const int slot = device_slot(&dev);
     if (cache[slot] == 0) {
         int sms = 0, occ = 0;
         if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess || sms <= 0) sms = 132;
@@ -1685,9 +1691,8 @@ static int ctas_per_pass()
 static int64_t l2_bytes()
 {
     static int64_t cache[64];
-    int dev = 0;
-    cudaGetDevice(&dev);
-    const int slot = dev >= 0 && dev < 64 ? dev : 0;
+    int dev;
+    const int slot = device_slot(&dev);
     if (cache[slot] == 0) {
         int l2 = 0;
         if (cudaDeviceGetAttribute(&l2, cudaDevAttrL2CacheSize, dev) != cudaSuccess || l2 <= 0) l2 = 50 << 20;
