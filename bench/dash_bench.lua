@@ -542,16 +542,19 @@ local function own_map_f32(cfg, o)
   end
   return em
 end
+-- ms.inv_root on the stack of size s into its roots (iteration counts back with want_iters)
+local function solve_stack(opts, s, want_iters)
+  local o = {}
+  for k, v in pairs(opts) do o[k] = v end
+  o.out = roots[s]
+  if want_iters then o.iters = true end
+  local _, _, it = ms.inv_root(stacks[s], o)
+  return it
+end
+
 local function solve(opts, want_iters)
   local its = {}
-  for _, s in ipairs(sizes) do
-    local o = {}
-    for k, v in pairs(opts) do o[k] = v end
-    o.out = roots[s]
-    if want_iters then o.iters = true end
-    local _, _, it = ms.inv_root(stacks[s], o)
-    its[s] = it
-  end
+  for _, s in ipairs(sizes) do its[s] = solve_stack(opts, s, want_iters) end
   return its
 end
 
@@ -818,10 +821,7 @@ if args.stacks then
       local both = time_median(function() solve(o) end, 1, args.trials)
       local parts = {}
       for _, s in ipairs(sizes) do
-        local os = {}
-        for k, v in pairs(o) do os[k] = v end
-        os.out = roots[s]
-        local t = time_median(function() ms.inv_root(stacks[s], os) end, 1, args.trials)
+        local t = time_median(function() solve_stack(o, s) end, 1, args.trials)
         parts[#parts + 1] = ("%d x %d: %.3f ms"):format(factor_n[s], s, t)
         rows[#rows + 1] = { part = "stack", solver = cfg.label, b = s, blocks = factor_n[s], ms = t, both_ms = both }
       end

@@ -207,7 +207,19 @@ int main(int argc, char **argv)
             }
             printf("36 products: %-20s %8.3f ms (median of 5)\n", what[mode], median(t, 5));
         }
+        cudaEventDestroy(e0);
+        cudaEventDestroy(e1);
+        cudaEventDestroy(fork);
+        cudaEventDestroy(join);
+        cublasDestroy(h2);
+        cudaStreamDestroy(s2);
+        cudaFree(ws2);
+        cudaFree(a0);
+        cudaFree(c0);
+        cudaFree(a1);
+        cudaFree(c1);
     }
+    cudaFree(ws);
     cublasLtDestroy(lt);
     cublasDestroy(h);
     return 0;

@@ -489,9 +489,8 @@ __device__ __noinline__ void fast_segment(const skargs<CAP> &A, const skmat &M, 
 #pragma unroll
                 for (int e = 0; e < E; e++) {
                     if constexpr (KIND == K_SINK) {   /* (G c)^2 = G^2 c^2, (r G)^2 = r^2 G^2 */
-                        const float x2 = sq[e];
-                        if constexpr (keep_z) z[r][k][e] = x2;
-                        pk[k] = fmaf(x2, cv[e], pk[k]);
+                        z[r][k][e] = sq[e];
+                        pk[k] = fmaf(sq[e], cv[e], pk[k]);
                     } else {
                         pk[k] = fmaf(x[e], cv[e], pk[k]);
                         if (want_ff) fk[k] = fmaf(x[e], x[e], fk[k]);
