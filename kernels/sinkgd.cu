@@ -200,6 +200,29 @@ template <int NT, class V> __device__ __forceinline__ V block_sum(V v, V *red)
     return s;
 }
 
+
+/* A single CTA's walk over an n-vector in the order j = t, t + NT, ... per thread (so sums keep their order), with
+** VB loads in flight a thread: load(j) for VB elements, then use(j, value) for each.  The vector work of the
+** power step is one CTA's (prep, the fold's last block); one load at a time, its L2 latency was paid n / NT
+** times: 33 us for n = 14336. */
+template <int NT, int VB = 16, class L, class U>
+__device__ __forceinline__ void vec_walk(int64_t n, const L &load, const U &use)
+{
+    for (int64_t j0 = threadIdx.x; j0 < n; j0 += (int64_t)VB * NT) {
+        float v[VB];
+#pragma unroll
+        for (int u = 0; u < VB; u++) {
+            const int64_t j = j0 + (int64_t)u * NT;
+            v[u] = j < n ? load(j) : 0.f;
+        }
+#pragma unroll
+        for (int u = 0; u < VB; u++) {
+            const int64_t j = j0 + (int64_t)u * NT;
+            if (j < n) use(j, v[u]);
+        }
+    }
+}
+
 /* u's first value for element j of matrix b (engine/cpu/sinkgd.c, u_start): 2 U - 1, U the f32 uniform of
 ** ms_rand with key `seed` and offset 2^63 + b; exact in f32. */
 __device__ __forceinline__ float u_start(uint64_t seed, int64_t b, int64_t j)
@@ -364,38 +387,9 @@ __device__ __noinline__ void fast_segment(const skargs<CAP> &A, const skmat &M, 
     const T *const g = (const T *)M.g;
     float *const rvec = S.r;
 
-    /* the thread's columns: c^2 (SINK) or c u (POWER), and their accumulators */
-    float acc[K][E];
     unsigned kmask = 0;   /* bit k: the thread's chunk k lies in the row */
-    /* 16-byte loads, all issued before the first use (one at a time, waiting for each, they cost a few us) */
-    const float4 one4 = make_float4(1.f, 1.f, 1.f, 1.f), zero4 = make_float4(0.f, 0.f, 0.f, 0.f);
-    float4 cl[K][E / 4], ul[K][E / 4];
 #pragma unroll
-    for (int k = 0; k < K; k++) {
-        const int ch = kap + Cp * k;
-        const bool ok = on && ch < C;
-        kmask |= ok ? 1u << k : 0u;
-        const float4 *c4 = reinterpret_cast<const float4 *>(S.c + (ok ? (int64_t)ch * E : 0));
-        const float4 *u4 = reinterpret_cast<const float4 *>(S.uv + (ok ? (int64_t)ch * E : 0));
-#pragma unroll
-        for (int f = 0; f < E / 4; f++) {
-            const bool need_c = KIND == K_SINK ? !first : !unit;
-            cl[k][f] = !ok ? zero4 : need_c ? __ldcg(c4 + f) : one4;
-            ul[k][f] = KIND == K_POWER && ok ? __ldcg(u4 + f) : one4;
-        }
-    }
-    float4 *cvs = reinterpret_cast<float4 *>(smem + CVS_OFF);
-#pragma unroll
-    for (int k = 0; k < K; k++) {
-#pragma unroll
-        for (int f = 0; f < E / 4; f++) {
-            const float4 c = cl[k][f], u = ul[k][f];
-            cvs[(k * (E / 4) + f) * T_SWEEP + t] = KIND == K_SINK ? make_float4(c.x * c.x, c.y * c.y, c.z * c.z, c.w * c.w)
-                                                                  : make_float4(c.x * u.x, c.y * u.y, c.z * u.z, c.w * u.w);
-        }
-#pragma unroll
-        for (int e = 0; e < E; e++) acc[k][e] = 0;
-    }
+    for (int k = 0; k < K; k++) kmask |= on && kap + Cp * k < C ? 1u << k : 0u;
 
     /* Groups are issued and consumed in walk order (ascending, or descending when rev); the addresses, rows and
     ** ring slots advance by constant steps, so an issue is a few additions and the copies themselves.  A copy
@@ -437,6 +431,38 @@ __device__ __noinline__ void fast_segment(const skargs<CAP> &A, const skmat &M, 
         if (s < ng) issue(s, s);
         cp_commit();
     }
+    /* the thread's columns: c^2 (SINK) or c u (POWER), and their accumulators (loaded while the first groups are
+    ** on their way: at a pass's start the copies wait on nothing but the table) */
+    float acc[K][E];
+    /* 16-byte loads, all issued before the first use (one at a time, waiting for each, they cost a few us) */
+    const float4 one4 = make_float4(1.f, 1.f, 1.f, 1.f), zero4 = make_float4(0.f, 0.f, 0.f, 0.f);
+    float4 cl[K][E / 4], ul[K][E / 4];
+#pragma unroll
+    for (int k = 0; k < K; k++) {
+        const int ch = kap + Cp * k;
+        const bool ok = (kmask >> k) & 1u;
+        const float4 *c4 = reinterpret_cast<const float4 *>(S.c + (ok ? (int64_t)ch * E : 0));
+        const float4 *u4 = reinterpret_cast<const float4 *>(S.uv + (ok ? (int64_t)ch * E : 0));
+#pragma unroll
+        for (int f = 0; f < E / 4; f++) {
+            const bool need_c = KIND == K_SINK ? !first : !unit;
+            cl[k][f] = !ok ? zero4 : need_c ? __ldcg(c4 + f) : one4;
+            ul[k][f] = KIND == K_POWER && ok ? __ldcg(u4 + f) : one4;
+        }
+    }
+    float4 *cvs = reinterpret_cast<float4 *>(smem + CVS_OFF);
+#pragma unroll
+    for (int k = 0; k < K; k++) {
+#pragma unroll
+        for (int f = 0; f < E / 4; f++) {
+            const float4 c = cl[k][f], u = ul[k][f];
+            cvs[(k * (E / 4) + f) * T_SWEEP + t] = KIND == K_SINK ? make_float4(c.x * c.x, c.y * c.y, c.z * c.z, c.w * c.w)
+                                                                  : make_float4(c.x * u.x, c.y * u.y, c.z * u.z, c.w * u.w);
+        }
+#pragma unroll
+        for (int e = 0; e < E; e++) acc[k][e] = 0;
+    }
+
     int crow = row0;   /* the thread's first row in the group consumed */
     int cstage = 0, crslot = 0;
 #pragma unroll 1
@@ -570,12 +596,17 @@ __device__ __noinline__ void fast_segment(const skargs<CAP> &A, const skmat &M, 
                         make_float4(acc[k][e], acc[k][e + 1], acc[k][e + 2], acc[k][e + 3]);
         }
     } else {
-        float *cb = (float *)smem;   /* T_SWEEP * K * E floats <= 64 KiB < the stages */
-        __syncthreads();             /* every thread is done with the stages */
+        /* T_SWEEP * K * E floats (<= 64 KiB, inside the stages) as float4 planes [k][f][thread]: the stores and the
+        ** loads below are both a warp's 32 consecutive float4, free of bank conflicts (a thread's 32 floats side
+        ** by side made both 8-way conflicts, ~5 us at the end of every 117 MB sweep) */
+        float4 *cb = reinterpret_cast<float4 *>(smem);
+        __syncthreads();   /* every thread is done with the stages */
 #pragma unroll
         for (int k = 0; k < K; k++)
 #pragma unroll
-            for (int e = 0; e < E; e++) cb[(t * K + k) * E + e] = on ? acc[k][e] : 0.f;
+            for (int f = 0; f < E / 4; f++)
+                cb[(k * (E / 4) + f) * T_SWEEP + t] =
+                    on ? make_float4(acc[k][4 * f], acc[k][4 * f + 1], acc[k][4 * f + 2], acc[k][4 * f + 3]) : zero4;
         __syncthreads();
         for (int ch = t; ch < C; ch += T_SWEEP) {
             const int kp = ch % Cp, k = ch / Cp;
@@ -584,7 +615,13 @@ __device__ __noinline__ void fast_segment(const skargs<CAP> &A, const skmat &M, 
             for (int e = 0; e < E; e++) sum[e] = 0;
             for (int r2 = 0; r2 < P; r2++)
 #pragma unroll
-                for (int e = 0; e < E; e++) sum[e] += cb[((r2 * Cp + kp) * K + k) * E + e];
+                for (int f = 0; f < E / 4; f++) {
+                    const float4 v = cb[(k * (E / 4) + f) * T_SWEEP + r2 * Cp + kp];
+                    sum[4 * f] += v.x;
+                    sum[4 * f + 1] += v.y;
+                    sum[4 * f + 2] += v.z;
+                    sum[4 * f + 3] += v.w;
+                }
 #pragma unroll
             for (int e = 0; e < E; e += 4)
                 *reinterpret_cast<float4 *>(prow + (int64_t)ch * E + e) =
@@ -867,12 +904,21 @@ __global__ void __launch_bounds__(FOLD_THREADS) fold_kernel(const skargs<CAP> *_
     w2 = block_sum<FOLD_THREADS>(w2, dred);
     const double nw = sqrt(w2), sigma = clampd(nw, A.o.eps);
     double uu = 0;
+    float *const keep = (A.flags & FL_LAST) ? M.u : NULL;   /* the persisted u, stored as it is made */
     if (nw != 0) {   /* X^T v = 0 keeps u, so no later step starts from a zero vector */
-        for (int64_t jj = t; jj < n; jj += FOLD_THREADS) {
-            const float u = (float)(__ldcg(S.wv + jj) / sigma);
+        /* w / sigma as a reciprocal and one corrected product (the correctly rounded f64 quotient save in rare
+        ** cases, then rounded to f32 as before): a division an element, each behind its slow-path branch, kept
+        ** the walk's elements from overlapping */
+        const double rs = __drcp_rn(sigma);
+        vec_walk<FOLD_THREADS>(n, [&](int64_t jj) { return __ldcg(S.wv + jj); }, [&](int64_t jj, float w) {
+            const double q0 = (double)w * rs, q = fma(fma(-q0, sigma, (double)w), rs, q0);
+            const float u = (float)q;
             S.uv[jj] = u;
+            if (keep != NULL) keep[jj] = u;
             uu += (double)u * u;
-        }
+        });
+    } else if (keep != NULL) {
+        vec_walk<FOLD_THREADS>(n, [&](int64_t jj) { return __ldcg(S.uv + jj); }, [&](int64_t jj, float u) { keep[jj] = u; });
     }
     uu = block_sum<FOLD_THREADS>(uu, dred);
     if (t == 0) {
@@ -880,8 +926,6 @@ __global__ void __launch_bounds__(FOLD_THREADS) fold_kernel(const skargs<CAP> *_
         if (nw != 0) S.scal[SC_UU] = uu;
         S.scal[SC_REDO] = 0;
     }
-    if ((A.flags & FL_LAST) && M.u)
-        for (int64_t jj = t; jj < n; jj += FOLD_THREADS) M.u[jj] = __ldcg(S.uv + jj);
 }
 
 /* --- before the power steps: u from the state (its first value when it is all zeros), ||u||^2, and ||X||_F^2
@@ -898,14 +942,27 @@ __global__ void __launch_bounds__(PREP_THREADS) prep_kernel(const skargs<CAP> *_
     scr_layout(M.scr, M.m, M.n, M.nbands, &S);
     const int t = threadIdx.x;
     const int64_t n = M.n;
+    /* (the table's fields in registers: read through M in the loops, they were reloaded for every element) */
+    const float *const uin = M.u;
+    float *const uv = S.uv;
+    const uint64_t seed = A.o.seed;
+    const int64_t mb = M.b;
+    /* u taken as it is in one walk; an all-zero u (the first step) is replaced by the start vector in a second */
     int nonzero = 0;
-    for (int64_t j = t; j < n; j += PREP_THREADS) nonzero |= M.u[j] != 0;   /* NaN counts as nonzero */
-    const bool zero = !__syncthreads_or(nonzero);
     double uu = 0;
-    for (int64_t j = t; j < n; j += PREP_THREADS) {
-        const float u = zero ? u_start(A.o.seed, M.b, j) : M.u[j];
-        S.uv[j] = u;
+    vec_walk<PREP_THREADS>(n, [&](int64_t j) { return uin[j]; }, [&](int64_t j, float u) {
+        nonzero |= u != 0;   /* NaN counts as nonzero */
+        uv[j] = u;
         uu += (double)u * u;
+    });
+    const bool zero = !__syncthreads_or(nonzero);
+    if (zero) {
+        uu = 0;
+        vec_walk<PREP_THREADS>(n, [&](int64_t) { return 0.f; }, [&](int64_t j, float) {
+            const float u = u_start(seed, mb, j);
+            uv[j] = u;
+            uu += (double)u * u;
+        });
     }
     uu = block_sum<PREP_THREADS>(uu, dred);
     double f2 = 0;
@@ -981,9 +1038,10 @@ template <class T> __device__ __forceinline__ void unpack8(const raw8<T> &r, flo
 /* A CTA's band is worked on by ESPLIT CTAs at once (virtual thread vt = sub * T_SWEEP + t); chunk q of the
 ** segment goes to vt = q mod (ESPLIT T_SWEEP).  The fast path stages CPS chunks of G and p per thread and stage
 ** in a ring of ESTAGES (each thread reads back only what it copied: no barrier). */
-template <class TG, class TP, int KIND, int CAP>
+/* make_cf() returns the step's coefficients (coefs_of); the pass calls it once its first copies are issued */
+template <class TG, class TP, int KIND, int CAP, class CF>
 __device__ __forceinline__ void elem_segment(const skargs<CAP> &A, const skmat &M, const skscr &S, int64_t r0,
-                                             int64_t r1, bool rev, int sub, const coefs &cf, double (&a)[3], char *smem)
+                                             int64_t r1, bool rev, int sub, const CF &make_cf, double (&a)[3], char *smem)
 {
     const int64_t vt = (int64_t)sub * T_SWEEP + threadIdx.x, VT = (int64_t)ESPLIT * T_SWEEP;
     const int64_t n = M.n;
@@ -999,19 +1057,6 @@ __device__ __forceinline__ void elem_segment(const skargs<CAP> &A, const skmat &
         const int64_t e_base = r0 * n;
         /* word w of stage s: slots + s * ESTAGE_BYTES + w * T_SWEEP * 16 */
         char *slots = smem + threadIdx.x * 16;
-        /* when a row's chunks divide the threads evenly, a thread's chunks are always the same columns: its 8
-        ** column scales are loaded once */
-        const bool ccol = !unit && VT % cpr == 0;
-        float cfix[8];
-#pragma unroll
-        for (int k = 0; k < 8; k++) cfix[k] = 1.f;
-        if (ccol) {
-            const uint32_t vc = (uint32_t)(vt % cpr), jc = (rev ? cpr - 1 - vc : vc) * 8;
-            const float4 c0 = __ldg(reinterpret_cast<const float4 *>(S.c + jc));
-            const float4 c1 = __ldg(reinterpret_cast<const float4 *>(S.c + jc + 4));
-            cfix[0] = c0.x; cfix[1] = c0.y; cfix[2] = c0.z; cfix[3] = c0.w;
-            cfix[4] = c1.x; cfix[5] = c1.y; cfix[6] = c1.z; cfix[7] = c1.w;
-        }
         /* A thread's chunks in walk order are q = vt, vt + VT, ... (stage st holds CPS of them); a walker follows
         ** the chunk ch (q, or nch - 1 - q when rev), its row, column and first element by additions, one for the
         ** copies and one for the work */
@@ -1061,6 +1106,21 @@ __device__ __forceinline__ void elem_segment(const skargs<CAP> &A, const skmat &
         for (int s = 0; s < ESTAGES - 1; s++) {
             if ((uint32_t)s < nst) issue();
             cp_commit();
+        }
+        /* the coefficients and column scales are loaded while the first stages are on their way */
+        const coefs cf = make_cf();
+        /* when a row's chunks divide the threads evenly, a thread's chunks are always the same columns: its 8
+        ** column scales are loaded once */
+        const bool ccol = !unit && VT % cpr == 0;
+        float cfix[8];
+#pragma unroll
+        for (int k = 0; k < 8; k++) cfix[k] = 1.f;
+        if (ccol) {
+            const uint32_t vc = (uint32_t)(vt % cpr), jc = (rev ? cpr - 1 - vc : vc) * 8;
+            const float4 c0 = __ldg(reinterpret_cast<const float4 *>(S.c + jc));
+            const float4 c1 = __ldg(reinterpret_cast<const float4 *>(S.c + jc + 4));
+            cfix[0] = c0.x; cfix[1] = c0.y; cfix[2] = c0.z; cfix[3] = c0.w;
+            cfix[4] = c1.x; cfix[5] = c1.y; cfix[6] = c1.z; cfix[7] = c1.w;
         }
         int cstage = 0;
 #pragma unroll 1
@@ -1146,6 +1206,7 @@ __device__ __forceinline__ void elem_segment(const skargs<CAP> &A, const skmat &
         return;
     }
     /* any layout: element by element */
+    const coefs cf = make_cf();
     const int64_t ne = (r1 - r0) * n, e_base = r0 * n;
 #pragma unroll 1
     for (int64_t q = vt; q < ne; q += VT) {
@@ -1157,14 +1218,14 @@ __device__ __forceinline__ void elem_segment(const skargs<CAP> &A, const skmat &
     }
 }
 
-template <class TG, int KIND, int CAP>
+template <class TG, int KIND, int CAP, class CF>
 __device__ __forceinline__ void elem_typed(const skargs<CAP> &A, const skmat &M, const skscr &S, int64_t r0, int64_t r1,
-                                           bool rev, int sub, const coefs &cf, double (&a)[3], char *smem)
+                                           bool rev, int sub, const CF &make_cf, double (&a)[3], char *smem)
 {
     switch (M.pdt) {
-    case MS_DTYPE_BF16: elem_segment<TG, __nv_bfloat16, KIND>(A, M, S, r0, r1, rev, sub, cf, a, smem); break;
-    case MS_DTYPE_F16:  elem_segment<TG, __half, KIND>(A, M, S, r0, r1, rev, sub, cf, a, smem); break;
-    default:            elem_segment<TG, float, KIND>(A, M, S, r0, r1, rev, sub, cf, a, smem); break;
+    case MS_DTYPE_BF16: elem_segment<TG, __nv_bfloat16, KIND>(A, M, S, r0, r1, rev, sub, make_cf, a, smem); break;
+    case MS_DTYPE_F16:  elem_segment<TG, __half, KIND>(A, M, S, r0, r1, rev, sub, make_cf, a, smem); break;
+    default:            elem_segment<TG, float, KIND>(A, M, S, r0, r1, rev, sub, make_cf, a, smem); break;
     }
 }
 
@@ -1236,13 +1297,12 @@ __global__ void __launch_bounds__(T_SWEEP, 1) elem_kernel(const skargs<CAP> *__r
         if (sb <= sa) continue;   /* a sharded rank's matrix without rows here */
         const int64_t r0 = sa * M.GR, r1 = sb * M.GR < M.m ? sb * M.GR : M.m;
         const int band = b - M.band0;
-        coefs cf = {};
-        if (KIND == E_APPLY) cf = coefs_of(A, M, S, band == 0 && sub == 0, &t_sh);
+        auto make_cf = [&]() { return KIND == E_APPLY ? coefs_of(A, M, S, band == 0 && sub == 0, &t_sh) : coefs{}; };
         double a[3] = { 0, 0, 0 };
         switch (M.gdt) {
-        case MS_DTYPE_BF16: elem_typed<__nv_bfloat16, KIND>(A, M, S, r0, r1, rev, sub, cf, a, smem); break;
-        case MS_DTYPE_F16:  elem_typed<__half, KIND>(A, M, S, r0, r1, rev, sub, cf, a, smem); break;
-        default:            elem_typed<float, KIND>(A, M, S, r0, r1, rev, sub, cf, a, smem); break;
+        case MS_DTYPE_BF16: elem_typed<__nv_bfloat16, KIND>(A, M, S, r0, r1, rev, sub, make_cf, a, smem); break;
+        case MS_DTYPE_F16:  elem_typed<__half, KIND>(A, M, S, r0, r1, rev, sub, make_cf, a, smem); break;
+        default:            elem_typed<float, KIND>(A, M, S, r0, r1, rev, sub, make_cf, a, smem); break;
         }
         if (KIND == E_SUMS) {   /* the band's sums; the matrix's last CTA (ticket) adds them in band order */
             for (int k = 0; k < 3; k++) {
