@@ -1840,7 +1840,19 @@ static int64_t plan_chunk(int cnt, const msk_sinkgd_mat *mm, int maxgrid, char *
         g0 += (a.m + x.GR - 1) / x.GR;
     }
     const int64_t gtot = g0;
-    const int grid = (int)(gtot < maxgrid ? gtot : maxgrid);
+    int grid = (int)(gtot < maxgrid ? gtot : maxgrid);
+    /* Matrices of equal group counts (experts, a stack of layers): cnt * q CTAs with q = maxgrid / cnt give every
+    ** matrix q whole ranges, so no CTA's range crosses from one matrix into the next (a CTA that does pays a
+    ** second ring start and a second epilogue, and the pass waits for it), whenever that costs no CTA a group
+    ** more than the even split does.  8 x 1408 x 2048: 128 CTAs of 11 groups, not 132 of 10 or 11 and 8 of
+    ** them crossing. */
+    if (cnt > 1 && dim != MSK_SHARD_COLS && grid == maxgrid) {
+        const int64_t gm = out[1].g0 - out[0].g0;
+        bool equal = gm > 0;
+        for (int k = 1; k < cnt && equal; k++) equal = (k + 1 < cnt ? out[k + 1].g0 : gtot) - out[k].g0 == gm;
+        const int q = maxgrid / cnt;
+        if (equal && q >= 1 && (gm + q - 1) / q <= (gtot + maxgrid - 1) / maxgrid) grid = cnt * q;
+    }
     /* the CTA whose range holds group x: the last b with range_start(b) <= x */
     auto cta_of = [&](int64_t x) {
         int64_t b = ((x + 1) * grid - 1) / gtot;

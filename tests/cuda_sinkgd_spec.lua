@@ -249,6 +249,19 @@ describe("cuda ms_sinkgd_step", function()
     end
   end)
 
+  -- 5 experts of 64 row groups each: plan_chunk gives each 26 whole CTA ranges (130 CTAs, none crossing from one
+  -- matrix into the next) instead of splitting 320 groups over 132 CTAs
+  cuda_it("the CPU's results for equal experts planned on whole ranges (5 x 512 x 2048), every mode", function()
+    for _, mode in ipairs { "base", "spectral", "sphere" } do
+      local cm, gm = group({ { shape = { 5, 512, 2048 }, dt = "bf16" }, { shape = { 3, 256, 1024 }, pdt = "f32", gdt = "bf16" } },
+                           mode)
+      local o = { mode = mode, iters = 5, sn_iters = 1, target = "unit", lr = 0.05,
+                  weight_decay = mode == "sphere" and 0 or 0.02, step = 1 }
+      step_and_compare({ cm[1] }, { gm[1] }, o, nil, mode .. " experts")
+      step_and_compare(cm, gm, o, nil, mode .. " experts and more")   -- unequal counts: the even split
+    end
+  end)
+
   cuda_it("takes transposed, row-sliced and permuted grads in place (the CPU's results)", function()
     for _, mode in ipairs { "base", "spectral" } do
       local cm, gm = group({
