@@ -200,7 +200,6 @@ template <int NT, class V> __device__ __forceinline__ V block_sum(V v, V *red)
     return s;
 }
 
-
 /* A single CTA's walk over an n-vector in the order j = t, t + NT, ... per thread (so sums keep their order), with
 ** VB loads in flight a thread: load(j) for VB elements, then use(j, value) for each.  The vector work of the
 ** power step is one CTA's (prep, the fold's last block); one load at a time, its L2 latency was paid n / NT
