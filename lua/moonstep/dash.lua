@@ -167,14 +167,8 @@ function M.dash_graft(a)
   local g = a.grad
   if not tensor.is_tensor(g) then error("dash_graft: grad must be a tensor", 2) end
   local norm = a.norm or tensor.empty({ g:size(0) }, { dtype = "f32", ctx = g:context() })
-  local o = ffi.new("ms_dash_graft_options")
-  o.beta_grad, o.beta_graft = a.beta_grad or 0.9, a.beta_graft or 0.95
-  o.eps = a.eps or 1e-8
-  o.step, o.step_t = scalar(a.step, 1)
-  o.bias_correction = a.bias_correction == false and 0 or 1
-  o.skip_t = opt_handle(a.skip)
   check(C.ms_dash_graft(ctx_of(g), opt_handle(a.grad_ema), opt_handle(a.adam_v), H(norm), opt_handle(a.pgraft),
-                        H(g), o))
+                        H(g), graft_options(a)))
   return norm
 end
 
