@@ -343,7 +343,9 @@ __device__ __forceinline__ void row_sums(float (&ps)[R], float (&pf)[R], bool ff
         }
     }
     /* only the warps of one row lane meet here (a named barrier each), so the lanes run decoupled; threads past
-    ** the last whole lane (when Cp does not divide T_SWEEP) form a lane of their own */
+    ** the last whole lane (when Cp does not divide T_SWEEP) form a lane of their own.  A 448-thread lane (n =
+    ** 14336 bf16) pays ~5 us an iteration here; finishing groups a group late behind mbarriers spilled G^2 and
+    ** was twice as slow (bench/RESULTS.md, seventh session) */
     {
         const int count = rho < P ? Cp : T_SWEEP - P * Cp;
         asm volatile("bar.sync %0, %1;\n" ::"r"(1 + rho), "r"(count) : "memory");
