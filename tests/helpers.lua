@@ -98,11 +98,28 @@ function H.expect_error(fn, ...)
   return err
 end
 
---- A fresh seed per call, so specs never reuse inputs by accident.
-local seed_counter = os.time() % 100000
+--- A fresh seed per call, so specs never reuse inputs by accident, yet every test's inputs can be had again: the
+--- seed is a hash of the run's base (MOONSTEP_TEST_SEED, else the clock; printed when the run starts), the
+--- running test's name and the call's index within the test.  So `MOONSTEP_TEST_SEED=<base> busted <spec>
+--- --filter <name>` gives a failing test the inputs it failed on, alone or in the whole suite.
+H.seed_base = tonumber(os.getenv("MOONSTEP_TEST_SEED") or "") or os.time() % 100000
+io.stdout:write(("test inputs: MOONSTEP_TEST_SEED=%d\n"):format(H.seed_base))
+local seed_test, seed_calls = "", 0
+local function seed_scope(element)   -- a spec file (its describe blocks' calls), then each test
+  seed_test, seed_calls = element.name or "", 0
+  return nil, true
+end
+require("busted").subscribe({ "file", "start" }, seed_scope)
+require("busted").subscribe({ "test", "start" }, seed_scope)
 function H.seed()
-  seed_counter = seed_counter + 1
-  return seed_counter
+  seed_calls = seed_calls + 1
+  local h = 2166136261   -- FNV-1a (32 bits) of "base|test name|index"
+  local key = ("%d|%s|%d"):format(H.seed_base, seed_test, seed_calls)
+  for i = 1, #key do
+    local x = bit.bxor(h, key:byte(i))
+    h = bit.tobit(bit.lshift(x, 24) + x * 403)   -- x * 16777619 mod 2^32, exact in doubles
+  end
+  return bit.band(h, 0x7fffffff)
 end
 
 --- it() for specs that need a GPU: runs where one is present, else pending (counted as skipped).
