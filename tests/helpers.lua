@@ -102,15 +102,19 @@ end
 --- seed is a hash of the run's base (MOONSTEP_TEST_SEED, else the clock; printed when the run starts), the
 --- running test's name and the call's index within the test.  So `MOONSTEP_TEST_SEED=<base> busted <spec>
 --- --filter <name>` gives a failing test the inputs it failed on, alone or in the whole suite.
+--- (Scripts that specs run in a child process load this file too, outside busted: they count from their base.)
 H.seed_base = tonumber(os.getenv("MOONSTEP_TEST_SEED") or "") or os.time() % 100000
-io.stdout:write(("test inputs: MOONSTEP_TEST_SEED=%d\n"):format(H.seed_base))
 local seed_test, seed_calls = "", 0
-local function seed_scope(element)   -- a spec file (its describe blocks' calls), then each test
-  seed_test, seed_calls = element.name or "", 0
-  return nil, true
+local has_busted, busted = pcall(require, "busted")
+if has_busted and type(busted) == "table" and type(busted.subscribe) == "function" then
+  io.stdout:write(("test inputs: MOONSTEP_TEST_SEED=%d\n"):format(H.seed_base))
+  local function seed_scope(element)   -- a spec file (its describe blocks' calls), then each test
+    seed_test, seed_calls = element.name or "", 0
+    return nil, true
+  end
+  busted.subscribe({ "file", "start" }, seed_scope)
+  busted.subscribe({ "test", "start" }, seed_scope)
 end
-require("busted").subscribe({ "file", "start" }, seed_scope)
-require("busted").subscribe({ "test", "start" }, seed_scope)
 function H.seed()
   seed_calls = seed_calls + 1
   local h = 2166136261   -- FNV-1a (32 bits) of "base|test name|index"
