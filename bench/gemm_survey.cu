@@ -2,7 +2,8 @@
 ** bench/gemm_survey.cu -- the batched GEMMs of DASH's solvers under every operand layout and every cuBLASLt
 ** candidate the heuristic offers (no split-K), timed on the GPU host.  The solvers' operands are symmetric (every
 ** iterate is a polynomial in the factor), so op(A) = A either way and the layout is free to choose; this
-** measures which one the tensor cores run fastest, and how far the heuristic's first candidate is from the best.
+** measures which one the tensor cores run fastest, and how far the heuristic's first candidate is from the best,
+** and what computing only the lower tiles of a product (run_tiles) costs against the full one.
 **
 **   make bench-c                        (builds build/bench/gemm_survey with the CUDA toolkit)
 **   build/bench/gemm_survey [n batch]...   (default: 1024 228  512 12, the subset's two factor stacks)
@@ -10,6 +11,7 @@
 #include <cublasLt.h>
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -67,6 +69,39 @@ static void run_ex(void *p)
     CB(cublasGemmStridedBatchedEx(x->h, x->ta, x->tb, x->n, x->n, x->n, &one, x->a, CUDA_R_32F, x->n, nn, x->b, CUDA_R_32F,
                                   x->n, nn, &zero, x->c, CUDA_R_32F, x->n, nn, x->batch, CUBLAS_COMPUTE_32F_FAST_TF32,
                                   CUBLAS_GEMM_DEFAULT));
+}
+
+/* A product of symmetric matrices kept as their lower 2 x 2 tiles (h = n / 2; the upper tile is never read or
+** written): C00 = A00 B00 + A10^T B10, C10 = A10 B00 + A11 B10, C11 = A10 B10^T + A11 B11, six strided-batched
+** h^3 products (three with a transposed operand, three accumulating), 75% of the full product's flops and no
+** mirror pass.  x->ta carries the compute type's choice: N for TF32, T for plain f32 (the check below). */
+static void run_tiles(void *p)
+{
+    struct ex_arg *x = (struct ex_arg *)p;
+    const float one = 1, zero = 0;
+    const int n = x->n, q = n / 2;
+    const long long nn = (long long)n * n;
+    const cublasComputeType_t ct = x->ta == CUBLAS_OP_N ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F_PEDANTIC;
+    const cublasOperation_t N = CUBLAS_OP_N, T = CUBLAS_OP_T;
+#define TILE(m, i, j) ((m) + (long long)(i) * q + (long long)(j) * q * n)
+    const struct { cublasOperation_t oa, ob; float *a, *b, *c; const float *beta; } g[6] = {
+        { N, N, TILE(x->a, 0, 0), TILE(x->b, 0, 0), TILE(x->c, 0, 0), &zero },
+        { N, N, TILE(x->a, 1, 0), TILE(x->b, 0, 0), TILE(x->c, 1, 0), &zero },
+        { N, N, TILE(x->a, 1, 1), TILE(x->b, 1, 1), TILE(x->c, 1, 1), &zero },
+        { T, N, TILE(x->a, 1, 0), TILE(x->b, 1, 0), TILE(x->c, 0, 0), &one },
+        { N, N, TILE(x->a, 1, 1), TILE(x->b, 1, 0), TILE(x->c, 1, 0), &one },
+        { N, T, TILE(x->a, 1, 0), TILE(x->b, 1, 0), TILE(x->c, 1, 1), &one },
+    };
+#undef TILE
+    for (int k = 0; k < 6; k++)
+        CB(cublasGemmStridedBatchedEx(x->h, g[k].oa, g[k].ob, q, q, q, &one, g[k].a, CUDA_R_32F, n, nn, g[k].b, CUDA_R_32F, n,
+                                      nn, g[k].beta, g[k].c, CUDA_R_32F, n, nn, x->batch, ct, CUBLAS_GEMM_DEFAULT));
+}
+
+static void run_36(void *p)   /* 36 products back to back: CN's count, long enough to meet the power limit */
+{
+    struct ex_arg *x = (struct ex_arg *)p;
+    for (int i = 0; i < 36; i++) (x->tb == CUBLAS_OP_T ? run_tiles : run_ex)(x);
 }
 
 struct lt_arg { cublasLtHandle_t lt; cublasLtMatmulDesc_t d; cublasLtMatrixLayout_t l; const cublasLtMatmulAlgo_t *algo;
@@ -150,6 +185,53 @@ int main(int argc, char **argv)
             cublasLtMatmulPreferenceDestroy(pref);
             cublasLtMatrixLayoutDestroy(l);
             cublasLtMatmulDescDestroy(d);
+        }
+        if (n % 2 == 0) {
+            /* lower tiles against the full product: checked in plain f32 (the upper tiles of the inputs poisoned
+            ** with NaN, the output's lower tiles compared), then 36 of each back to back in TF32 */
+            const long long q = n / 2;
+            float *ap, *bp;
+            CK(cudaMalloc(&ap, total * 4));
+            CK(cudaMalloc(&bp, total * 4));
+            CK(cudaMemcpy(ap, a, total * 4, cudaMemcpyDeviceToDevice));
+            CK(cudaMemcpy(bp, b, total * 4, cudaMemcpyDeviceToDevice));
+            for (long long j = q; j < n; j++) {   /* column j's upper half, every block */
+                CK(cudaMemset2D(ap + j * n, (size_t)nn * 4, 0xff, (size_t)q * 4, (size_t)batch));
+                CK(cudaMemset2D(bp + j * n, (size_t)nn * 4, 0xff, (size_t)q * 4, (size_t)batch));
+            }
+            const float one = 1, zero = 0;
+            CB(cublasGemmStridedBatchedEx(h, CUBLAS_OP_N, CUBLAS_OP_N, n, n, n, &one, a, CUDA_R_32F, n, nn, b, CUDA_R_32F, n,
+                                          nn, &zero, c, CUDA_R_32F, n, nn, batch, CUBLAS_COMPUTE_32F_PEDANTIC, CUBLAS_GEMM_DEFAULT));
+            struct ex_arg chk = { h, CUBLAS_OP_T, CUBLAS_OP_T, n, batch, ap, bp, ap };
+            float *ct;
+            CK(cudaMalloc(&ct, total * 4));
+            CK(cudaMemset(ct, 0xff, total * 4));
+            chk.c = ct;
+            run_tiles(&chk);
+            float *h1 = (float *)malloc(nn * 4), *h2 = (float *)malloc(nn * 4);
+            CK(cudaMemcpy(h1, c, nn * 4, cudaMemcpyDeviceToHost));
+            CK(cudaMemcpy(h2, ct, nn * 4, cudaMemcpyDeviceToHost));
+            double worst = 0, big = 0;
+            for (long long i = 0; i < nn; i++) {
+                const long long r = i % n, col = i / n;
+                if (r < q && col >= q) continue;
+                const double d = fabs((double)h1[i] - h2[i]);
+                worst = d == d && worst == worst ? (d > worst ? d : worst) : NAN;
+                big = fabs(h1[i]) > big ? fabs(h1[i]) : big;
+            }
+            printf("  lower tiles (6 products of n/2, f32): max |full - tiles| = %.3g of max |C| %.3g\n", worst, big);
+            free(h1);
+            free(h2);
+            struct ex_arg full = { h, CUBLAS_OP_N, CUBLAS_OP_N, n, batch, a, b, c }, tiles = full;
+            tiles.tb = CUBLAS_OP_T;
+            tiles.c = ct;
+            for (int r = 0; r < 2; r++) {
+                const float tf = time_it(st, 3, run_36, &full) / 36, tt = time_it(st, 3, run_36, &tiles) / 36;
+                printf("  TF32, 36 back to back: full %8.4f ms, lower tiles %8.4f ms a product (%.2fx)\n", tf, tt, tt / tf);
+            }
+            cudaFree(ap);
+            cudaFree(bp);
+            cudaFree(ct);
         }
         cudaFree(a);
         cudaFree(b);
