@@ -252,8 +252,14 @@ template <int N> __device__ __forceinline__ void cp_wait() { asm volatile("cp.as
 
 /* --- programmatic dependent launch (sm_90): run_chunk launches each pass with the attribute, so its CTAs are
 ** scheduled as the previous pass's leave their SMs instead of after a full launch round trip.  Every kernel of
-** the sequence waits for the previous grid (its completion and memory) before it reads anything -- a no-op when
-** launched without the attribute -- and lets the next one launch at once. */
+** the sequence waits for the previous grid (its completion and memory) before it reads what that grid wrote -- a
+** no-op when launched without the attribute -- and lets the next one launch at once.
+** What was written two launches back or earlier may be read before the wait: a pass starts only once the pass
+** before it has passed its own wait, i.e. once the one before that has completed (the table kernel, launched
+** without the attribute, triggers nothing early: the first pass starts after it completes).  So the folds, the
+** elementwise passes and the sweeps of small calls read the launch table, find their matrices and issue their
+** first copies of G (and p) while the previous pass drains, and wait only before they read its results (c, u,
+** sigma, partials). */
 __device__ __forceinline__ void pdl_enter()
 {
     asm volatile("griddepcontrol.wait;\n" ::: "memory");
@@ -370,7 +376,7 @@ __device__ __forceinline__ void row_sums(float (&ps)[R], float (&pf)[R], bool ff
 
 template <class T, int K, int KIND, int CAP>
 __device__ __noinline__ void fast_segment(const skargs<CAP> &A, const skmat &M, const skscr &S, int band, int64_t la,
-                                          int64_t lb, bool rev, char *smem)
+                                          int64_t lb, bool rev, char *smem, bool wait)
 {
     constexpr int E = elems16<T>::n, R = SLOTS / K;
     const int t = threadIdx.x;
@@ -432,6 +438,7 @@ __device__ __noinline__ void fast_segment(const skargs<CAP> &A, const skmat &M, 
         if (s < ng) issue(s, s);
         cp_commit();
     }
+    if (wait) pdl_enter();   /* (the first groups and their r were written before the previous pass; c and u by it) */
     /* the thread's columns: c^2 (SINK) or c u (POWER), and their accumulators (loaded while the first groups are
     ** on their way: at a pass's start the copies wait on nothing but the table) */
     float acc[K][E];
@@ -645,8 +652,9 @@ __device__ __noinline__ void fast_segment(const skargs<CAP> &A, const skmat &M, 
 ** column accumulators in the band's partial row (each column always the same thread's). */
 template <class T, int KIND, int CAP>
 __device__ __noinline__ void generic_segment(const skargs<CAP> &A, const skmat &M, const skscr &S, int band, int64_t la,
-                                             int64_t lb, bool rev, char *smem)
+                                             int64_t lb, bool rev, char *smem, bool wait)
 {
+    if (wait) pdl_enter();
     const int t = threadIdx.x;
     const int64_t m = M.m, n = M.n, rs = M.rs, cs = M.cs;
     const bool unit = (A.flags & FL_UNIT) != 0;
@@ -718,18 +726,23 @@ __device__ __noinline__ void generic_segment(const skargs<CAP> &A, const skmat &
 
 template <class T, int KIND, int CAP>
 __device__ __forceinline__ void sweep_typed(const skargs<CAP> &A, const skmat &M, const skscr &S, int band, int64_t la,
-                                            int64_t lb, bool rev, char *smem)
+                                            int64_t lb, bool rev, char *smem, bool wait)
 {
-    if (!M.fast) generic_segment<T, KIND>(A, M, S, band, la, lb, rev, smem);
-    else if (M.K == 1) fast_segment<T, 1, KIND>(A, M, S, band, la, lb, rev, smem);
-    else if (M.K == 2) fast_segment<T, 2, KIND>(A, M, S, band, la, lb, rev, smem);
-    else fast_segment<T, 4, KIND>(A, M, S, band, la, lb, rev, smem);
+    if (!M.fast) generic_segment<T, KIND>(A, M, S, band, la, lb, rev, smem, wait);
+    else if (M.K == 1) fast_segment<T, 1, KIND>(A, M, S, band, la, lb, rev, smem, wait);
+    else if (M.K == 2) fast_segment<T, 2, KIND>(A, M, S, band, la, lb, rev, smem, wait);
+    else fast_segment<T, 4, KIND>(A, M, S, band, la, lb, rev, smem, wait);
 }
 
 template <int CAP, int KIND>
 __global__ void __launch_bounds__(T_SWEEP, 1) sweep_kernel(const skargs<CAP> *__restrict__ tables, int flags)
 {
-    pdl_enter();
+    /* Early (pdl_enter's comment) in calls of up to SMALL_CAP matrices; a restart pass reads the previous fold's
+    ** decision first (flags is the table's slot, known without the table).  On the Llama-3-8B set (224 matrices)
+    ** reading the table before the wait cost the step 1.5% -- as much when the first copies still waited -- for a
+    ** reason not found, while calls of one to eight matrices gained 1.5-8% (bench/RESULTS.md, eighth session). */
+    bool wait = CAP <= SMALL_CAP && (flags & FL_REDO) == 0;
+    if (!wait) pdl_enter();
     const skargs<CAP> &A = tables[flags];
     extern __shared__ __align__(16) char smem[];
     if (A.o.skip.ptr && msk_scalar_value(A.o.skip) != 0) return;   /* NaN skips too, as on the CPU */
@@ -747,11 +760,13 @@ __global__ void __launch_bounds__(T_SWEEP, 1) sweep_kernel(const skargs<CAP> *__
         if (sb <= sa) continue;   /* a sharded rank's matrix without rows here */
         const int band = (int)blockIdx.x - M.band0;
         switch (M.gdt) {
-        case MS_DTYPE_BF16: sweep_typed<__nv_bfloat16, KIND>(A, M, S, band, sa - M.g0, sb - M.g0, rev, smem); break;
-        case MS_DTYPE_F16:  sweep_typed<__half, KIND>(A, M, S, band, sa - M.g0, sb - M.g0, rev, smem); break;
-        default:            sweep_typed<float, KIND>(A, M, S, band, sa - M.g0, sb - M.g0, rev, smem); break;
+        case MS_DTYPE_BF16: sweep_typed<__nv_bfloat16, KIND>(A, M, S, band, sa - M.g0, sb - M.g0, rev, smem, wait); break;
+        case MS_DTYPE_F16:  sweep_typed<__half, KIND>(A, M, S, band, sa - M.g0, sb - M.g0, rev, smem, wait); break;
+        default:            sweep_typed<float, KIND>(A, M, S, band, sa - M.g0, sb - M.g0, rev, smem, wait); break;
         }
+        wait = false;
     }
+    if (wait) pdl_enter();
 }
 
 /* --- the folds: column partials summed in band order ------------------------------------------------------
@@ -771,7 +786,6 @@ enum { FOLD_WHOLE = 0, FOLD_PART = 1, FOLD_FINISH = 2 };
 template <int CAP, int KIND, int STAGE = FOLD_WHOLE>
 __global__ void __launch_bounds__(FOLD_THREADS) fold_kernel(const skargs<CAP> *__restrict__ tables, int flags)
 {
-    pdl_enter();
     const skargs<CAP> &A = tables[flags];
     __shared__ float sm[FOLD_THREADS / 32][FOLD_COLS];
     __shared__ double dred[FOLD_THREADS / 32];
@@ -782,6 +796,7 @@ __global__ void __launch_bounds__(FOLD_THREADS) fold_kernel(const skargs<CAP> *_
     const skmat &M = A.m[i];
     skscr S;
     scr_layout(M.scr, M.m, M.n, M.nbands, &S);
+    pdl_enter();   /* (the table and the lookups above before it: pdl_enter says why) */
     if (KIND == K_POWER && (A.flags & FL_REDO) && __ldcg(S.scal + SC_REDO) == 0) return;
     const int t = threadIdx.x, lane = t & 31, warp = t >> 5;
     const int64_t n = M.n, m = M.m;
@@ -1276,7 +1291,6 @@ __device__ __forceinline__ coefs coefs_of(const skargs<CAP> &A, const skmat &M, 
 template <int CAP, int KIND>
 __global__ void __launch_bounds__(T_SWEEP, 1) elem_kernel(const skargs<CAP> *__restrict__ tables, int flags)
 {
-    pdl_enter();
     const skargs<CAP> &A = tables[flags];
     extern __shared__ __align__(16) char smem[];
     __shared__ double dred[WARPS];
@@ -1288,6 +1302,7 @@ __global__ void __launch_bounds__(T_SWEEP, 1) elem_kernel(const skargs<CAP> *__r
     const bool rev = (A.flags & FL_REV) != 0;
     const int i0 = mat_of_group(A, ga), i1 = mat_of_group(A, gb - 1);
     const int t = threadIdx.x;
+    bool wait = true;
     for (int s = 0; s <= i1 - i0; s++) {
         const int i = rev ? i1 - s : i0 + s;
         const skmat &M = A.m[i];
@@ -1298,7 +1313,13 @@ __global__ void __launch_bounds__(T_SWEEP, 1) elem_kernel(const skargs<CAP> *__r
         if (sb <= sa) continue;   /* a sharded rank's matrix without rows here */
         const int64_t r0 = sa * M.GR, r1 = sb * M.GR < M.m ? sb * M.GR : M.m;
         const int band = b - M.band0;
-        auto make_cf = [&]() { return KIND == E_APPLY ? coefs_of(A, M, S, band == 0 && sub == 0, &t_sh) : coefs{}; };
+        /* called once the segment's first copies of G and p are issued: the wait, then what the previous passes
+        ** made (the coefficients; c and r right after) */
+        auto make_cf = [&]() {
+            if (wait) pdl_enter();
+            wait = false;
+            return KIND == E_APPLY ? coefs_of(A, M, S, band == 0 && sub == 0, &t_sh) : coefs{};
+        };
         double a[3] = { 0, 0, 0 };
         switch (M.gdt) {
         case MS_DTYPE_BF16: elem_typed<__nv_bfloat16, KIND>(A, M, S, r0, r1, rev, sub, make_cf, a, smem); break;
@@ -1328,6 +1349,7 @@ __global__ void __launch_bounds__(T_SWEEP, 1) elem_kernel(const skargs<CAP> *__r
             __syncthreads();
         }
     }
+    if (wait) pdl_enter();
 }
 
 /* --- sharded: the sphere sums' exchange -------------------------------------------------------------------
