@@ -21,24 +21,7 @@ return function(ctx)
   core.check(C.ms_event_new(h, ev))
   core.check(C.ms_event_new(h, ev + 1))
   local elapsed = ffi.new("double[1]")
-  return function(fn, reps, trials)
-    trials = trials or 7
-    for i = 1, 3 do fn(i) end
-    ctx:sync()
-    local t, k = {}, 0
-    for j = 1, trials do
-      core.check(C.ms_event_record(h, ev[0]))
-      for _ = 1, reps do k = k + 1 fn(k) end
-      core.check(C.ms_event_record(h, ev[1]))
-      core.check(C.ms_event_elapsed(ev[0], ev[1], elapsed))
-      t[j] = elapsed[0] / reps
-    end
-    table.sort(t)
-    return t[math.ceil(#t / 2)]
-  end, function()
-    C.ms_event_free(ev[0])
-    C.ms_event_free(ev[1])
-  end, function(fns, reps, trials)
+  local function each(fns, reps, trials)
     trials = trials or 7
     for _, fn in ipairs(fns) do for i = 1, 3 do fn(i) end end
     ctx:sync()
@@ -61,4 +44,8 @@ return function(ctx)
     end
     return out
   end
+  return function(fn, reps, trials) return each({ fn }, reps, trials)[1] end, function()
+    C.ms_event_free(ev[0])
+    C.ms_event_free(ev[1])
+  end, each
 end
