@@ -202,11 +202,10 @@ int main(int argc, char **argv)
             const float one = 1, zero = 0;
             CB(cublasGemmStridedBatchedEx(h, CUBLAS_OP_N, CUBLAS_OP_N, n, n, n, &one, a, CUDA_R_32F, n, nn, b, CUDA_R_32F, n,
                                           nn, &zero, c, CUDA_R_32F, n, nn, batch, CUBLAS_COMPUTE_32F_PEDANTIC, CUBLAS_GEMM_DEFAULT));
-            struct ex_arg chk = { h, CUBLAS_OP_T, CUBLAS_OP_T, n, batch, ap, bp, ap };
             float *ct;
             CK(cudaMalloc(&ct, total * 4));
             CK(cudaMemset(ct, 0xff, total * 4));
-            chk.c = ct;
+            struct ex_arg chk = { h, CUBLAS_OP_T, CUBLAS_OP_T, n, batch, ap, bp, ct };
             run_tiles(&chk);
             float *h1 = (float *)malloc(nn * 4), *h2 = (float *)malloc(nn * 4);
             CK(cudaMemcpy(h1, c, nn * 4, cudaMemcpyDeviceToHost));
