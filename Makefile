@@ -191,8 +191,9 @@ test: all $(CTESTS) $(EXAMPLES)
 tests: all $(CTESTS) $(EXAMPLES)
 
 # the C host-overhead bench through the embedding API (bench/overhead_c.c), and with CUDA the survey of the
-# DASH solvers' batched GEMMs (bench/gemm_survey.cu, cuBLAS alone); run them on the GPU host
-bench-c: $(BUILD)/bench/overhead_c $(if $(filter 1,$(WITH_CUDA)),$(BUILD)/bench/gemm_survey)
+# DASH solvers' batched GEMMs (bench/gemm_survey.cu, cuBLAS alone) and the one-warp-a-row sweep experiment
+# (bench/rowwarp_sweep.cu); run them on the GPU host
+bench-c: $(BUILD)/bench/overhead_c $(if $(filter 1,$(WITH_CUDA)),$(BUILD)/bench/gemm_survey $(BUILD)/bench/rowwarp_sweep)
 $(BUILD)/bench/overhead_c: bench/overhead_c.c $(LIB)
 	$(E) CC $@
 	$(Q)mkdir -p $(dir $@)
@@ -202,6 +203,10 @@ $(BUILD)/bench/gemm_survey: bench/gemm_survey.cu
 	$(Q)mkdir -p $(dir $@)
 	$(Q)$(NVCC) -O2 -gencode arch=compute_90,code=[sm_90,compute_90] $< -o $@ -L$(CUDA_HOME)/lib64 \
 	    -Xlinker -rpath,$(CUDA_HOME)/lib64 -lcublasLt -lcublas
+$(BUILD)/bench/rowwarp_sweep: bench/rowwarp_sweep.cu
+	$(E) NVCC $@
+	$(Q)mkdir -p $(dir $@)
+	$(Q)$(NVCC) -O3 -std=c++17 -gencode arch=compute_90,code=[sm_90,compute_90] $< -o $@
 
 # the suite on an existing build, without rebuilding (a GPU host that received a carried build/)
 check:

@@ -160,8 +160,9 @@ ms_status msk_sumsq_run(ms_ctx *ctx, cudaStream_t s, void *dst, int dst_dtype, i
 /* --- kernels/sinkgd.cu: the SinkGD step (ms_sinkgd_step) --------------------------------------------
 ** One entry per matrix of the call (a member [..., m, n] gives one per leading index), in call order.  The
 ** step runs as a fixed sequence of launches over all matrices at once (a table of up to MSK_SINKGD_CAP
-** matrices in the kernel parameters; more take further sequences): per SR-Sinkhorn iteration one sweep over G
-** and one fold of column partials, then (spectral, sphere) the power steps, the sphere sums, and the apply.
+** matrices in the kernel parameters; more take further sequences, and so does each class of one row width
+** with 1 GiB of G or more, whose sweeps run at their own pace): per SR-Sinkhorn iteration one sweep over G and
+** one fold of column partials, then (spectral, sphere) the power steps, the sphere sums, and the apply.
 ** *launches gets the number of kernels queued.  No device memory is allocated (the scratch is the caller's) and
 ** nothing synchronises. */
 

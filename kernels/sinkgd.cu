@@ -15,7 +15,8 @@
 **   sums    (sphere) ||W||^2, <W, X>, ||X||^2 in f64, one pass over G and p.
 **   apply   p <- (p dec - coef X) fac, one pass over G and p, stochastic rounding as engine/cpu/optim.c.
 **
-** All matrices of a call go through each pass in one launch (a table of them in device memory), and the passes
+** All matrices of a call go through each pass in one launch (a table of them in device memory; a class of one
+** row width with 1 GiB of G or more gets launches of its own: for_chunks), and the passes
 ** of a step are programmatic dependent launches (pdl_enter): a pass's CTAs start as the previous pass's leave.  The
 ** sweeps and the apply run one CTA per SM; the row groups of all the call's matrices are split into equal,
 ** contiguous ranges, one per CTA, so a CTA's band of a matrix is as large as possible (few partial rows) and
@@ -1784,6 +1785,94 @@ static int64_t l2_bytes()
     return cache[slot];
 }
 
+/* A pass ends with its slowest CTA, and the sweeps of different row widths stream at different speeds (on an
+** H200 a 4096 x 14336 step takes 10% longer than a 14336 x 4096 one: its row lanes are 14 warps, one row a
+** group).  So in a call that mixes them, the CTAs whose ranges hold the slower rows held every pass back: the
+** Llama-3-8B set ran 31.1 ms as one launch sequence, 29.1-29.6 with its 32 down projections (n = 14336) in a
+** sequence of their own, and 29.2-29.3 with every shape in its own (bench/RESULTS.md, tenth session).  A class is
+** the matrices of one row width and grad dtype; one with SPLIT_BYTES of G or more runs in launch sequences of
+** its own (each sequence costs a table write and the pass boundaries, ~30 us: small classes stay together).
+** MOONSTEP_SINKGD_SPLIT = bytes sets the threshold (tests; read per call). */
+#define SPLIT_BYTES ((int64_t)1 << 30)
+
+static int64_t split_bytes()
+{
+    const char *v = getenv("MOONSTEP_SINKGD_SPLIT");
+    const long long b = v ? atoll(v) : 0;
+    return b > 0 ? (int64_t)b : SPLIT_BYTES;
+}
+
+/* Calls f(cnt, matrices) for the launch chunks of an unsharded call: each class of SPLIT_BYTES or more (above),
+** in the order of their first matrices, then the rest, each in the call's order, in chunks of at most
+** MSK_SINKGD_CAP.  false when there was no host memory to reorder them. */
+template <class F> static bool for_chunks(int n, const msk_sinkgd_mat *m, F f)
+{
+    int *key = new (std::nothrow) int[n];   /* a matrix's class: the index of its class's first matrix */
+    if (key == NULL) return false;
+    for (int k = 0; k < n; k++) {
+        key[k] = k;
+        for (int j = 0; j < k; j++)
+            if (m[j].n == m[k].n && m[j].gdt == m[k].gdt) {
+                key[k] = key[j];
+                break;
+            }
+    }
+    const int64_t limit = split_bytes();
+    int classes = 0, split = 0;
+    for (int k = 0; k < n; k++) {
+        if (key[k] != k) continue;
+        int64_t bytes = 0;
+        for (int j = k; j < n; j++)
+            if (key[j] == k) bytes += m[j].m * m[j].n * dtype_size(m[j].gdt);
+        classes++;
+        if (bytes >= limit) {
+            split++;
+        } else {
+            for (int j = k; j < n; j++)
+                if (key[j] == k) key[j] = -1;   /* the rest */
+        }
+    }
+    const msk_sinkgd_mat *order = m;
+    msk_sinkgd_mat *copy = NULL;
+    if (split > 0 && classes > 1) {
+        copy = new (std::nothrow) msk_sinkgd_mat[n];
+        int *k2 = new (std::nothrow) int[n];
+        if (copy == NULL || k2 == NULL) {
+            delete[] copy;
+            delete[] k2;
+            delete[] key;
+            return false;
+        }
+        int w = 0;
+        for (int k = 0; k < n; k++)   /* the split classes, each where its first matrix is */
+            if (key[k] == k)
+                for (int j = k; j < n; j++)
+                    if (key[j] == k) {
+                        k2[w] = k;
+                        copy[w++] = m[j];
+                    }
+        for (int j = 0; j < n; j++)
+            if (key[j] < 0) {
+                k2[w] = -1;
+                copy[w++] = m[j];
+            }
+        delete[] key;
+        key = k2;
+        order = copy;
+    } else {
+        for (int k = 0; k < n; k++) key[k] = -1;   /* one class, or none split: the call as it is */
+    }
+    for (int first = 0; first < n;) {
+        int cnt = 1;
+        while (first + cnt < n && cnt < MSK_SINKGD_CAP && key[first + cnt] == key[first]) cnt++;
+        f(cnt, order + first);
+        first += cnt;
+    }
+    delete[] key;
+    delete[] copy;
+    return true;
+}
+
 static int pow2ceil(int x)
 {
     int p = 1;
@@ -2033,14 +2122,14 @@ extern "C" ms_status msk_sinkgd_run(ms_ctx *ctx, cudaStream_t s, const msk_sinkg
                                     void *scratch, unsigned *tickets, int *launches)
 {
     *launches = 0;
-    for (int first = 0; first < n; first += MSK_SINKGD_CAP) {
-        const int cnt = n - first < MSK_SINKGD_CAP ? n - first : MSK_SINKGD_CAP;
-        ms_status st = cnt <= SMALL_CAP
-            ? run_chunk<SMALL_CAP>(ctx, s, o, cnt, m + first, (char *)scratch, tickets, launches)
-            : run_chunk<MSK_SINKGD_CAP>(ctx, s, o, cnt, m + first, (char *)scratch, tickets, launches);
-        if (st != MS_OK) return st;
-    }
-    return MS_OK;
+    ms_status st = MS_OK;
+    const bool ok = for_chunks(n, m, [&](int cnt, const msk_sinkgd_mat *mm) {
+        if (st == MS_OK)
+            st = cnt <= SMALL_CAP ? run_chunk<SMALL_CAP>(ctx, s, o, cnt, mm, (char *)scratch, tickets, launches)
+                                  : run_chunk<MSK_SINKGD_CAP>(ctx, s, o, cnt, mm, (char *)scratch, tickets, launches);
+    });
+    if (!ok) return ms_error_at(ctx, MS_E_OOM, __FILE__, __LINE__, "cuda sinkgd: no host memory to order the matrices");
+    return st;
 }
 
 /* --- sharded runs (msk_sinkgd_run_sharded) ------------------------------------------------------------------
@@ -2064,13 +2153,20 @@ extern "C" size_t msk_sinkgd_sharded_scratch(int dim, int n, const msk_sinkgd_ma
     const int G = ctas_per_pass();
     int64_t most = 0, gtot;
     int grid, nfold;
-    for (int first = 0; first < n; first += MSK_SINKGD_CAP) {
-        const int cnt = n - first < MSK_SINKGD_CAP ? n - first : MSK_SINKGD_CAP;
-        const int64_t b = plan_chunk(cnt, m + first, G, NULL, tmp, &gtot, &grid, &nfold, dim);
+    auto size = [&](int cnt, const msk_sinkgd_mat *mm) {
+        const int64_t b = plan_chunk(cnt, mm, G, NULL, tmp, &gtot, &grid, &nfold, dim);
         const int64_t total = b + xch_bytes(dim, cnt, gtot, nfold);
         most = total > most ? total : most;
+    };
+    bool ok = true;
+    if (dim == 0) {
+        ok = for_chunks(n, m, size);
+    } else {   /* (sharded runs keep the call's order: the ranks' exchanges follow it) */
+        for (int first = 0; first < n; first += MSK_SINKGD_CAP)
+            size(n - first < MSK_SINKGD_CAP ? n - first : MSK_SINKGD_CAP, m + first);
     }
     delete[] tmp;
+    if (!ok) return (size_t)-1;
     return (size_t)most + table_bytes() + side_bytes();
 }
 

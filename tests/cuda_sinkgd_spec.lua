@@ -249,6 +249,36 @@ describe("cuda ms_sinkgd_step", function()
     end
   end)
 
+  -- a class (one row width and grad dtype) of MOONSTEP_SINKGD_SPLIT bytes of G or more runs in launch sequences of
+  -- its own (the default, 1 GiB, splits the Llama-3-8B set's down projections from the rest), the classes in the
+  -- order of their first matrices, then the rest in the call's order
+  cuda_it("splits a call's large classes into launch sequences of their own, with the CPU's results", function()
+    pcall(ffi.cdef, "int setenv(const char *k, const char *v, int overwrite); int unsetenv(const char *k);")
+    local shapes = { { shape = { 3, 64, 1024 }, dt = "bf16" }, { shape = { 50, 24 }, dt = "f32" },
+                     { shape = { 100, 8192 }, dt = "bf16" }, { shape = { 2, 40, 1024 }, dt = "f16" },
+                     { shape = { 30, 8192 }, dt = "bf16" } }
+    local per = 2 * 5 + 2   -- base, iters 5: the sweeps and folds, the apply, the tables
+    -- threshold -> sequences: 1 GiB (default) none split; 1e6 the 8192-wide bf16 class (2.1 MB) and the rest;
+    -- 1 every class alone (4)
+    local good, err = pcall(function()
+      for _, case in ipairs { { nil, 1 }, { "1000000", 2 }, { "1", 4 } } do
+        if case[1] then ffi.C.setenv("MOONSTEP_SINKGD_SPLIT", case[1], 1) end
+        for _, mode in ipairs { "base", "spectral" } do
+          local cm, gm = group(shapes, mode)
+          local o = { mode = mode, iters = 5, sn_iters = 1, target = "unit", lr = 0.05, weight_decay = 0.02, step = 1 }
+          step_and_compare(cm, gm, o, nil, ("%s, split at %s bytes"):format(mode, case[1] or "1 GiB"))
+          if mode == "base" then
+            local st, n = sinkgd_raw(GPU, gm, o)
+            ok(st)
+            assert.equals(case[2] * per, n, "launches with the split at " .. (case[1] or "1 GiB"))
+          end
+        end
+      end
+    end)
+    ffi.C.unsetenv("MOONSTEP_SINKGD_SPLIT")
+    assert(good, err)
+  end)
+
   -- 5 experts of 64 row groups each: plan_chunk gives each 26 whole CTA ranges (130 CTAs, none crossing from one
   -- matrix into the next) instead of splitting 320 groups over 132 CTAs
   cuda_it("the CPU's results for equal experts planned on whole ranges (5 x 512 x 2048), every mode", function()
