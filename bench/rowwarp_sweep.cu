@@ -11,6 +11,9 @@
 ** column partials sum_i r_i^2 G_ij^2; the fold sums the bands in order and sets c_j^2 = m / T_j.  Checked against
 ** an f64 evaluation of one sweep on the CPU; then timed: back-to-back iterations (sweep + fold) on one G, as
 ** the iterations inside a step run.  Compare with `build/moonstep bench/sinkgd_iters.lua` in the same command.
+** Result (bench/RESULTS.md, tenth session): 34 against the engine's 40 us an iteration of 14336 x 4096 here, but
+** built into kernels/sinkgd.cu (row_segment, commit 3823dd5 on branch rw-sweep) within +-3% of the engine's sweep
+** and 4% slower on 8 x 1408 x 2048; not merged.  The stand-alone fold does less than the engine's.
 **
 **   build/bench/rowwarp_sweep [MxN,MxN,...]     (n a multiple of 256, at most 4096)
 */
