@@ -1786,12 +1786,12 @@ static int64_t l2_bytes()
 }
 
 /* A pass ends with its slowest CTA, and the sweeps of different row widths stream at different speeds (on an
-** H200 a 4096 x 14336 step takes 10% longer than a 14336 x 4096 one: its row lanes are 14 warps, one row a
+** H200 a 4096 x 14336 step takes ~9% longer than a 14336 x 4096 one: its row lanes are 14 warps, one row a
 ** group).  So in a call that mixes them, the CTAs whose ranges hold the slower rows held every pass back: the
-** Llama-3-8B set ran 31.1 ms as one launch sequence, 29.1-29.6 with its 32 down projections (n = 14336) in a
-** sequence of their own, and 29.2-29.3 with every shape in its own (bench/RESULTS.md, tenth session).  A class is
-** the matrices of one row width and grad dtype; one with SPLIT_BYTES of G or more runs in launch sequences of
-** its own (each sequence costs a table write and the pass boundaries, ~30 us: small classes stay together).
+** Llama-3-8B set ran 30.9-31.2 ms as one launch sequence, 29.1-29.9 with its 32 down projections (n = 14336) in
+** a sequence of their own, and 29.2-29.3 with every shape in its own (bench/RESULTS.md, tenth session).  A class
+** is the matrices of one row width and grad dtype; one with SPLIT_BYTES of G or more runs in launch sequences of
+** its own (a sequence adds a table write and a dozen pass boundaries: small classes stay together).
 ** MOONSTEP_SINKGD_SPLIT = bytes sets the threshold (tests; read per call). */
 #define SPLIT_BYTES ((int64_t)1 << 30)
 
