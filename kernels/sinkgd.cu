@@ -35,6 +35,7 @@
 #include "common.cuh"
 #include "sr.cuh"
 
+#include <algorithm>
 #include <math.h>
 #include <stdlib.h>
 #include <new>
@@ -1807,70 +1808,40 @@ static int64_t split_bytes()
 ** MSK_SINKGD_CAP.  false when there was no host memory to reorder them. */
 template <class F> static bool for_chunks(int n, const msk_sinkgd_mat *m, F f)
 {
-    int *key = new (std::nothrow) int[n];   /* a matrix's class: the index of its class's first matrix */
-    if (key == NULL) return false;
-    for (int k = 0; k < n; k++) {
-        key[k] = k;
-        for (int j = 0; j < k; j++)
-            if (m[j].n == m[k].n && m[j].gdt == m[k].gdt) {
-                key[k] = key[j];
-                break;
-            }
-    }
-    const int64_t limit = split_bytes();
-    int classes = 0, split = 0;
-    for (int k = 0; k < n; k++) {
-        if (key[k] != k) continue;
-        int64_t bytes = 0;
-        for (int j = k; j < n; j++)
-            if (key[j] == k) bytes += m[j].m * m[j].n * dtype_size(m[j].gdt);
-        classes++;
-        if (bytes >= limit) {
-            split++;
-        } else {
-            for (int j = k; j < n; j++)
-                if (key[j] == k) key[j] = -1;   /* the rest */
+    /* rank[k]: the index of the first matrix of k's class when that class runs on its own, else n (the rest) */
+    int *rank = new (std::nothrow) int[n], *idx = new (std::nothrow) int[n];
+    int64_t *bytes = new (std::nothrow) int64_t[n];
+    msk_sinkgd_mat *order = new (std::nothrow) msk_sinkgd_mat[n];
+    const bool ok = rank && idx && bytes && order;
+    if (ok) {
+        for (int k = 0; k < n; k++) {
+            rank[k] = k;
+            for (int j = 0; j < k; j++)
+                if (m[j].n == m[k].n && m[j].gdt == m[k].gdt) {
+                    rank[k] = rank[j];
+                    break;
+                }
+            bytes[k] = 0;
+            idx[k] = k;
+        }
+        for (int k = 0; k < n; k++) bytes[rank[k]] += m[k].m * m[k].n * dtype_size(m[k].gdt);
+        const int64_t limit = split_bytes();
+        for (int k = 0; k < n; k++)
+            if (bytes[rank[k]] < limit) rank[k] = n;
+        std::stable_sort(idx, idx + n, [&](int a, int b) { return rank[a] < rank[b]; });
+        for (int k = 0; k < n; k++) order[k] = m[idx[k]];
+        for (int first = 0; first < n;) {
+            int cnt = 1;
+            while (first + cnt < n && cnt < MSK_SINKGD_CAP && rank[idx[first + cnt]] == rank[idx[first]]) cnt++;
+            f(cnt, order + first);
+            first += cnt;
         }
     }
-    const msk_sinkgd_mat *order = m;
-    msk_sinkgd_mat *copy = NULL;
-    if (split > 0 && classes > 1) {
-        copy = new (std::nothrow) msk_sinkgd_mat[n];
-        int *k2 = new (std::nothrow) int[n];
-        if (copy == NULL || k2 == NULL) {
-            delete[] copy;
-            delete[] k2;
-            delete[] key;
-            return false;
-        }
-        int w = 0;
-        for (int k = 0; k < n; k++)   /* the split classes, each where its first matrix is */
-            if (key[k] == k)
-                for (int j = k; j < n; j++)
-                    if (key[j] == k) {
-                        k2[w] = k;
-                        copy[w++] = m[j];
-                    }
-        for (int j = 0; j < n; j++)
-            if (key[j] < 0) {
-                k2[w] = -1;
-                copy[w++] = m[j];
-            }
-        delete[] key;
-        key = k2;
-        order = copy;
-    } else {
-        for (int k = 0; k < n; k++) key[k] = -1;   /* one class, or none split: the call as it is */
-    }
-    for (int first = 0; first < n;) {
-        int cnt = 1;
-        while (first + cnt < n && cnt < MSK_SINKGD_CAP && key[first + cnt] == key[first]) cnt++;
-        f(cnt, order + first);
-        first += cnt;
-    }
-    delete[] key;
-    delete[] copy;
-    return true;
+    delete[] rank;
+    delete[] idx;
+    delete[] bytes;
+    delete[] order;
+    return ok;
 }
 
 static int pow2ceil(int x)
