@@ -1,8 +1,8 @@
 #!/bin/bash
-# A/B of one environment setting of the SinkGD kernels (e.g. MOONSTEP_SINKGD_WS=1), on the GPU host, in one
+# A/B of one environment setting of the SinkGD kernels (e.g. MOONSTEP_SINKGD_K=2), on the GPU host, in one
 # command: the SinkGD CUDA specs with the setting on, then bench/sinkgd_bench.lua without and with it, alternated
 # process by process (`rounds` times), so that both see the same machine state.
-#   bash bench/sinkgd_ab.sh MOONSTEP_SINKGD_WS=1 [shapes|none] [set|noset] [rounds]
+#   bash bench/sinkgd_ab.sh MOONSTEP_SINKGD_SPLIT=1000000000000 [shapes|none] [set|noset] [rounds]
 # (from the repository root or a build-gpu/ snapshot, with build/ and .gpu-host/ carried)
 set -u
 [ -f .gpu-host/env.sh ] && . .gpu-host/env.sh
