@@ -1,22 +1,25 @@
 /* bench/cluster_sinkhorn.cu -- experiment, stand-alone: a whole SinkGD base step of a call of a few small matrices
-** in one kernel, a thread-block cluster per matrix, G held on chip for every iteration (GPU host).
+** in one kernel, G held on chip for every iteration (GPU host).
 **
 ** kernels/sinkgd.cu runs a step as passes over G (a sweep and a fold per SR-Sinkhorn iteration, then the apply),
-** each reading G from L2 or DRAM.  A 1408 x 2048 bf16 matrix is 5.8 MB: a cluster of 16 CTAs holds it in shared
-** memory and registers (88 rows a CTA; of a thread's 44 rows, 27 in shared memory and 17 in registers), so after
-** one read from DRAM the iterations read no memory at all.  The column sums cross the cluster through distributed
-** shared memory (two cluster barriers an iteration; each column's owner CTA adds the 16 sums in rank order and
-** writes c back into every CTA), the row sums stay inside a CTA.  The apply reads p and writes it once.  Thread t
-** owns the 8 columns of chunk t mod (n / 8) and every (512 / (n / 8))-th row of its CTA's band.
+** each reading G from L2 or DRAM.  A 1408 x 2048 bf16 matrix is 5.8 MB: 16 CTAs hold it in shared memory and
+** registers (88 rows a CTA; of a thread's 44 rows, 27 in shared memory and 17 in registers), so after one read
+** from DRAM the iterations read no memory at all.  The 16 CTAs of a matrix form H clusters of CS = 16 / H.  Column
+** sums cross a cluster through distributed shared memory (two cluster barriers an iteration; each column's owner
+** CTA adds the cluster's sums in rank order and writes c back into every CTA); with H > 1 the owners of the same
+** columns in the H clusters also exchange their clusters' sums through global memory (flags, no grid barrier; the
+** launch is cooperative, so every partner is resident).  Row sums stay inside a CTA.  The apply reads p and writes
+** it once.  Thread t owns the 8 columns of chunk t mod (n / 8) and every (512 / (n / 8))-th row of its CTA's band.
 **
 ** Checked against an f64 SR-Sinkhorn and apply on the CPU (r, c, p); then timed with sinkhorn_iters L = 0..5
 ** against 4 buffer sets, so that each step reads its G and p from DRAM.
-** Result (bench/RESULTS.md, eleventh session): an iteration costs 10.6-10.9 us whether the call has 1 or 7
-** matrices (the engine: ~18.5), bound by the CTA's own work, not by memory.  But an H200 runs at most 7 clusters
-** of 16 at once, so 8 x 1408 x 2048 takes two waves: 0.171 ms against the engine's 0.156.  Not built into the
-** engine.
+** Result (bench/RESULTS.md, eleventh session): an iteration costs 10.6-11.8 us whether the call has 1 or 7
+** matrices (the engine: 18-19), bound by each CTA's own work, not by memory.  But an H200 runs at most 7 clusters
+** of 16, 15 of 8 or 30 of 4 at once (112-120 SMs), so 8 x 1408 x 2048 (128 CTAs) never fits one wave: 0.171 ms
+** against the engine's 0.156.  Not built into the engine.
 **
 **   build/bench/cluster_sinkhorn [count] [iters]       (count matrices of 1408 x 2048, default 8; 5 iterations)
+**   (built with CS_ = 16; -DCS_=8 or 4 for 2 or 4 clusters a matrix)
 */
 #include <cooperative_groups.h>
 #include <cuda_bf16.h>
@@ -69,23 +72,26 @@ __device__ __forceinline__ uint32_t pack2(float a, float b)
 }
 
 /* N columns, CS CTAs a cluster (one matrix), RB rows a CTA, NREG of a thread's rows in registers */
-template <int N, int CS, int RB, int NREG>
+/* H clusters of CS CTAs a matrix; with H = 2 the two clusters' column sums meet in global memory (xb, double
+** buffered by iteration parity), each owner CTA waiting only for its partner's flag (the launch is cooperative,
+** so the partner is resident); flags count up across launches from base */
+template <int N, int CS, int H, int RB, int NREG>
 __global__ void __launch_bounds__(T, 1) step_kernel(const __nv_bfloat16 *__restrict__ G, __nv_bfloat16 *__restrict__ Pm,
                                                     float *rout, float *cout, int m, int L, float eps, float dec,
-                                                    float coef)
+                                                    float coef, float *xb, unsigned *flags, unsigned base)
 {
     constexpr int CPR = N / 8, P = T / CPR, ROWS = RB / P, NSM = ROWS - NREG, WPR = CPR / 32;
     static_assert(T % CPR == 0 && RB % P == 0 && NSM >= 0 && N % CS == 0, "shape");
     cg::cluster_group cl = cg::this_cluster();
     const int rank = (int)cl.block_rank();
-    const int mat = blockIdx.x / CS;
+    const int mat = blockIdx.x / (CS * H), half = (blockIdx.x / CS) % H;
     extern __shared__ __align__(16) uint4 sm[];
     /* N: this CTA's column sums; then c, written there by the column's owner CTA, which alone reads that column */
     float *part = reinterpret_cast<float *>(sm + NSM * T);
     float *rowp = part + N;   /* RB x WPR: warp sums of the row sums; then each row's r^2 (0 past m) in its first */
     float rown = 1.f;   /* thread t < RB: r of its row t (written to rowp[t WPR + 1] for the apply) */
     const int t = threadIdx.x, k = t % CPR, q = t / CPR, lane = t & 31, wr = k / 32;
-    const int row0 = rank * RB;
+    const int row0 = (half * CS + rank) * RB;
     const __nv_bfloat16 *g = G + (size_t)mat * m * N;
 
     uint4 greg[NREG > 0 ? NREG : 1];
@@ -111,25 +117,12 @@ __global__ void __launch_bounds__(T, 1) step_kernel(const __nv_bfloat16 *__restr
     for (int it = 0; it < L; it++) {
         /* row sums of G^2 c^2 */
 #pragma unroll
-        for (int j = 0; j < NREG; j++) {
+        for (int j = 0; j < ROWS; j++) {
             float x[8];
-            unpack8(greg[j], x);
+            unpack8(j < NREG ? greg[j < NREG ? j : 0] : sm[(j - NREG) * T + t], x);
             float s = 0;
 #pragma unroll
-            for (int e = 0; e < 8; e++) {   /* (x c)^2, not x^2 c^2: the column pass's x^2 must not be kept alive across */
-                const float y = x[e] * c1[e];
-                s = fmaf(y, y, s);
-            }
-            s = warp_sum(s);
-            if (lane == 0) rowp[(q + P * j) * WPR + wr] = s;
-        }
-#pragma unroll 2
-        for (int j = NREG; j < ROWS; j++) {
-            float x[8];
-            unpack8(sm[(j - NREG) * T + t], x);
-            float s = 0;
-#pragma unroll
-            for (int e = 0; e < 8; e++) {   /* (x c)^2, not x^2 c^2: the column pass's x^2 must not be kept alive across */
+            for (int e = 0; e < 8; e++) {   /* (x c)^2, not x^2 c^2: no x^2 kept alive for the column pass */
                 const float y = x[e] * c1[e];
                 s = fmaf(y, y, s);
             }
@@ -193,6 +186,28 @@ __global__ void __launch_bounds__(T, 1) step_kernel(const __nv_bfloat16 *__restr
             float tj = 0;
 #pragma unroll
             for (int r = 0; r < CS; r++) tj += cl.map_shared_rank(part, r)[col];
+            if (H > 1) {
+                float *xs = xb + ((size_t)(it & 1) * gridDim.x / CS + mat * H) * N;   /* [H][N] of this matrix */
+                __stcg(xs + (size_t)half * N + col, tj);
+                __threadfence();
+                asm volatile("bar.sync 1, %0;\n" ::"r"(OWN) : "memory");
+                unsigned *fl = flags + (size_t)mat * H * CS;
+                if (t == 0) {
+                    asm volatile("st.release.gpu.u32 [%0], %1;\n" ::"l"(fl + half * CS + rank), "r"(base + it + 1) : "memory");
+                    for (int h = 0; h < H; h++) {
+                        if (h == half) continue;
+                        unsigned v;
+                        do {
+                            asm volatile("ld.acquire.gpu.u32 %0, [%1];\n" : "=r"(v) : "l"(fl + h * CS + rank) : "memory");
+                        } while ((int)(v - (base + it + 1)) < 0);
+                    }
+                }
+                asm volatile("bar.sync 1, %0;\n" ::"r"(OWN) : "memory");
+                float sum = 0;   /* the clusters' sums in cluster order, the same bits in every cluster */
+#pragma unroll
+                for (int h = 0; h < H; h++) sum += h == half ? tj : __ldcg(xs + (size_t)h * N + col);
+                tj = sum;
+            }
             const float co = cown;
             const float cn = tj == 0 ? co : sqm * co / fmaxf(co * sqrtf(tj), eps);
             cown = cn;
@@ -274,9 +289,12 @@ int main(int argc, char **argv)
 #ifndef NREG_
 #define NREG_ 17
 #endif
-    constexpr int M = 1408, N = 2048, CS = 16, RB = 88, NREG = NREG_;
+#ifndef CS_
+#define CS_ 16
+#endif
+    constexpr int M = 1408, N = 2048, CS = CS_, H = 16 / CS_, RB = 88, NREG = NREG_;
     const int cnt = argc > 1 ? atoi(argv[1]) : 8, L = argc > 2 ? atoi(argv[2]) : 5;
-    auto kern = step_kernel<N, CS, RB, NREG>;
+    auto kern = step_kernel<N, CS, H, RB, NREG>;
     constexpr int CPR = N / 8, P = T / CPR, ROWS = RB / P, NSM = ROWS - NREG;
     const size_t smem = (size_t)NSM * T * 16 + (N + RB * (CPR / 32)) * 4;
     CK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
@@ -284,20 +302,22 @@ int main(int argc, char **argv)
     cudaFuncAttributes fa;
     CK(cudaFuncGetAttributes(&fa, kern));
     cudaLaunchConfig_t lc = {};
-    cudaLaunchAttribute at[1];
+    cudaLaunchAttribute at[2];
     at[0].id = cudaLaunchAttributeClusterDimension;
     at[0].val.clusterDim.x = CS;
     at[0].val.clusterDim.y = 1;
     at[0].val.clusterDim.z = 1;
-    lc.gridDim = dim3(cnt * CS);
+    at[1].id = cudaLaunchAttributeCooperative;
+    at[1].val.cooperative = H > 1;
+    lc.gridDim = dim3(cnt * CS * H);
     lc.blockDim = dim3(T);
     lc.dynamicSmemBytes = smem;
     lc.attrs = at;
-    lc.numAttrs = 1;
+    lc.numAttrs = 2;
     int ncl = 0;
     CK(cudaOccupancyMaxActiveClusters(&ncl, kern, &lc));
-    printf("cluster_sinkhorn: %d x %dx%d bf16, L = %d, clusters of %d, regs %d, spill %d, smem %zu, max active clusters %d\n",
-           cnt, M, N, L, CS, fa.numRegs, (int)fa.localSizeBytes, smem, ncl);
+    printf("cluster_sinkhorn: %d x %dx%d bf16, L = %d, %d clusters of %d a matrix, regs %d, spill %d, smem %zu, max active clusters %d\n",
+           cnt, M, N, L, H, CS, fa.numRegs, (int)fa.localSizeBytes, smem, ncl);
 
     const size_t mn = (size_t)cnt * M * N;
     std::vector<uint16_t> hg(mn), hp(mn);
@@ -320,10 +340,16 @@ int main(int argc, char **argv)
         CK(cudaMemcpy(dg[k], hg.data(), mn * 2, cudaMemcpyHostToDevice));
         CK(cudaMemcpy(dp[k], hp.data(), mn * 2, cudaMemcpyHostToDevice));
     }
-    float *dr, *dc;
+    float *dr, *dc, *dxb;
+    unsigned *dfl;
+    CK(cudaMalloc(&dxb, (size_t)2 * cnt * H * N * 4));
+    CK(cudaMalloc(&dfl, (size_t)cnt * H * CS * 4));
+    CK(cudaMemset(dfl, 0, (size_t)cnt * H * CS * 4));
+    unsigned base = 0;
     CK(cudaMalloc(&dr, (size_t)cnt * M * 4));
     CK(cudaMalloc(&dc, (size_t)cnt * N * 4));
-    CK(cudaLaunchKernelEx(&lc, kern, (const __nv_bfloat16 *)dg[0], dp[0], dr, dc, M, L, eps, dec, coef));
+    CK(cudaLaunchKernelEx(&lc, kern, (const __nv_bfloat16 *)dg[0], dp[0], dr, dc, M, L, eps, dec, coef, dxb, dfl, base));
+    base += L + 1;
     CK(cudaGetLastError());
     CK(cudaDeviceSynchronize());
     std::vector<float> gr((size_t)cnt * M), gc((size_t)cnt * N);
@@ -379,8 +405,11 @@ int main(int argc, char **argv)
         for (int trial = 0; trial < 7; trial++) {
             CK(cudaEventRecord(e0));
             for (int i = 0; i < reps; i++)
+            {
                 CK(cudaLaunchKernelEx(&lc, kern, (const __nv_bfloat16 *)dg[i % sets], dp[i % sets], (float *)nullptr,
-                                      (float *)nullptr, M, Lt, eps, dec, coef));
+                                      (float *)nullptr, M, Lt, eps, dec, coef, dxb, dfl, base));
+                base += Lt + 1;
+            }
             CK(cudaEventRecord(e1));
             CK(cudaEventSynchronize(e1));
             float ms;
