@@ -8,7 +8,7 @@ step of recipes/dash.lua, on the 2-D parameters of DASH's Llama-953M with B = 10
                                       [--parts solver,step] [--tol 1e-2,1e-3] [--spectrum controlled|random|lm]
                                       [--lm-steps 300] [--lm-width 1024] [--lm-layers 8]
                                       [--trials 5] [--steps 10] [--evd-paths] [--splits] [--stacks] [--json PATH]
-                                      [--device cuda] [--tiny]
+                                      [--device cuda] [--tiny] [--capture]
   python3 bench/torch_baselines/dash.py --spectrum controlled      -- DASH's math in PyTorch, own process
 
 Sets: "subset" = the first 12 parameters in layer order (factors 228 x 1024 + 12 x 512, about one of 8 GPUs'
@@ -48,6 +48,9 @@ refresh - non-refresh), with auto's classes per stack and GEMMs run against NDB-
 --evd-paths: EVD per block for MOONSTEP_DASH_EVD = streams (1, 4, 8, 16 streams, one host thread each; 8 streams
 from one thread) and batched, on 32 + 12 blocks.
 --splits: NDB-PIM's and CN f32's solver time and floor with MOONSTEP_DASH_SPLIT = 1, 2, 3, 4.
+--capture: the step part's optimizers capture their steps (opt:capture(): a plan key's first step runs as is, the
+next one is captured, the later ones replay the graph), so a timed step is the GPU's work without the host's
+launches (the step of a trainer that captures); EVD's refresh cannot be captured (its per-block path synchronises).
 --stacks: each solver's fixed-iteration time on each factor stack alone, against the call of both stacks (what a
 stack would cost if it ran beside the others).
 ]]
@@ -64,7 +67,7 @@ local A = dofile((arg and arg[0] and arg[0]:match("^(.*)/") or "bench") .. "/arg
 local args = A.parse("dash_bench", { set = "subset", parts = "solver,step",
                                     tol = "1e-2,1e-3", spectrum = "controlled", trials = 5, steps = 10,
                                     device = "cuda" },
-                     { evd_paths = true, splits = true, tiny = true, stacks = true })
+                     { evd_paths = true, splits = true, tiny = true, stacks = true, capture = true })
 -- full-set EVD (about 17 s per refresh) only when asked for by name
 args.solvers = args.solvers or (args.set == "full" and "ndb_pim,ndb_fro,cn_f32,cn_f16,auto" or "ndb_pim,ndb_fro,cn_f32,cn_f16,evd,auto")
 local list = A.list
@@ -658,6 +661,7 @@ local function step_optimizer(opts)
               grad = ms.randn(p.shape, { ctx = ctx, seed = 200 + i, std = 1e-8 }) }
   end
   local opt = ms.optim.new("dash", ps, opts, { nonfinite = "apply", ctx = ctx })
+  if args.capture then opt:capture() end
   local group = opt.groups[1]
   for _, g in ipairs(opt.groups) do if g.route == "dash" then group = g break end end
   for _, s in ipairs(sizes) do group.state.factor[("%dp4"):format(s)]:copy_(stacks[s]) end
