@@ -7,6 +7,8 @@
 **
 **   make bench-c                        (builds build/bench/gemm_survey with the CUDA toolkit)
 **   build/bench/gemm_survey [n batch]...   (default: 1024 228  512 12, the subset's two factor stacks)
+**   MOONSTEP_SURVEY_SUSTAINED=1 ...        also each NN / TN candidate 36 times back to back (the power limit)
+**   MOONSTEP_SURVEY_AB=2,2 ...             candidate 2 of layout 2 (TN) and the default, 36 each, alternated 6 times
 */
 #include <cublasLt.h>
 #include <cublas_v2.h>
@@ -113,9 +115,19 @@ static void run_lt(void *p)
     CB(cublasLtMatmul(x->lt, x->d, &one, x->a, x->l, x->b, x->l, &zero, x->c, x->l, x->c, x->l, x->algo, x->ws, x->wsb, x->st));
 }
 
+static void run_lt36(void *p)   /* sustained, as run_36 */
+{
+    for (int i = 0; i < 36; i++) run_lt(p);
+}
+
 int main(int argc, char **argv)
 {
     int shapes[8][2] = { { 1024, 228 }, { 512, 12 } }, ns = 2;
+    /* MOONSTEP_SURVEY_SUSTAINED=1: each NN and TN candidate also timed 36 products back to back, after the default's 36 */
+    const bool sustained = getenv("MOONSTEP_SURVEY_SUSTAINED") != NULL && atoi(getenv("MOONSTEP_SURVEY_SUSTAINED")) != 0;
+    /* MOONSTEP_SURVEY_AB=layout,index (layout 0 NN .. 3 TT): that candidate and the default alternated, 36 each */
+    int ab_layout = -1, ab_index = -1;
+    if (getenv("MOONSTEP_SURVEY_AB") != NULL) sscanf(getenv("MOONSTEP_SURVEY_AB"), "%d,%d", &ab_layout, &ab_index);
     if (argc > 2) {
         ns = 0;
         for (int i = 1; i + 1 < argc && ns < 8; i += 2, ns++) { shapes[ns][0] = atoi(argv[i]); shapes[ns][1] = atoi(argv[i + 1]); }
@@ -179,8 +191,24 @@ int main(int argc, char **argv)
                 cublasLtMatmulAlgoConfigGetAttribute(&res[i].algo, CUBLASLT_ALGO_CONFIG_CTA_SWIZZLING, &swz, sizeof swz, &sz);
                 struct lt_arg x = { lt, d, l, &res[i].algo, a, b, c, ws, wsb, st };
                 float ms = time_it(st, 15, run_lt, &x);
-                printf("  Lt %s #%2d: %8.4f ms  %6.1f TFLOPS  (algo %d tile %d stages %d cluster %d swizzle %d ws %zu)\n", nm[o], i, ms,
-                       flop / ms / 1e9, id, tile, stages, cluster, swz, res[i].workspaceSize);
+                if (ab_layout == o && ab_index == i) {   /* the default's 36 and this candidate's, alternated */
+                    struct ex_arg xd = { h, CUBLAS_OP_N, CUBLAS_OP_N, n, batch, a, b, c };
+                    for (int r = 0; r < 6; r++) {
+                        const float t0 = time_it(st, 3, run_36, &xd) / 36, t1 = time_it(st, 3, run_lt36, &x) / 36;
+                        printf("  A/B round %d: default NN %8.4f ms, Lt %s #%d %8.4f ms a product (%+.1f%%)\n", r, t0, nm[o], i, t1,
+                               100.0 * (t1 / t0 - 1));
+                    }
+                }
+                /* sustained: 36 back to back (the GPU at its power limit), right after the default's 36 */
+                float ms36 = -1, def36 = -1;
+                if (sustained && (o == 0 || o == 2)) {
+                    struct ex_arg xd = { h, CUBLAS_OP_N, CUBLAS_OP_N, n, batch, a, b, c };
+                    def36 = time_it(st, 3, run_36, &xd) / 36;
+                    ms36 = time_it(st, 3, run_lt36, &x) / 36;
+                }
+                printf("  Lt %s #%2d: %8.4f ms  %6.1f TFLOPS  (algo %d tile %d stages %d cluster %d swizzle %d ws %zu)"
+                       "  36 back to back: %8.4f ms a product (default %8.4f)\n", nm[o], i, ms,
+                       flop / ms / 1e9, id, tile, stages, cluster, swz, res[i].workspaceSize, ms36, def36);
             }
             cublasLtMatmulPreferenceDestroy(pref);
             cublasLtMatrixLayoutDestroy(l);

@@ -35,6 +35,7 @@
 ** of these chains and on the H200 alike; DASH's own TF32 NDB shows the same, research/anchors-h200.md).  The code
 ** is right (tests/cuda_dash_spec.lua: f32 within 1e-3 of the f64 map); TF32 NDB-4 is for well-conditioned blocks.
 ** Knobs for measurements (environment, read per call): MOONSTEP_DASH_SPLIT (1 plain GEMMs, the default; 2-4 panels),
+** MOONSTEP_DASH_TILE (CN's TF32 products' cuBLASLt tile, solver_tile; 0: cublasGemmStridedBatchedEx),
 ** MOONSTEP_DASH_EVD (auto: batched, jacobi for n <= 32; streams; batched; jacobi), MOONSTEP_DASH_EVD_STREAMS (1..16, default 8),
 ** MOONSTEP_DASH_EVD_THREADS (1: one host thread per stream, the default; 0: one thread issues every block),
 ** MOONSTEP_DASH_LAG (iterations the host runs ahead of a compaction before it waits for its count, 1..4, default
@@ -55,7 +56,8 @@
 #define EVD_STREAMS_MAX 16
 #define PIN_RING 8                          /* compaction counts in flight (> the largest lag) */
 #define NSLOTS_MAX 8
-#define LT_CACHE 16                         /* factor-product shapes whose cuBLASLt algorithm is kept */
+#define LT_CACHE 16                         /* product shapes whose cuBLASLt algorithm is kept */
+#define LT_CANDIDATES 16                    /* the heuristic's candidates looked through for a preferred tile */
 
 /* the options' rng_ids as the kernels read them (on the device: no host copy, so captures replay new ids) */
 static const int *rng_ids_of(const ms_tensor *rng_ids) { return rng_ids ? (const int *)ms_tensor_ptr(rng_ids) : NULL; }
@@ -105,7 +107,7 @@ struct ms_cuda_dash {
     ** depends on anything but its shapes) */
     cublasLtHandle_t   lt;
     int                nlt;
-    struct lt_entry { int64_t m, k, batch; bool tf32; cublasLtMatmulAlgo_t algo; } lt_algo[LT_CACHE];
+    struct lt_entry { int64_t m, k, batch; bool tf32; int tile; cublasLtMatmulAlgo_t algo; } lt_algo[LT_CACHE];
 };
 
 void ms_cuda_dash_release(ms_cuda_ctx *c)
@@ -332,34 +334,50 @@ static factor_path factor_path_of(void)
     return FACTOR_LT;
 }
 
-/* The heuristic's first algorithm for C [m, m] = alpha A A^T + beta C over `batch` row-major A [m, k] (asked
-** once per shape and kept); false: none (the caller falls back to cublasGemmStridedBatchedEx). */
+/* The heuristic's first algorithm for C [m, m] = alpha A A^T + beta C over `batch` row-major A [m, k] -- or, with
+** tile set (a cublasLtMatmulTile_t), the first of its candidates with that tile, else its first -- asked once per
+** shape and kept; NULL: none (the caller falls back to cublasGemmStridedBatchedEx). */
 static ms_status lt_algo(ms_ctx *ctx, struct ms_cuda_dash *d, cublasLtMatmulDesc_t desc, cublasLtMatrixLayout_t la,
-                         cublasLtMatrixLayout_t lc, int64_t m, int64_t k, int64_t batch, bool tf32,
+                         cublasLtMatrixLayout_t lc, int64_t m, int64_t k, int64_t batch, bool tf32, int tile,
                          const cublasLtMatmulAlgo_t **out)
 {
     *out = NULL;
     for (int i = 0; i < d->nlt; i++) {
         const struct lt_entry *e = &d->lt_algo[i];
-        if (e->m == m && e->k == k && e->batch == batch && e->tf32 == tf32) { *out = &e->algo; return MS_OK; }
+        if (e->m == m && e->k == k && e->batch == batch && e->tf32 == tf32 && e->tile == tile) {
+            *out = &e->algo;
+            return MS_OK;
+        }
     }
     cublasLtMatmulPreference_t pref;
     MS_CUBLAS_TRY(ctx, cublasLtMatmulPreferenceCreate(&pref));
     const uint64_t ws = MS_CUDA_BLAS_WORKSPACE;
     const uint32_t no_split_k = CUBLASLT_REDUCTION_SCHEME_NONE;   /* no split-K reductions of any kind */
-    cublasLtMatmulHeuristicResult_t res;
+    cublasLtMatmulHeuristicResult_t res[LT_CANDIDATES];
     int found = 0;
     cublasStatus_t s = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof ws);
     if (s == CUBLAS_STATUS_SUCCESS)
         s = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, &no_split_k,
                                                  sizeof no_split_k);
-    if (s == CUBLAS_STATUS_SUCCESS) s = cublasLtMatmulAlgoGetHeuristic(d->lt, desc, la, la, lc, lc, pref, 1, &res, &found);
+    if (s == CUBLAS_STATUS_SUCCESS)
+        s = cublasLtMatmulAlgoGetHeuristic(d->lt, desc, la, la, lc, lc, pref, tile ? LT_CANDIDATES : 1, res, &found);
     cublasLtMatmulPreferenceDestroy(pref);
-    if (s == CUBLAS_STATUS_NOT_SUPPORTED || (s == CUBLAS_STATUS_SUCCESS && (found < 1 || res.state != CUBLAS_STATUS_SUCCESS)))
-        return MS_OK;
+    int pick = -1;
+    for (int i = 0; s == CUBLAS_STATUS_SUCCESS && i < found; i++) {
+        if (res[i].state != CUBLAS_STATUS_SUCCESS) continue;
+        int t = -1;
+        size_t sz = 0;
+        if (pick < 0) pick = i;
+        if (tile && cublasLtMatmulAlgoConfigGetAttribute(&res[i].algo, CUBLASLT_ALGO_CONFIG_TILE_ID, &t, sizeof t, &sz) ==
+                        CUBLAS_STATUS_SUCCESS && t == tile) {
+            pick = i;
+            break;
+        }
+    }
+    if (s == CUBLAS_STATUS_NOT_SUPPORTED || (s == CUBLAS_STATUS_SUCCESS && pick < 0)) return MS_OK;
     if (s != CUBLAS_STATUS_SUCCESS) return ms_cublas_fail(ctx, s, "cublasLtMatmulAlgoGetHeuristic", __FILE__, __LINE__);
     if (d->nlt == LT_CACHE) d->nlt = 0;   /* more shapes than kept: start over (each is asked again, same answer) */
-    d->lt_algo[d->nlt] = (struct lt_entry){ m, k, batch, tf32, res.algo };
+    d->lt_algo[d->nlt] = (struct lt_entry){ m, k, batch, tf32, tile, res[pick].algo };
     *out = &d->lt_algo[d->nlt++].algo;
     return MS_OK;
 }
@@ -393,7 +411,7 @@ static ms_status syrk_like(ms_ctx *ctx, struct ms_cuda_dash *d, bool use_lt, con
             s = cublasLtMatrixLayoutSetAttribute(lc, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, &sc64, sizeof sc64);
         const cublasLtMatmulAlgo_t *algo = NULL;
         ms_status st = MS_OK;
-        if (s == CUBLAS_STATUS_SUCCESS) st = lt_algo(ctx, d, desc, la, lc, m, k, batch, tf32, &algo);
+        if (s == CUBLAS_STATUS_SUCCESS) st = lt_algo(ctx, d, desc, la, lc, m, k, batch, tf32, 0, &algo);
         if (s == CUBLAS_STATUS_SUCCESS && st == MS_OK && algo != NULL)
             s = cublasLtMatmul(d->lt, desc, &alpha, a, la, a, la, &beta, c, lc, c, lc, algo, ms_cuda(ctx)->blas_workspace,
                                MS_CUDA_BLAS_WORKSPACE, ms_cuda(ctx)->stream);
@@ -514,6 +532,7 @@ typedef struct solver {
     int64_t            N, n, K, nn;
     bool               tf32, capturing, early;
     ms_dtype           mm;              /* operand dtype of the products that may be 16-bit */
+    int                lt_tile;         /* CN: TF32 square products through cuBLASLt with this tile (solver_tile) */
     msk_dash_sym       sym;
     msk_dash_pos       pos;             /* the working set: batch, map, index */
     const int         *index;           /* the checked index (device), NULL: all blocks */
@@ -545,6 +564,24 @@ static cudaDataType cuda_type(ms_dtype dt)
 }
 
 static size_t align256(size_t x) { return (x + 255) & ~(size_t)255; }
+
+/* The tile of CN's TF32 products (gemm_sym, through cuBLASLt with A transposed, the operands being symmetric):
+** MOONSTEP_DASH_TILE (a cublasLtMatmulTile_t; 0: cublasGemmStridedBatchedEx's own choice), else 128 x 128 on
+** Hopper.  Measured on the H200 (bench/RESULTS.md, dash, eleventh session): 36 batched 1024^3 TF32 products back
+** to back -- a refresh, with the GPU at its power limit -- take 3-6% less time with the heuristic's 128 x 128
+** candidate than with its first (256 x 64), although one product alone is slower; CN f32's step went from
+** 64.5-65.3 to 60.9-62.9 ms with its errors unchanged to three digits.  NDB keeps the default: through this path
+** its TF32 roots moved further from the f64 ones (normalized error 1.1 -> 1.4 at kappa up to 1e7, and past the
+** spec's bound at kappa 100).  The choice depends on the shape and the library alone, so every run rounds alike. */
+static int solver_tile(ms_ctx *ctx)
+{
+    int major = 0;
+    if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, ms_cuda(ctx)->device) != cudaSuccess) {
+        (void)cudaGetLastError();
+        major = 0;
+    }
+    return env_int("MOONSTEP_DASH_TILE", major == 9 ? CUBLASLT_MATMUL_TILE_128x128 : 0, 0, CUBLASLT_MATMUL_TILE_END - 1);
+}
 
 /* The panels of the symmetric products: MOONSTEP_DASH_SPLIT (2..4 panels), else plain products.  Measured on the
 ** H200 (subset, NDB-PIM): the 10 panel GEMMs of split 4 ran at about half the efficiency of one full batched
@@ -585,6 +622,36 @@ static ms_status gemm_sym(solver *S, void *C, ms_dtype ct, const void *A, const 
     const size_t ei = ms_dtype_size(it), ec = ms_dtype_size(ct);
     const cudaDataType ti = cuda_type(it), tc = cuda_type(ct);
     const msk_dash_sym *y = &S->sym;
+    struct ms_cuda_dash *d = S->dash;
+    if (S->lt_tile && y->split == 1 && it == MS_DTYPE_F32 && ct == MS_DTYPE_F32 && !transB && d != NULL && d->lt != NULL) {
+        /* op(A) = A^T: the operands are symmetric (solver_tile) */
+        cublasLtMatmulDesc_t desc = NULL;
+        cublasLtMatrixLayout_t la = NULL;
+        const cublasOperation_t opT = CUBLAS_OP_T, opN = CUBLAS_OP_N;
+        const int32_t nb = (int32_t)batch;
+        const int64_t sb = nn;
+        cublasStatus_t s = cublasLtMatmulDescCreate(&desc, comp, CUDA_R_32F);
+        if (s == CUBLAS_STATUS_SUCCESS) s = cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSA, &opT, sizeof opT);
+        if (s == CUBLAS_STATUS_SUCCESS) s = cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSB, &opN, sizeof opN);
+        if (s == CUBLAS_STATUS_SUCCESS) s = cublasLtMatrixLayoutCreate(&la, CUDA_R_32F, (uint64_t)n, (uint64_t)n, n);
+        if (s == CUBLAS_STATUS_SUCCESS) s = cublasLtMatrixLayoutSetAttribute(la, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &nb, sizeof nb);
+        if (s == CUBLAS_STATUS_SUCCESS)
+            s = cublasLtMatrixLayoutSetAttribute(la, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, &sb, sizeof sb);
+        const cublasLtMatmulAlgo_t *algo = NULL;
+        ms_status st = MS_OK;
+        if (s == CUBLAS_STATUS_SUCCESS) st = lt_algo(S->ctx, d, desc, la, la, n, n, batch, S->tf32, S->lt_tile, &algo);
+        if (s == CUBLAS_STATUS_SUCCESS && st == MS_OK && algo != NULL)
+            s = cublasLtMatmul(d->lt, desc, &alpha, A, la, B, la, &beta, C, la, C, la, algo, ms_cuda(S->ctx)->blas_workspace,
+                               MS_CUDA_BLAS_WORKSPACE, S->st);
+        if (la) cublasLtMatrixLayoutDestroy(la);
+        if (desc) cublasLtMatmulDescDestroy(desc);
+        if (st != MS_OK) return st;
+        if (s != CUBLAS_STATUS_SUCCESS) return ms_cublas_fail(S->ctx, s, "cublasLtMatmul", __FILE__, __LINE__);
+        if (algo != NULL) {
+            S->launches++;
+            return MS_OK;
+        }
+    }
     for (int j = 0; j < y->split; j++) {
         const int64_t c0 = y->cut[j], c1 = y->cut[j + 1];
         const int m = (int)(y->split == 1 ? n : n - c0), nc = (int)(y->split == 1 ? n : c1 - c0);
@@ -1299,7 +1366,11 @@ ms_status ms_cuda_inv_root(ms_ctx *ctx, ms_tensor *x, ms_tensor *residual, ms_te
     S.x = ms_tensor_ptr(x);
     choose_split(&S);
     MS_TRY(ms_cuda_blas(ctx, &S.blas));
-    if (o->method == MS_ROOT_EVD || (S.early && !S.capturing && S.lag > 0)) MS_TRY(dash_state(ctx, S.capturing, &S.dash));
+    S.lt_tile = S.tf32 && o->method == MS_ROOT_CN ? solver_tile(ctx) : 0;
+    if (o->method == MS_ROOT_EVD || (S.early && !S.capturing && S.lag > 0) || (S.lt_tile && !S.capturing))
+        MS_TRY(dash_state(ctx, S.capturing, &S.dash));
+    if (S.lt_tile && !S.capturing && S.dash->lt == NULL) MS_CUBLAS_TRY(ctx, cublasLtCreate(&S.dash->lt));
+    if (S.lt_tile && S.capturing && S.dash == NULL) S.dash = ms_cuda(ctx)->dash;
 
     const int pi_m = o->method != MS_ROOT_EVD && o->scaling == MS_SCALING_PIM ? o->pi_vectors : 1;
     const size_t small_bytes = small_layout(&S, NULL, pi_m);
