@@ -610,6 +610,60 @@ describe("CUDA ms.inv_root", function()
     evd_paths(24, { "streams", "batched", "jacobi" })
   end, true)
 
+  -- CN's TF32 products go through cuBLASLt (A transposed, 128 x 128 tiles preferred) on Hopper when a stack fills
+  -- 32 waves of tiles (engine/cuda/dash.c, solver_tile); MOONSTEP_DASH_TILE = 20 forces that path on any stack,
+  -- 0 the default GEMM.  Against the CPU's f32 root, and the f64 one where kappa <= 1e2, the Lt path is no worse
+  -- than the default one (TF32 rounds operands to 2^-11 of their largest entries), and a captured call through it
+  -- replays as the uncaptured one.
+  cuda_it("runs CN's TF32 products through cuBLASLt's preferred tile as accurately as the default GEMM, captured too", function()
+    local b = 256
+    local a = spd_stack({ spread(10, b), clustered(1e2, b), spread(1e3, b), spread(1e5, b) }, 7650)
+    for _, p in ipairs { 2, 4 } do
+      local o = { method = "cn", root = p, scaling = "fro", iters = true }
+      local cpu, _, ic = ms.inv_root(a, o)
+      local x, it = {}, {}
+      for _, tile in ipairs { 0, 20 } do
+        with_env("MOONSTEP_DASH_TILE", tile, function()
+          local xg, _, ig = ms.inv_root(dev(a), { method = "cn", root = p, scaling = "fro", iters = true, tf32 = true })
+          x[tile], it[tile] = host(xg), vals(host(ig))
+        end)
+      end
+      assert.are.same(vals(ic), it[20])
+      assert(finite(vals(x[20])), "non-finite root through the Lt path")
+      for k = 0, 3 do
+        local xc = cpu:select(0, k):to("f64")
+        local e0 = normalized_error(x[0]:select(0, k):to("f64"), xc)
+        local e1 = normalized_error(x[20]:select(0, k):to("f64"), xc)
+        local what = ("cn p=%d block %d"):format(p, k)
+        assert(e1 <= 1.5 * e0 + 1e-3, ("%s: the Lt path differs from the CPU by %.3g, the default GEMM by %.3g"):format(what, e1, e0))
+        if k <= 1 then   -- resolved blocks: against the f64 root too (TF32 at b = 256: ~5e-3 on either path)
+          local xt = exact_root(a, k, 0, p)
+          local t0 = normalized_error(x[0]:select(0, k):to("f64"), xt)
+          local t1 = normalized_error(x[20]:select(0, k):to("f64"), xt)
+          assert(t1 <= 1.5 * t0 + 1e-3 and t1 <= 2e-2,
+                 ("%s: the Lt path's error %.3g vs the f64 root, the default GEMM's %.3g"):format(what, t1, t0))
+        end
+      end
+    end
+    with_env("MOONSTEP_DASH_TILE", 20, function()
+      local a1, a2 = dev(a), dev(spd_stack({ spread(5, b), spread(2, b), clustered(30, b), spread(1e4, b) }, 7660))
+      local x = ms.empty({ 4, b, b }, { ctx = GPU })
+      local o = { method = "cn", root = 4, scaling = "fro", tf32 = true, out = x }
+      ms.inv_root(a1, o)   -- warm-up: the pool caches the call's scratch, the Lt handle is made
+      GPU:sync()
+      local g = graph.capture(GPU, function() ms.inv_root(a1, o) end)
+      a1:copy_(a2)
+      g:launch()
+      GPU:sync()
+      local want = host(ms.inv_root(a2, { method = "cn", root = 4, scaling = "fro", tf32 = true }))
+      for k = 0, 3 do
+        local e = normalized_error(host(x):select(0, k):to("f64"), want:select(0, k):to("f64"))
+        assert(e <= 1e-5, ("block %d: the replay differs by %.3g"):format(k, e))
+      end
+      g:free()
+    end)
+  end)
+
   cuda_it("refuses a non-finite block for EVD, naming it, and leaves x unchanged", function()
     local a = spd_stack({ spread(3, 12), spread(3, 12), spread(3, 12) }, 7800)
     a:select(0, 2):select(0, 4):select(0, 7):fill_(0 / 0)

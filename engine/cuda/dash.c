@@ -565,22 +565,28 @@ static cudaDataType cuda_type(ms_dtype dt)
 
 static size_t align256(size_t x) { return (x + 255) & ~(size_t)255; }
 
-/* The tile of CN's TF32 products (gemm_sym, through cuBLASLt with A transposed, the operands being symmetric):
-** MOONSTEP_DASH_TILE (a cublasLtMatmulTile_t; 0: cublasGemmStridedBatchedEx's own choice), else 128 x 128 on
-** Hopper.  Measured on the H200 (bench/RESULTS.md, dash, eleventh session): 36 batched 1024^3 TF32 products back
-** to back -- a refresh, with the GPU at its power limit -- take 3-6% less time with the heuristic's 128 x 128
-** candidate than with its first (256 x 64), although one product alone is slower; CN f32's step went from
-** 64.5-65.3 to 60.9-62.9 ms with its errors unchanged to three digits.  NDB keeps the default: through this path
-** its TF32 roots moved further from the f64 ones (normalized error 1.1 -> 1.4 at kappa up to 1e7, and past the
-** spec's bound at kappa 100).  The choice depends on the shape and the library alone, so every run rounds alike. */
-static int solver_tile(ms_ctx *ctx)
+/* The tile of CN's TF32 products on K blocks of n (gemm_sym, through cuBLASLt with A transposed, the operands being
+** symmetric): MOONSTEP_DASH_TILE (a cublasLtMatmulTile_t; 0: cublasGemmStridedBatchedEx's own choice), else
+** 128 x 128 on Hopper when a product fills at least 32 waves of such tiles.  Measured on the H200 (bench/RESULTS.md,
+** dash, eleventh session): 36 batched 1024^3 TF32 products back to back -- a refresh, with the GPU at its power
+** limit -- take 3-6% less time with the heuristic's 128 x 128 candidate than with its first (256 x 64), although
+** one product alone is slower; CN f32's step went from 64.8-65.1 to 62.0-63.0 ms, its errors unchanged to three
+** digits.  A stack of 12 blocks of 512 (1.5 waves) was 10% slower with it, so small batches keep the default; so
+** does NDB, whose TF32 roots moved further from the f64 ones through this path (normalized error 1.1 -> 1.4 at
+** kappa up to 1e7, and past the spec's bound at kappa 100).  The choice depends on the shapes, the GPU and the
+** library alone, so every run rounds alike. */
+static int solver_tile(ms_ctx *ctx, int64_t K, int64_t n)
 {
-    int major = 0;
-    if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, ms_cuda(ctx)->device) != cudaSuccess) {
+    int major = 0, sms = 0;
+    const int dev = ms_cuda(ctx)->device;
+    if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess ||
+        cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess) {
         (void)cudaGetLastError();
-        major = 0;
+        major = sms = 0;
     }
-    return env_int("MOONSTEP_DASH_TILE", major == 9 ? CUBLASLT_MATMUL_TILE_128x128 : 0, 0, CUBLASLT_MATMUL_TILE_END - 1);
+    const int64_t tiles = K * ((n + 127) / 128) * ((n + 127) / 128);
+    const bool prefer = major == 9 && sms > 0 && tiles >= 32 * (int64_t)sms;
+    return env_int("MOONSTEP_DASH_TILE", prefer ? CUBLASLT_MATMUL_TILE_128x128 : 0, 0, CUBLASLT_MATMUL_TILE_END - 1);
 }
 
 /* The panels of the symmetric products: MOONSTEP_DASH_SPLIT (2..4 panels), else plain products.  Measured on the
@@ -1366,7 +1372,7 @@ ms_status ms_cuda_inv_root(ms_ctx *ctx, ms_tensor *x, ms_tensor *residual, ms_te
     S.x = ms_tensor_ptr(x);
     choose_split(&S);
     MS_TRY(ms_cuda_blas(ctx, &S.blas));
-    S.lt_tile = S.tf32 && o->method == MS_ROOT_CN ? solver_tile(ctx) : 0;
+    S.lt_tile = S.tf32 && o->method == MS_ROOT_CN ? solver_tile(ctx, S.K, S.n) : 0;
     if (o->method == MS_ROOT_EVD || (S.early && !S.capturing && S.lag > 0) || (S.lt_tile && !S.capturing))
         MS_TRY(dash_state(ctx, S.capturing, &S.dash));
     if (S.lt_tile && !S.capturing && S.dash->lt == NULL) MS_CUBLAS_TRY(ctx, cublasLtCreate(&S.dash->lt));
