@@ -574,7 +574,8 @@ static size_t align256(size_t x) { return (x + 255) & ~(size_t)255; }
 ** digits.  A stack of 12 blocks of 512 (1.5 waves) was 10% slower with it, so small batches keep the default; so
 ** does NDB, whose TF32 roots moved further from the f64 ones through this path (normalized error 1.1 -> 1.4 at
 ** kappa up to 1e7, and past the spec's bound at kappa 100).  The choice depends on the shapes, the GPU and the
-** library alone, so every run rounds alike. */
+** library alone, so every run rounds alike -- except a call captured before any uncaptured one: no cuBLASLt
+** handle can be made while capturing, so that graph keeps the default GEMM. */
 static int solver_tile(ms_ctx *ctx, int64_t K, int64_t n)
 {
     int major = 0, sms = 0;
