@@ -203,7 +203,7 @@ $(BUILD)/bench/gemm_survey: bench/gemm_survey.cu
 	$(Q)mkdir -p $(dir $@)
 	$(Q)$(NVCC) -O2 -gencode arch=compute_90,code=[sm_90,compute_90] $< -o $@ -L$(CUDA_HOME)/lib64 \
 	    -Xlinker -rpath,$(CUDA_HOME)/lib64 -lcublasLt -lcublas
-$(BUILD)/bench/rowwarp_sweep $(BUILD)/bench/cluster_sinkhorn: $(BUILD)/bench/%: bench/%.cu
+$(BUILD)/bench/rowwarp_sweep $(BUILD)/bench/cluster_sinkhorn: $(BUILD)/bench/%: bench/%.cu bench/standalone.cuh
 	$(E) NVCC $@
 	$(Q)mkdir -p $(dir $@)
 	$(Q)$(NVCC) -O3 -std=c++17 -gencode arch=compute_90,code=[sm_90,compute_90] $< -o $@

@@ -25,6 +25,8 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include "standalone.cuh"
+
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -34,26 +36,7 @@
 
 namespace cg = cooperative_groups;
 
-#define CK(x)                                                                                   \
-    do {                                                                                        \
-        cudaError_t e_ = (x);                                                                   \
-        if (e_ != cudaSuccess) {                                                                \
-            fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
-            exit(1);                                                                            \
-        }                                                                                       \
-    } while (0)
-
 #define T 512
-
-__device__ __forceinline__ void unpack8(const uint4 &w, float *x)
-{
-    const uint32_t v[4] = { w.x, w.y, w.z, w.w };
-#pragma unroll
-    for (int h = 0; h < 4; h++) {
-        x[2 * h] = __uint_as_float(v[h] << 16);
-        x[2 * h + 1] = __uint_as_float(v[h] & 0xffff0000u);
-    }
-}
 
 /* the compiler must assume w changed: nothing derived from it (unpacked values, squares) stays alive across */
 __device__ __forceinline__ void launder(uint4 &w) { asm volatile("" : "+r"(w.x), "+r"(w.y), "+r"(w.z), "+r"(w.w)); }

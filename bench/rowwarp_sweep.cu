@@ -20,6 +20,8 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include "standalone.cuh"
+
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -27,32 +29,12 @@
 #include <cstring>
 #include <vector>
 
-#define CK(x)                                                                                   \
-    do {                                                                                        \
-        cudaError_t e_ = (x);                                                                   \
-        if (e_ != cudaSuccess) {                                                                \
-            fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
-            exit(1);                                                                            \
-        }                                                                                       \
-    } while (0)
-
 __device__ __forceinline__ void cp16(unsigned dst, const void *src)
 {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src) : "memory");
 }
 __device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 template <int N> __device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
-
-/* the 8 bf16 of a 16-byte word as floats (a bf16 is the high half of its float) */
-__device__ __forceinline__ void unpack8(const uint4 &w, float *x)
-{
-    const uint32_t v[4] = { w.x, w.y, w.z, w.w };
-#pragma unroll
-    for (int h = 0; h < 4; h++) {
-        x[2 * h] = __uint_as_float(v[h] << 16);
-        x[2 * h + 1] = __uint_as_float(v[h] & 0xffff0000u);
-    }
-}
 
 /* float4 index j of a lane-major plane <-> columns: j = (2 k + h) 32 + l holds columns (l + 32 k) 8 + 4 h .. + 3 */
 __host__ __device__ __forceinline__ int plane_col(int j) { return ((j & 31) + 32 * (j >> 6)) * 8 + 4 * ((j >> 5) & 1); }
