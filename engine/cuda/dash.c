@@ -382,6 +382,44 @@ static ms_status lt_algo(ms_ctx *ctx, struct ms_cuda_dash *d, cublasLtMatmulDesc
     return MS_OK;
 }
 
+/* C [batch][m][m] = alpha op_T(A) op_N(B) + beta C through cuBLASLt, A and B column-major [k, m] (the same
+** layout), with the heuristic's algorithm (lt_algo; `tile` as there).  *ran false: no algorithm for the shape,
+** nothing done (the caller takes cublasGemmStridedBatchedEx). */
+static ms_status lt_tn(ms_ctx *ctx, struct ms_cuda_dash *d, cudaStream_t stream, int64_t m, int64_t k, int64_t batch,
+                       bool tf32, int tile, float alpha, const void *A, const void *B, float beta, void *C, bool *ran)
+{
+    *ran = false;
+    cublasLtMatmulDesc_t desc = NULL;
+    cublasLtMatrixLayout_t la = NULL, lc = NULL;
+    const cublasOperation_t opT = CUBLAS_OP_T, opN = CUBLAS_OP_N;
+    const int32_t nb = (int32_t)batch;
+    const int64_t sa = m * k, sc = m * m;
+    cublasStatus_t s = cublasLtMatmulDescCreate(&desc, tf32 ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F, CUDA_R_32F);
+    if (s == CUBLAS_STATUS_SUCCESS) s = cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSA, &opT, sizeof opT);
+    if (s == CUBLAS_STATUS_SUCCESS) s = cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSB, &opN, sizeof opN);
+    if (s == CUBLAS_STATUS_SUCCESS) s = cublasLtMatrixLayoutCreate(&la, CUDA_R_32F, (uint64_t)k, (uint64_t)m, k);
+    if (s == CUBLAS_STATUS_SUCCESS) s = cublasLtMatrixLayoutCreate(&lc, CUDA_R_32F, (uint64_t)m, (uint64_t)m, m);
+    if (s == CUBLAS_STATUS_SUCCESS) s = cublasLtMatrixLayoutSetAttribute(la, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &nb, sizeof nb);
+    if (s == CUBLAS_STATUS_SUCCESS) s = cublasLtMatrixLayoutSetAttribute(lc, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &nb, sizeof nb);
+    if (s == CUBLAS_STATUS_SUCCESS)
+        s = cublasLtMatrixLayoutSetAttribute(la, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, &sa, sizeof sa);
+    if (s == CUBLAS_STATUS_SUCCESS)
+        s = cublasLtMatrixLayoutSetAttribute(lc, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, &sc, sizeof sc);
+    const cublasLtMatmulAlgo_t *algo = NULL;
+    ms_status st = MS_OK;
+    if (s == CUBLAS_STATUS_SUCCESS) st = lt_algo(ctx, d, desc, la, lc, m, k, batch, tf32, tile, &algo);
+    if (s == CUBLAS_STATUS_SUCCESS && st == MS_OK && algo != NULL)
+        s = cublasLtMatmul(d->lt, desc, &alpha, A, la, B, la, &beta, C, lc, C, lc, algo, ms_cuda(ctx)->blas_workspace,
+                           MS_CUDA_BLAS_WORKSPACE, stream);
+    if (lc) cublasLtMatrixLayoutDestroy(lc);
+    if (la) cublasLtMatrixLayoutDestroy(la);
+    if (desc) cublasLtMatmulDescDestroy(desc);
+    if (st != MS_OK) return st;
+    if (s != CUBLAS_STATUS_SUCCESS) return ms_cublas_fail(ctx, s, "cublasLtMatmul", __FILE__, __LINE__);
+    *ran = algo != NULL;
+    return MS_OK;
+}
+
 /* c [batch][m][m] <- alpha a a^T + beta c for row-major a [batch][m][k] (stacks, dense).  cuBLAS sees a as
 ** column-major [k, m]: C = op_T(a) op_N(a), both operands K-major, as ms_matmul runs G G^T.  Through cuBLASLt
 ** when the context has its handle (made on the first uncaptured call), else cublasGemmStridedBatchedEx. */
@@ -393,34 +431,9 @@ static ms_status syrk_like(ms_ctx *ctx, struct ms_cuda_dash *d, bool use_lt, con
     const cublasComputeType_t comp = tf32 ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F;
     const long long sa = (long long)(m * k), sc = (long long)(m * m);
     if (use_lt && d != NULL && d->lt != NULL) {
-        cublasLtMatmulDesc_t desc = NULL;
-        cublasLtMatrixLayout_t la = NULL, lc = NULL;
-        const cublasOperation_t opT = CUBLAS_OP_T, opN = CUBLAS_OP_N;
-        const int32_t nb = (int32_t)batch;
-        cublasStatus_t s = cublasLtMatmulDescCreate(&desc, comp, CUDA_R_32F);
-        if (s == CUBLAS_STATUS_SUCCESS) s = cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSA, &opT, sizeof opT);
-        if (s == CUBLAS_STATUS_SUCCESS) s = cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSB, &opN, sizeof opN);
-        if (s == CUBLAS_STATUS_SUCCESS) s = cublasLtMatrixLayoutCreate(&la, CUDA_R_32F, (uint64_t)k, (uint64_t)m, k);
-        if (s == CUBLAS_STATUS_SUCCESS) s = cublasLtMatrixLayoutCreate(&lc, CUDA_R_32F, (uint64_t)m, (uint64_t)m, m);
-        if (s == CUBLAS_STATUS_SUCCESS) s = cublasLtMatrixLayoutSetAttribute(la, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &nb, sizeof nb);
-        if (s == CUBLAS_STATUS_SUCCESS) s = cublasLtMatrixLayoutSetAttribute(lc, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &nb, sizeof nb);
-        const int64_t sa64 = sa, sc64 = sc;
-        if (s == CUBLAS_STATUS_SUCCESS)
-            s = cublasLtMatrixLayoutSetAttribute(la, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, &sa64, sizeof sa64);
-        if (s == CUBLAS_STATUS_SUCCESS)
-            s = cublasLtMatrixLayoutSetAttribute(lc, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, &sc64, sizeof sc64);
-        const cublasLtMatmulAlgo_t *algo = NULL;
-        ms_status st = MS_OK;
-        if (s == CUBLAS_STATUS_SUCCESS) st = lt_algo(ctx, d, desc, la, lc, m, k, batch, tf32, 0, &algo);
-        if (s == CUBLAS_STATUS_SUCCESS && st == MS_OK && algo != NULL)
-            s = cublasLtMatmul(d->lt, desc, &alpha, a, la, a, la, &beta, c, lc, c, lc, algo, ms_cuda(ctx)->blas_workspace,
-                               MS_CUDA_BLAS_WORKSPACE, ms_cuda(ctx)->stream);
-        if (lc) cublasLtMatrixLayoutDestroy(lc);
-        if (la) cublasLtMatrixLayoutDestroy(la);
-        if (desc) cublasLtMatmulDescDestroy(desc);
-        if (st != MS_OK) return st;
-        if (s != CUBLAS_STATUS_SUCCESS) return ms_cublas_fail(ctx, s, "cublasLtMatmul", __FILE__, __LINE__);
-        if (algo != NULL) return MS_OK;
+        bool ran;
+        MS_TRY(lt_tn(ctx, d, ms_cuda(ctx)->stream, m, k, batch, tf32, 0, alpha, a, a, beta, c, &ran));
+        if (ran) return MS_OK;
     }
     MS_CUBLAS_TRY(ctx, cublasGemmStridedBatchedEx(h, CUBLAS_OP_T, CUBLAS_OP_N, (int)m, (int)m, (int)k, &alpha, a, CUDA_R_32F,
                                                   (int)k, sa, a, CUDA_R_32F, (int)k, sa, &beta, c, CUDA_R_32F, (int)m, sc,
@@ -632,29 +645,9 @@ static ms_status gemm_sym(solver *S, void *C, ms_dtype ct, const void *A, const 
     struct ms_cuda_dash *d = S->dash;
     if (S->lt_tile && y->split == 1 && it == MS_DTYPE_F32 && ct == MS_DTYPE_F32 && !transB && d != NULL && d->lt != NULL) {
         /* op(A) = A^T: the operands are symmetric (solver_tile) */
-        cublasLtMatmulDesc_t desc = NULL;
-        cublasLtMatrixLayout_t la = NULL;
-        const cublasOperation_t opT = CUBLAS_OP_T, opN = CUBLAS_OP_N;
-        const int32_t nb = (int32_t)batch;
-        const int64_t sb = nn;
-        cublasStatus_t s = cublasLtMatmulDescCreate(&desc, comp, CUDA_R_32F);
-        if (s == CUBLAS_STATUS_SUCCESS) s = cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSA, &opT, sizeof opT);
-        if (s == CUBLAS_STATUS_SUCCESS) s = cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSB, &opN, sizeof opN);
-        if (s == CUBLAS_STATUS_SUCCESS) s = cublasLtMatrixLayoutCreate(&la, CUDA_R_32F, (uint64_t)n, (uint64_t)n, n);
-        if (s == CUBLAS_STATUS_SUCCESS) s = cublasLtMatrixLayoutSetAttribute(la, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &nb, sizeof nb);
-        if (s == CUBLAS_STATUS_SUCCESS)
-            s = cublasLtMatrixLayoutSetAttribute(la, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, &sb, sizeof sb);
-        const cublasLtMatmulAlgo_t *algo = NULL;
-        ms_status st = MS_OK;
-        if (s == CUBLAS_STATUS_SUCCESS) st = lt_algo(S->ctx, d, desc, la, la, n, n, batch, S->tf32, S->lt_tile, &algo);
-        if (s == CUBLAS_STATUS_SUCCESS && st == MS_OK && algo != NULL)
-            s = cublasLtMatmul(d->lt, desc, &alpha, A, la, B, la, &beta, C, la, C, la, algo, ms_cuda(S->ctx)->blas_workspace,
-                               MS_CUDA_BLAS_WORKSPACE, S->st);
-        if (la) cublasLtMatrixLayoutDestroy(la);
-        if (desc) cublasLtMatmulDescDestroy(desc);
-        if (st != MS_OK) return st;
-        if (s != CUBLAS_STATUS_SUCCESS) return ms_cublas_fail(S->ctx, s, "cublasLtMatmul", __FILE__, __LINE__);
-        if (algo != NULL) {
+        bool ran;
+        MS_TRY(lt_tn(S->ctx, d, S->st, n, n, batch, S->tf32, S->lt_tile, alpha, A, B, beta, C, &ran));
+        if (ran) {
             S->launches++;
             return MS_OK;
         }
