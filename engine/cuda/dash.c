@@ -334,7 +334,7 @@ static factor_path factor_path_of(void)
     return FACTOR_LT;
 }
 
-/* The heuristic's first algorithm for C [m, m] = alpha A A^T + beta C over `batch` row-major A [m, k] -- or, with
+/* The heuristic's first algorithm for C [m, m] = alpha A B^T + beta C over `batch` row-major A, B [m, k] -- or, with
 ** tile set (a cublasLtMatmulTile_t), the first of its candidates with that tile, else its first -- asked once per
 ** shape and kept; NULL: none (the caller falls back to cublasGemmStridedBatchedEx). */
 static ms_status lt_algo(ms_ctx *ctx, struct ms_cuda_dash *d, cublasLtMatmulDesc_t desc, cublasLtMatrixLayout_t la,
