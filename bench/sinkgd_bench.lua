@@ -4,6 +4,7 @@ host: bf16 params and grads, sinkhorn_iters 5, base and spectral modes (unit tar
 of issue 5 and on the whole Llama-3-8B matrix set as one step.
 
   build/moonstep bench/sinkgd_bench.lua [results.json] [shape,shape,...|none] [set|noset]
+  (a shape "MxN" is bf16; "f32:MxN" or "f16:MxN" gives params and grads that dtype)
   python3 bench/torch_baselines/sinkgd.py ...        -- the pinned PyTorch baselines, own process
 
 Method (DESIGN.md, "Performance"): CUDA events around R back-to-back steps, median of 7 trials after a warm-up
@@ -55,11 +56,11 @@ do
   core.check(C.ms_ctx_empty_cache(h))
 end
 
-local function make_set(shapes)
+local function make_set(shapes, dtype)
   local s = { p = {}, g = {}, u = {} }
   for k, shape in ipairs(shapes) do
-    s.p[k] = ms.randn(shape, { ctx = ctx, dtype = "bf16" })
-    s.g[k] = ms.randn(shape, { ctx = ctx, dtype = "bf16" })
+    s.p[k] = ms.randn(shape, { ctx = ctx, dtype = dtype or "bf16" })
+    s.g[k] = ms.randn(shape, { ctx = ctx, dtype = dtype or "bf16" })
     local us = {}
     for d = 1, #shape - 2 do us[d] = shape[d] end
     us[#us + 1] = shape[#shape]
@@ -87,14 +88,16 @@ end
 
 if shape_arg ~= "none" then
   for spec in shape_arg:gmatch("[^,]+") do
+    -- "MxN" (bf16) or "f32:MxN" / "f16:MxN": params and grads of that dtype
+    local dtype = spec:match("^(%a[%w]*):") or "bf16"
     local shape = {}
-    for d in spec:gmatch("%d+") do shape[#shape + 1] = tonumber(d) end
+    for d in spec:gsub("^%a[%w]*:", ""):gmatch("%d+") do shape[#shape + 1] = tonumber(d) end
     local numel = 1
     for _, d in ipairs(shape) do numel = numel * d end
-    local bytes = numel * 2
+    local bytes = numel * (dtype == "f32" and 4 or 2)
     local nsets = math.max(2, math.ceil(256e6 / (2 * bytes)))
     local sets = {}
-    for i = 1, nsets do sets[i] = make_set({ shape }) end
+    for i = 1, nsets do sets[i] = make_set({ shape }, dtype) end
     local modes = { "base", "spectral" }
     local reps = math.max(10, math.min(200, math.floor(2e9 / (bytes * 10))))
     local calls, graphs = {}, {}

@@ -12,6 +12,9 @@
 **           G^T (r v) from the same rows; the fold makes w, sigma and the next u (the last CTA of a matrix, told
 **           by an integer ticket, does the O(n) vector work); a degenerate u restarts the step (a second pass
 **           that every other matrix skips at once).
+**   wide    rows too long for a sweep's registers (dense, beyond 4 T_SWEEP chunks: bf16 n > 16384, f32 n > 8192)
+**           take two passes an iteration instead of the sweep: the rows' sums, then the column partials
+**           (wide_kernel); the fold and the rest are the same.
 **   sums    (sphere) ||W||^2, <W, X>, ||X||^2 in f64, one pass over G and p.
 **   apply   p <- (p dec - coef X) fac, one pass over G and p, stochastic rounding as engine/cpu/optim.c.
 **
@@ -92,7 +95,9 @@ struct skmat {
     double      tau;          /* the muon target sqrt(m / n) of the global matrix */
     int32_t     f0;           /* its first fold block (ascending) */
     int32_t     member, band0, nbands;
-    int16_t     K, Cp, P, GR; /* the fast path's thread map (below); GR: rows per group */
+    int16_t     Cp, P, GR;    /* the fast path's thread map (below); GR: rows per group */
+    int8_t      K;
+    uint8_t     wide;         /* the wide path (rows too long for the fast one) */
     int8_t      gdt, pdt;
     uint8_t     fast, pvec;
     float       root;         /* sharded: sqrt of the global size of the sharded dim (rows: m, cols: n) */
@@ -141,9 +146,12 @@ __host__ __device__ __forceinline__ int64_t scr_layout(char *base, int64_t m, in
     k.bsc = d;  d += BSC * nb;
     k.fsc = d;  d += (nfold_of(n) + 1) / 2 * 2;
     k.scal = d; d += 2 * SC_N;
+    f = (float *)d + up4(m);   /* then r v [m] of the wide path's power rows (rv_of; not in skscr, whose size the
+                               ** fast path's register budget feels) */
     if (s) *s = k;
-    return (int64_t)((char *)d - base);
+    return (int64_t)((char *)f - base);
 }
+__host__ __device__ __forceinline__ float *rv_of(const skscr &s) { return (float *)(s.scal + 2 * SC_N); }
 
 /* --- small device helpers ------------------------------------------------------------------------------ */
 
@@ -726,6 +734,201 @@ __device__ __noinline__ void generic_segment(const skargs<CAP> &A, const skmat &
     __syncthreads();   /* the reductions' shared memory is free for the next segment */
 }
 
+
+/* --- the wide path: dense rows longer than the fast path's 4 T_SWEEP chunks --------------------------------
+** (bf16 and f16 rows of more than 16384 elements, f32 of more than 8192: a Llama-3-70B down projection, an 8B one
+** with f32 grads.)  The fast path keeps a row's column accumulators in registers, 4 chunks a thread, and so
+** cannot hold these rows; the generic path read-modify-writes the partials in global memory a row at a time
+** (~0.6 TB/s: a 2048 x 28672 bf16 step took 1.53 ms, 0.54 here; bench/RESULTS.md, thirteenth session).  Here
+** an iteration is two passes over G, each streamed at full width:
+**   rows (in the sweep kernel, wide_rows_segment): a warp takes a row's sum (no barrier), with the column
+**        factors (c^2, or c u) cached in shared memory when they fit, and sets r (SINK) or v, r v and the band
+**        scalars (POWER), as the fast path does for its rows;
+**   columns (wide_cols_kernel, launched after the sweep): every thread owns WIDE_KC chunks of a tile of
+**        WIDE_KC T_SWEEP chunks and adds r^2 G^2 (SINK) or (r v) G (POWER) over the band's rows into registers,
+**        WIDE_NR rows a step, then stores the band's partials for the fold.  It walks the band against the rows
+**        pass, so it starts on the rows that pass read last (still in L2).
+** Sums keep a fixed order (deterministic); the fold and everything after it are the fast path's.  The cache of
+** column factors is what makes the rows pass stream: read from L1/L2 instead (rows beyond WIDE_RED / 4 columns)
+** a 1024 x 57344 bf16 step takes 0.93 ms against 0.54 for 2048 x 28672. */
+#define WIDE_UNROLL 8                                     /* a lane's loads in flight in the rows pass */
+#define WIDE_RED   (SWEEP_SMEM - 256)                     /* the rows pass's band sums (f64); below: the cache */
+#define WIDE_KC    4                                      /* chunks a thread a column tile */
+#define WIDE_NR    4                                      /* rows a step of the columns pass (its loads in flight) */
+
+template <class T, int KIND, int CAP>
+__device__ __noinline__ void wide_rows_segment(const skargs<CAP> &A, const skmat &M, const skscr &S, int band,
+                                               int64_t la, int64_t lb, bool rev, char *smem, bool wait)
+{
+    constexpr int E = elems16<T>::n, U = WIDE_UNROLL;
+    const int t = threadIdx.x, lane = t & 31, warp = t >> 5;
+    const int64_t n = M.n, C = n / E;
+    const bool unit = (A.flags & FL_UNIT) != 0;
+    const bool first = KIND == K_SINK && (A.flags & FL_FIRST);
+    const bool want_ff = KIND == K_POWER && unit;
+    const bool cached = n * 4 <= WIDE_RED;
+    const float eps = (float)A.o.eps, sqn = sqrtf((float)n);
+    float *cvs = (float *)smem;
+    double *dred = (double *)(smem + WIDE_RED);
+    const T *g = (const T *)M.g;
+    auto colf = [&](int64_t j) -> float {
+        if (KIND == K_SINK) {
+            if (first) return 1.f;
+            const float c = __ldcg(S.c + j);
+            return c * c;
+        }
+        return (unit ? 1.f : __ldcg(S.c + j)) * __ldcg(S.uv + j);
+    };
+    if (wait) pdl_enter();   /* c and u come from the previous passes */
+    __syncthreads();         /* the previous segment's readers of the cache are done */
+    if (cached)
+        for (int64_t j = t; j < n; j += T_SWEEP) cvs[j] = colf(j);
+    __syncthreads();
+    const int64_t r0 = la * M.GR, r1 = lb * M.GR < M.m ? lb * M.GR : M.m;
+    double vv = 0, ff = 0;
+    /* a warp a row: lane l sums chunks l, l + 32, ... with U loads in flight, then the warp's butterfly */
+#pragma unroll 1
+    for (int64_t q = warp; q < r1 - r0; q += WARPS) {
+        const int64_t row = rev ? r1 - 1 - q : r0 + q;
+        const float rold = (KIND == K_SINK ? first : unit) ? 1.f : S.r[row];
+        const T *gi = g + row * n;
+        float ps = 0, pf = 0;
+#pragma unroll 1
+        for (int64_t c0 = lane; c0 < C; c0 += 32 * U) {
+            uint4 w[U];
+#pragma unroll
+            for (int u = 0; u < U; u++) {
+                const int64_t ch = c0 + 32 * u;
+                w[u] = ch < C ? __ldg(reinterpret_cast<const uint4 *>(gi + ch * E)) : make_uint4(0, 0, 0, 0);
+            }
+#pragma unroll
+            for (int u = 0; u < U; u++) {
+                const int64_t ch = c0 + 32 * u;
+                if (ch >= C) break;
+                float x[E], cf[E];
+                unpack(w[u], x, (const T *)0);
+                if (cached) {
+#pragma unroll
+                    for (int f = 0; f < E / 4; f++) {
+                        const float4 v = reinterpret_cast<const float4 *>(cvs + ch * E)[f];
+                        cf[4 * f] = v.x;
+                        cf[4 * f + 1] = v.y;
+                        cf[4 * f + 2] = v.z;
+                        cf[4 * f + 3] = v.w;
+                    }
+                } else {   /* from L1/L2, 16 bytes a load (c is not written during this pass) */
+#pragma unroll
+                    for (int f = 0; f < E / 4; f++) {
+                        const float4 c = KIND == K_SINK && first ? make_float4(1.f, 1.f, 1.f, 1.f)
+                                         : KIND == K_POWER && unit ? make_float4(1.f, 1.f, 1.f, 1.f)
+                                                                   : __ldg(reinterpret_cast<const float4 *>(S.c + ch * E) + f);
+                        if (KIND == K_SINK) {
+                            cf[4 * f] = c.x * c.x;
+                            cf[4 * f + 1] = c.y * c.y;
+                            cf[4 * f + 2] = c.z * c.z;
+                            cf[4 * f + 3] = c.w * c.w;
+                        } else {
+                            const float4 u = __ldg(reinterpret_cast<const float4 *>(S.uv + ch * E) + f);
+                            cf[4 * f] = c.x * u.x;
+                            cf[4 * f + 1] = c.y * u.y;
+                            cf[4 * f + 2] = c.z * u.z;
+                            cf[4 * f + 3] = c.w * u.w;
+                        }
+                    }
+                }
+#pragma unroll
+                for (int e = 0; e < E; e++) {
+                    if (KIND == K_SINK) {
+                        ps = fmaf(x[e] * x[e], cf[e], ps);   /* (G c)^2 = G^2 c^2 */
+                    } else {
+                        ps = fmaf(x[e], cf[e], ps);
+                        if (want_ff) pf = fmaf(x[e], x[e], pf);
+                    }
+                }
+            }
+        }
+        ps = warp_sum(ps);
+        if (want_ff) pf = warp_sum(pf);
+        if (lane != 0) continue;
+        if (KIND == K_SINK) {
+            S.r[row] = ps == 0 ? rold : sqn * rold / clampf(rold * sqrtf(ps), eps);
+        } else {
+            const float v = rold * ps;
+            rv_of(S)[row] = rold * v;
+            vv += (double)v * v;
+            ff += (double)pf;
+        }
+    }
+    if (KIND == K_POWER) {
+        vv = block_sum<T_SWEEP>(vv, dred);
+        ff = block_sum<T_SWEEP>(ff, dred);
+        if (t == 0) {
+            S.bsc[band * BSC] = vv;
+            S.bsc[band * BSC + 1] = ff;
+        }
+    }
+    __syncthreads();   /* the cache and the reductions' shared memory are free for the next segment */
+}
+
+template <class T, int KIND, int CAP>
+__device__ __noinline__ void wide_cols_segment(const skmat &M, const skscr &S, int band, int64_t la, int64_t lb,
+                                               bool rev)
+{
+    constexpr int E = elems16<T>::n, KC = WIDE_KC, NR = WIDE_NR;
+    const int t = threadIdx.x;
+    const int64_t n = M.n, C = n / E;
+    const int64_t r0 = la * M.GR, r1 = lb * M.GR < M.m ? lb * M.GR : M.m;
+    const T *g = (const T *)M.g;
+    const float *rf = KIND == K_SINK ? S.r : rv_of(S);
+    float *prow = S.part + (int64_t)band * n;
+#pragma unroll 1
+    for (int64_t c0 = 0; c0 < C; c0 += (int64_t)KC * T_SWEEP) {
+        float acc[KC][E];
+        int64_t ch[KC];
+        bool okc[KC];
+#pragma unroll
+        for (int k = 0; k < KC; k++) {
+            ch[k] = c0 + t + (int64_t)k * T_SWEEP;
+            okc[k] = ch[k] < C;
+#pragma unroll
+            for (int e = 0; e < E; e++) acc[k][e] = 0;
+        }
+#pragma unroll 1
+        for (int64_t q = 0; q < r1 - r0; q += NR) {
+            uint4 w[NR][KC];
+            float co[NR];
+#pragma unroll
+            for (int u = 0; u < NR; u++) {
+                const bool ok = q + u < r1 - r0;
+                const int64_t row = rev ? r1 - 1 - (q + u) : r0 + q + u;
+                const float f = ok ? __ldcg(rf + row) : 0.f;
+                co[u] = KIND == K_SINK ? f * f : f;
+#pragma unroll
+                for (int k = 0; k < KC; k++)
+                    w[u][k] = ok && okc[k] ? __ldg(reinterpret_cast<const uint4 *>(g + row * n + ch[k] * E))
+                                           : make_uint4(0, 0, 0, 0);
+            }
+#pragma unroll
+            for (int u = 0; u < NR; u++)
+#pragma unroll
+                for (int k = 0; k < KC; k++) {
+                    float x[E];
+                    unpack(w[u][k], x, (const T *)0);
+#pragma unroll
+                    for (int e = 0; e < E; e++)
+                        acc[k][e] = fmaf(co[u], KIND == K_SINK ? x[e] * x[e] : x[e], acc[k][e]);   /* r^2 G^2, (r v) G */
+                }
+        }
+#pragma unroll
+        for (int k = 0; k < KC; k++)
+            if (okc[k])
+#pragma unroll
+                for (int e = 0; e < E; e += 4)
+                    *reinterpret_cast<float4 *>(prow + ch[k] * E + e) =
+                        make_float4(acc[k][e], acc[k][e + 1], acc[k][e + 2], acc[k][e + 3]);
+    }
+}
+
 template <class T, int KIND, int CAP>
 __device__ __forceinline__ void sweep_typed(const skargs<CAP> &A, const skmat &M, const skscr &S, int band, int64_t la,
                                             int64_t lb, bool rev, char *smem, bool wait)
@@ -757,6 +960,7 @@ __global__ void __launch_bounds__(T_SWEEP, 1) sweep_kernel(const skargs<CAP> *__
         skscr S;
         scr_layout(M.scr, M.m, M.n, M.nbands, &S);
         if ((A.flags & FL_REDO) && __ldcg(S.scal + SC_REDO) == 0) continue;   /* no restart pending */
+        if (M.wide) continue;   /* wide_kernel's */
         const int64_t end = i + 1 < A.nmat ? A.m[i + 1].g0 : A.gtot;
         const int64_t sa = ga > M.g0 ? ga : M.g0, sb = gb < end ? gb : end;
         if (sb <= sa) continue;   /* a sharded rank's matrix without rows here */
@@ -769,6 +973,48 @@ __global__ void __launch_bounds__(T_SWEEP, 1) sweep_kernel(const skargs<CAP> *__
         wait = false;
     }
     if (wait) pdl_enter();
+}
+
+
+/* The wide path's passes (above), on the sweep's CTAs and ranges, wide matrices only: WIDE_PASS_ROWS right
+** after the sweep (which skips them), WIDE_PASS_COLS after that. */
+enum { WIDE_PASS_ROWS = 0, WIDE_PASS_COLS = 1 };
+
+template <int CAP, int KIND, int PASS>
+__global__ void __launch_bounds__(T_SWEEP, 1) wide_kernel(const skargs<CAP> *__restrict__ tables, int flags)
+{
+    pdl_enter();   /* c and u (rows), r and r v (columns) come from the passes just before */
+    const skargs<CAP> &A = tables[flags];
+    extern __shared__ __align__(16) char smem[];
+    if (A.o.skip.ptr && msk_scalar_value(A.o.skip) != 0) return;
+    const int64_t ga = range_start(blockIdx.x, A.gtot, A.grid), gb = range_start(blockIdx.x + 1, A.gtot, A.grid);
+    /* the columns pass walks against the rows pass */
+    const bool rev = ((A.flags & FL_REV) != 0) != (PASS == WIDE_PASS_COLS);
+    const int i0 = mat_of_group(A, ga), i1 = mat_of_group(A, gb - 1);
+    for (int i = i0; i <= i1; i++) {
+        const skmat &M = A.m[i];
+        if (!M.wide) continue;
+        skscr S;
+        scr_layout(M.scr, M.m, M.n, M.nbands, &S);
+        if ((A.flags & FL_REDO) && __ldcg(S.scal + SC_REDO) == 0) continue;   /* no restart pending */
+        const int64_t end = i + 1 < A.nmat ? A.m[i + 1].g0 : A.gtot;
+        const int64_t sa = (ga > M.g0 ? ga : M.g0) - M.g0, sb = (gb < end ? gb : end) - M.g0;
+        if (sb <= sa) continue;
+        const int band = (int)blockIdx.x - M.band0;
+        if (PASS == WIDE_PASS_ROWS) {
+            switch (M.gdt) {
+            case MS_DTYPE_BF16: wide_rows_segment<__nv_bfloat16, KIND>(A, M, S, band, sa, sb, rev, smem, false); break;
+            case MS_DTYPE_F16:  wide_rows_segment<__half, KIND>(A, M, S, band, sa, sb, rev, smem, false); break;
+            default:            wide_rows_segment<float, KIND>(A, M, S, band, sa, sb, rev, smem, false); break;
+            }
+        } else {
+            switch (M.gdt) {
+            case MS_DTYPE_BF16: wide_cols_segment<__nv_bfloat16, KIND, CAP>(M, S, band, sa, sb, rev); break;
+            case MS_DTYPE_F16:  wide_cols_segment<__half, KIND, CAP>(M, S, band, sa, sb, rev); break;
+            default:            wide_cols_segment<float, KIND, CAP>(M, S, band, sa, sb, rev); break;
+            }
+        }
+    }
 }
 
 /* --- the folds: column partials summed in band order ------------------------------------------------------
@@ -1748,6 +1994,9 @@ template <int CAP, int KIND> static cudaError_t sweep_setup()
     if (done[slot]) return cudaSuccess;
     cudaError_t e = cudaFuncSetAttribute(sweep_kernel<CAP, KIND>, cudaFuncAttributeMaxDynamicSharedMemorySize, SWEEP_SMEM);
     if (e == cudaSuccess)
+        e = cudaFuncSetAttribute(wide_kernel<CAP, KIND, WIDE_PASS_ROWS>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                 SWEEP_SMEM);
+    if (e == cudaSuccess)
         e = cudaFuncSetAttribute(elem_kernel<CAP, KIND>, cudaFuncAttributeMaxDynamicSharedMemorySize, ELEM_SMEM);
     if (e == cudaSuccess) done[slot] = true;
     return e;
@@ -1894,8 +2143,9 @@ static int64_t plan_chunk(int cnt, const msk_sinkgd_mat *mm, int maxgrid, char *
         x.pdt = a.pdt;
         const int es = dtype_size(a.gdt), E = 16 / es;
         const bool dense = a.cs == 1 && (a.rs == a.n || a.m == 1);
-        x.fast = dim != MSK_SHARD_COLS && dense && aligned16(a.g) && a.n % E == 0 && a.n / E <= 4 * T_SWEEP &&
-                 a.m < INT32_MAX;   /* (32-bit rows) */
+        const bool streamable = dim != MSK_SHARD_COLS && dense && aligned16(a.g) && a.n % E == 0;
+        x.fast = streamable && a.n / E <= 4 * T_SWEEP && a.m < INT32_MAX;   /* (32-bit rows) */
+        x.wide = streamable && a.n / E > 4 * T_SWEEP;
         x.pvec = dense && aligned16(a.g) && aligned16(a.p) && a.n > 0 && a.n % 8 == 0 &&
                  a.m * a.n / 8 < ((int64_t)1 << 31);
         if (dim == MSK_SHARD_COLS) {
@@ -1907,7 +2157,7 @@ static int64_t plan_chunk(int cnt, const msk_sinkgd_mat *mm, int maxgrid, char *
             const int C = (int)(a.n / E);
             if (C >= 4) {
                 const int k = (kforce ? kforce == 2 : in_l2) && C <= 2 * T_SWEEP ? 2 : 4, cp = (C + k - 1) / k;
-                x.K = (int16_t)k;
+                x.K = (int8_t)k;
                 x.Cp = (int16_t)(cp <= 32 ? pow2ceil(cp) : (cp + 31) / 32 * 32);
             } else {
                 x.K = 1;
@@ -2021,6 +2271,14 @@ static ms_status launch(ms_ctx *ctx, cudaStream_t s, void (*K)(const skargs<CAP>
     return MS_OK;
 }
 
+/* whether some matrix of the chunk takes the wide path (or, with wide false, some other) */
+template <int CAP> static bool any_wide(const skargs<CAP> &a, bool wide)
+{
+    for (int k = 0; k < a.nmat; k++)
+        if ((a.m[k].wide != 0) == wide) return true;
+    return false;
+}
+
 /* The launch sequence of one chunk (moonstep.h's step, pass by pass). */
 template <int CAP>
 static ms_status run_chunk(ms_ctx *ctx, cudaStream_t s, const msk_sinkgd *o, int cnt, const msk_sinkgd_mat *mm,
@@ -2042,6 +2300,7 @@ static ms_status run_chunk(ms_ctx *ctx, cudaStream_t s, const msk_sinkgd *o, int
     a->flags = 0;
     const unsigned G = (unsigned)a->grid, F = (unsigned)a->nfold;
     const int unit = o->iters == 0 ? FL_UNIT : 0;
+    const bool wide = any_wide(*a, true), narrow = any_wide(*a, false);
     bool rev = false;
     ms_status st = MS_OK;
     typedef void (*kernel_t)(const skargs<CAP> *, int);
@@ -2053,10 +2312,21 @@ static ms_status run_chunk(ms_ctx *ctx, cudaStream_t s, const msk_sinkgd *o, int
         if (collect) used |= 1u << flags;
         else if (st == MS_OK) st = launch<CAP>(ctx, s, K, tables, flags, grid, threads, smem, what, launches, true);
     };
+    /* a sweep of the fast and generic matrices, then the wide ones' two passes */
+    auto sweep = [&](int kind, int flags, const char *what, const char *wide_what) {
+        const bool sink = kind == K_SINK;
+        if (narrow) go(sink ? sweep_kernel<CAP, K_SINK> : sweep_kernel<CAP, K_POWER>, flags, G, T_SWEEP, SWEEP_SMEM, what);
+        if (wide) {
+            go(sink ? wide_kernel<CAP, K_SINK, WIDE_PASS_ROWS> : wide_kernel<CAP, K_POWER, WIDE_PASS_ROWS>, flags, G,
+               T_SWEEP, SWEEP_SMEM, wide_what);
+            go(sink ? wide_kernel<CAP, K_SINK, WIDE_PASS_COLS> : wide_kernel<CAP, K_POWER, WIDE_PASS_COLS>, flags, G,
+               T_SWEEP, 0, wide_what);
+        }
+    };
     auto sequence = [&]() {
         for (int k = 1; k <= o->iters; k++) {
             const int fl = (k == 1 ? FL_FIRST : 0) | (k == o->iters && o->mode != MS_SINKGD_BASE ? FL_LAST : 0);
-            go(sweep_kernel<CAP, K_SINK>, fl | (rev ? FL_REV : 0), G, T_SWEEP, SWEEP_SMEM, "sinkgd sweep");
+            sweep(K_SINK, fl | (rev ? FL_REV : 0), "sinkgd sweep", "sinkgd wide passes");
             go(fold_kernel<CAP, K_SINK>, fl, F, FOLD_THREADS, 0, "sinkgd fold");
             rev = !rev;
         }
@@ -2064,10 +2334,10 @@ static ms_status run_chunk(ms_ctx *ctx, cudaStream_t s, const msk_sinkgd *o, int
             go(prep_kernel<CAP>, unit, (unsigned)cnt, PREP_THREADS, 0, "sinkgd power prep");
             for (int k = 0; k < o->sn_iters; k++) {
                 const int fl = unit | (k == o->sn_iters - 1 ? FL_LAST : 0);
-                go(sweep_kernel<CAP, K_POWER>, fl | (rev ? FL_REV : 0), G, T_SWEEP, SWEEP_SMEM, "sinkgd power");
+                sweep(K_POWER, fl | (rev ? FL_REV : 0), "sinkgd power", "sinkgd power wide passes");
                 go(fold_kernel<CAP, K_POWER>, fl, F, FOLD_THREADS, 0, "sinkgd power fold");
-                go(sweep_kernel<CAP, K_POWER>, fl | FL_REDO | (rev ? 0 : FL_REV), G, T_SWEEP, SWEEP_SMEM,
-                             "sinkgd power restart");
+                sweep(K_POWER, fl | FL_REDO | (rev ? 0 : FL_REV), "sinkgd power restart",
+                      "sinkgd power restart wide passes");
                 go(fold_kernel<CAP, K_POWER>, fl | FL_REDO, F, FOLD_THREADS, 0, "sinkgd power restart fold");
                 rev = !rev;
             }
@@ -2201,6 +2471,7 @@ static ms_status run_sharded(ms_ctx *ctx, cudaStream_t s, const msk_sinkgd *o, i
     const int64_t cols32 = (int64_t)a->nfold * FOLD_COLS;
     const int unit = o->iters == 0 ? FL_UNIT : 0;
     const bool spectral = o->mode != MS_SINKGD_BASE, sphere = o->mode == MS_SINKGD_SPHERE;
+    const bool wide = any_wide(*a, true);
     bool rev = false;
     ms_status st = MS_OK;
     typedef void (*kernel_t)(const skargs<CAP> *, int);
@@ -2225,6 +2496,11 @@ static ms_status run_sharded(ms_ctx *ctx, cudaStream_t s, const msk_sinkgd *o, i
         for (int k = 1; k <= o->iters; k++) {
             const int fl = (k == 1 ? FL_FIRST : 0) | (k == o->iters && spectral ? FL_LAST : 0);
             go(sweep_kernel<CAP, K_SINK>, fl | (rev ? FL_REV : 0), G, T_SWEEP, SWEEP_SMEM, "sinkgd sweep");
+            if (wide) {
+                go(wide_kernel<CAP, K_SINK, WIDE_PASS_ROWS>, fl | (rev ? FL_REV : 0), G, T_SWEEP, SWEEP_SMEM,
+                   "sinkgd wide rows");
+                go(wide_kernel<CAP, K_SINK, WIDE_PASS_COLS>, fl | (rev ? FL_REV : 0), G, T_SWEEP, 0, "sinkgd wide columns");
+            }
             go(fold_kernel<CAP, K_SINK, FOLD_PART>, fl, F, FOLD_THREADS, 0, "sinkgd fold (part)");
             xch(cols32, MS_DTYPE_F32);
             go(fold_kernel<CAP, K_SINK, FOLD_FINISH>, fl, F, FOLD_THREADS, 0, "sinkgd fold (finish)");
@@ -2238,6 +2514,11 @@ static ms_status run_sharded(ms_ctx *ctx, cudaStream_t s, const msk_sinkgd *o, i
                     const int f = fl | (redo ? FL_REDO : 0);
                     go(sweep_kernel<CAP, K_POWER>, f | (rev != (redo == 1) ? FL_REV : 0), G, T_SWEEP, SWEEP_SMEM,
                        redo ? "sinkgd power restart" : "sinkgd power");
+                    if (wide) {
+                        const int fw = f | (rev != (redo == 1) ? FL_REV : 0);
+                        go(wide_kernel<CAP, K_POWER, WIDE_PASS_ROWS>, fw, G, T_SWEEP, SWEEP_SMEM, "sinkgd power wide rows");
+                        go(wide_kernel<CAP, K_POWER, WIDE_PASS_COLS>, fw, G, T_SWEEP, 0, "sinkgd power wide columns");
+                    }
                     go(fold_kernel<CAP, K_POWER, FOLD_PART>, f, F, FOLD_THREADS, 0, "sinkgd power fold (part)");
                     xch(cols32 + 2 * (int64_t)cnt, MS_DTYPE_F64);
                     go(fold_kernel<CAP, K_POWER, FOLD_FINISH>, f, F, FOLD_THREADS, 0, "sinkgd power fold (finish)");

@@ -1,7 +1,8 @@
 -- The CUDA SinkGD step (kernels/sinkgd.cu) and the CUDA 8-bit AdamW (kernels/adamw8.cu) against the CPU backend
 -- (engine/cpu/sinkgd.c, engine/cpu/adamw8.c) on the same fresh random inputs, through the C ABI, beyond the four
 -- parity specs of tests/sinkgd_spec.lua: every thread map of the sweep (chunks per thread K = 1, 2, 4; row lanes
--- within a warp and across warps; the generic path for long rows, odd widths and strided grads), f16 and mixed
+-- within a warp and across warps; the wide path for rows beyond 4 x 512 chunks; the generic path for odd widths
+-- and strided grads), f16 and mixed
 -- param/grad dtypes, matrices split over many CTAs and CTAs spanning matrices, non-contiguous grads, iters 0 and
 -- several power steps, zero and NaN gradients, a zero u and the restart of a degenerate u, device scalars and
 -- skip_t, stochastic rounding, bitwise reproducibility, groups larger than one launch table, the launch count,
@@ -199,7 +200,11 @@ local PATHS = {
   { shape = { 3000, 256 }, dt = "bf16" },            -- row lanes of 32 threads within a warp, many groups
   { shape = { 8, 8192 }, dt = "bf16" },              -- K = 2 chunks a thread (G in L2), else 4
   { shape = { 4, 14336 }, dt = "bf16" },             -- K = 4 (the Llama MLP width)
-  { shape = { 2, 20000 }, dt = "bf16" },             -- rows too long for the registers: generic path
+  { shape = { 2, 20000 }, dt = "bf16" },             -- rows too long for the registers: the wide path
+  { shape = { 3, 9000 }, dt = "f32" },               -- f32 wide (2250 chunks of 4)
+  { shape = { 2, 3, 16400 }, dt = "f16" },           -- wide experts
+  { shape = { 2, 50000 }, dt = "bf16" },             -- wide, column factors beyond the shared-memory cache
+  { shape = { 2, 20004 }, dt = "bf16" },             -- long rows, width not a multiple of 8: generic path
   { shape = { 1100, 1024 }, dt = "f32" },            -- row lanes across warps, a matrix over many CTAs
   { shape = { 5, 4096 }, dt = "f32" },               -- f32 K = 2
   { shape = { 3, 8192 }, dt = "f32" },               -- f32 K = 4
@@ -289,6 +294,32 @@ describe("cuda ms_sinkgd_step", function()
                   weight_decay = mode == "sphere" and 0 or 0.02, step = 1 }
       step_and_compare({ cm[1] }, { gm[1] }, o, nil, mode .. " experts")
       step_and_compare(cm, gm, o, nil, mode .. " experts and more")   -- unequal counts: the even split
+    end
+  end)
+
+  -- the wide path over many CTAs: each of 600 rows' sums is one CTA's, each band's column partials are a
+  -- columns pass's (kernels/sinkgd.cu, wide_rows_segment and wide_cols_kernel), with the fast path in the
+  -- same call; iters 0 and 1 and the power restart's sweeps included
+  cuda_it("the wide path (rows beyond 4 x 512 chunks) over many bands, with a fast matrix, every mode and "
+          .. "iters 0, 1 and 5", function()
+    for _, mode in ipairs { "base", "spectral", "sphere" } do
+      for _, iters in ipairs { 0, 1, 5 } do
+        local cm, gm = group({ { shape = { 600, 8200 }, dt = "f32" }, { shape = { 70, 16400 }, pdt = "f32", gdt = "bf16" },
+                               { shape = { 256, 512 }, dt = "bf16" } }, mode)
+        local o = { mode = mode, iters = iters, sn_iters = 2, target = "muon", lr = 0.05,
+                    weight_decay = mode == "sphere" and 0 or 0.02, step = 1 }
+        step_and_compare(cm, gm, o, nil, ("%s iters %d wide"):format(mode, iters))
+        if mode == "base" and iters == 5 then
+          -- an iteration: the sweep (the fast matrix), the wide rows and columns passes, the fold; a call of wide
+          -- matrices alone launches no sweep
+          local st, n = sinkgd_raw(GPU, gm, o)
+          ok(st)
+          assert.equals(4 * 5 + 2, n, "launches of a base step with wide and fast matrices")
+          st, n = sinkgd_raw(GPU, { gm[1], gm[2] }, o)
+          ok(st)
+          assert.equals(3 * 5 + 2, n, "launches of a base step with wide matrices alone")
+        end
+      end
     end
   end)
 
