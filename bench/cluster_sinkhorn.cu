@@ -286,10 +286,7 @@ int main(int argc, char **argv)
     CK(cudaFuncGetAttributes(&fa, kern));
     cudaLaunchConfig_t lc = {};
     cudaLaunchAttribute at[2];
-    at[0].id = cudaLaunchAttributeClusterDimension;
-    at[0].val.clusterDim.x = CS;
-    at[0].val.clusterDim.y = 1;
-    at[0].val.clusterDim.z = 1;
+    cluster_attr(at[0], CS);
     at[1].id = cudaLaunchAttributeCooperative;
     at[1].val.cooperative = H > 1;
     lc.gridDim = dim3(cnt * CS * H);

@@ -117,10 +117,7 @@ int main(int argc, char **argv)
     for (int cl : { 2, 4, 8, 16 }) {
         cudaLaunchConfig_t cfg = {};
         cudaLaunchAttribute at[1];
-        at[0].id = cudaLaunchAttributeClusterDimension;
-        at[0].val.clusterDim.x = cl;
-        at[0].val.clusterDim.y = 1;
-        at[0].val.clusterDim.z = 1;
+        cluster_attr(at[0], cl);
         cfg.blockDim = dim3(32);
         cfg.dynamicSmemBytes = smem;
         cfg.attrs = at;

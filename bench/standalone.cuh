@@ -1,5 +1,6 @@
 /* bench/standalone.cuh -- what the stand-alone CUDA experiments in bench/ share (rowwarp_sweep.cu,
-** cluster_sinkhorn.cu): a checked runtime call and the bf16 unpacking of kernels/sinkgd.cu's sweeps. */
+** cluster_sinkhorn.cu, sm_balance.cu): a checked runtime call, a cluster launch attribute and the bf16 unpacking
+** of kernels/sinkgd.cu's sweeps. */
 #pragma once
 #include <cuda_runtime.h>
 
@@ -15,6 +16,15 @@
             exit(1);                                                                            \
         }                                                                                       \
     } while (0)
+
+/* the launch attribute of clusters of cs CTAs along x */
+inline void cluster_attr(cudaLaunchAttribute &a, int cs)
+{
+    a.id = cudaLaunchAttributeClusterDimension;
+    a.val.clusterDim.x = cs;
+    a.val.clusterDim.y = 1;
+    a.val.clusterDim.z = 1;
+}
 
 /* the 8 bf16 of a 16-byte word as floats (a bf16 is the high half of its float) */
 __device__ __forceinline__ void unpack8(const uint4 &w, float *x)

@@ -320,6 +320,18 @@ template <class T> __device__ __forceinline__ void load8(const T *p, float *x)
     }
 }
 
+/* A power pass's band scalars: the CTA's sums of v^2 and (iters = 0) ||G||^2 over its band's rows, in a fixed
+** order, for the power fold. */
+__device__ __forceinline__ void store_band_scalars(double vv, double ff, double *dred, const skscr &S, int band)
+{
+    vv = block_sum<T_SWEEP>(vv, dred);
+    ff = block_sum<T_SWEEP>(ff, dred);
+    if (threadIdx.x == 0) {
+        S.bsc[band * BSC] = vv;
+        S.bsc[band * BSC + 1] = ff;
+    }
+}
+
 /* --- the sweep: one CTA's band of a matrix ---------------------------------------------------------------
 ** The fast path (G dense, 16-byte aligned, n a multiple of E = 16 / sizeof(T), at most 4 * T_SWEEP chunks of E
 ** per row).  A row is C = n / E chunks.  The threads form P = T_SWEEP / Cp row lanes of Cp threads (Cp a power
@@ -646,15 +658,7 @@ __device__ __noinline__ void fast_segment(const skargs<CAP> &A, const skmat &M, 
                     make_float4(sum[e], sum[e + 1], sum[e + 2], sum[e + 3]);
         }
     }
-    if (KIND == K_POWER) {
-        double *dred = (double *)(red + RED_FLOATS);
-        vv = block_sum<T_SWEEP>(vv, dred);
-        ff = block_sum<T_SWEEP>(ff, dred);
-        if (t == 0) {
-            S.bsc[band * BSC] = vv;
-            S.bsc[band * BSC + 1] = ff;
-        }
-    }
+    if (KIND == K_POWER) store_band_scalars(vv, ff, (double *)(red + RED_FLOATS), S, band);
     __syncthreads();   /* the last group's row sums are read before the next segment writes that buffer */
 }
 
@@ -723,14 +727,7 @@ __device__ __noinline__ void generic_segment(const skargs<CAP> &A, const skmat &
             }
         }
     }
-    if (KIND == K_POWER) {
-        vv = block_sum<T_SWEEP>(vv, dred);
-        ff = block_sum<T_SWEEP>(ff, dred);
-        if (t == 0) {
-            S.bsc[band * BSC] = vv;
-            S.bsc[band * BSC + 1] = ff;
-        }
-    }
+    if (KIND == K_POWER) store_band_scalars(vv, ff, dred, S, band);
     __syncthreads();   /* the reductions' shared memory is free for the next segment */
 }
 
@@ -859,14 +856,7 @@ __device__ __noinline__ void wide_rows_segment(const skargs<CAP> &A, const skmat
             ff += (double)pf;
         }
     }
-    if (KIND == K_POWER) {
-        vv = block_sum<T_SWEEP>(vv, dred);
-        ff = block_sum<T_SWEEP>(ff, dred);
-        if (t == 0) {
-            S.bsc[band * BSC] = vv;
-            S.bsc[band * BSC + 1] = ff;
-        }
-    }
+    if (KIND == K_POWER) store_band_scalars(vv, ff, dred, S, band);
     __syncthreads();   /* the cache and the reductions' shared memory are free for the next segment */
 }
 
