@@ -738,18 +738,18 @@ __device__ __noinline__ void generic_segment(const skargs<CAP> &A, const skmat &
 ** cannot hold these rows; the generic path read-modify-writes the partials in global memory a row at a time
 ** (~0.6 TB/s: a 2048 x 28672 bf16 step took 1.53 ms, 0.54 here; bench/RESULTS.md, thirteenth session).  Here
 ** an iteration is two passes over G, each streamed at full width:
-**   rows (in the sweep kernel, wide_rows_segment): a warp takes a row's sum (no barrier), with the column
-**        factors (c^2, or c u) cached in shared memory when they fit, and sets r (SINK) or v, r v and the band
-**        scalars (POWER), as the fast path does for its rows;
+**   rows (wide_rows_segment): a warp takes a row's sum, with the column factors (c^2, or c u) cached in shared
+**        memory -- rows of more than WIDE_RED / 4 columns in blocks, the CTA's 16 rows at a time -- and sets r
+**        (SINK) or v, r v and the band scalars (POWER), as the fast path does for its rows;
 **   columns (wide_cols_kernel, launched after the sweep): every thread owns WIDE_KC chunks of a tile of
 **        WIDE_KC T_SWEEP chunks and adds r^2 G^2 (SINK) or (r v) G (POWER) over the band's rows into registers,
 **        WIDE_NR rows a step, then stores the band's partials for the fold.  It walks the band against the rows
 **        pass, so it starts on the rows that pass read last (still in L2).
 ** Sums keep a fixed order (deterministic); the fold and everything after it are the fast path's.  The cache of
-** column factors is what makes the rows pass stream: read from L1/L2 instead (rows beyond WIDE_RED / 4 columns)
-** a 1024 x 57344 bf16 step takes 0.93 ms against 0.54 for 2048 x 28672. */
+** column factors is what makes the rows pass stream: read from L1/L2 instead, a 2048 x 28672 bf16 step took
+** 0.67 ms, and 1024 x 57344 (past one block) 0.92 ms against 0.54. */
 #define WIDE_UNROLL 8                                     /* a lane's loads in flight in the rows pass */
-#define WIDE_RED   (SWEEP_SMEM - 256)                     /* the rows pass's band sums (f64); below: the cache */
+#define WIDE_RED   (SWEEP_SMEM - 256)                     /* the rows pass's band sums (f64); below, the cache */
 #define WIDE_KC    4                                      /* chunks a thread a column tile */
 #define WIDE_NR    4                                      /* rows a step of the columns pass (its loads in flight) */
 
@@ -758,80 +758,62 @@ __device__ __noinline__ void wide_rows_segment(const skargs<CAP> &A, const skmat
                                                int64_t la, int64_t lb, bool rev, char *smem, bool wait)
 {
     constexpr int E = elems16<T>::n, U = WIDE_UNROLL;
+    constexpr int64_t CB = WIDE_RED / 4;   /* columns a block of the cache (a multiple of 8) */
     const int t = threadIdx.x, lane = t & 31, warp = t >> 5;
-    const int64_t n = M.n, C = n / E;
+    const int64_t n = M.n, nblk = (n + CB - 1) / CB;
     const bool unit = (A.flags & FL_UNIT) != 0;
     const bool first = KIND == K_SINK && (A.flags & FL_FIRST);
     const bool want_ff = KIND == K_POWER && unit;
-    const bool cached = n * 4 <= WIDE_RED;
     const float eps = (float)A.o.eps, sqn = sqrtf((float)n);
     float *cvs = (float *)smem;
     double *dred = (double *)(smem + WIDE_RED);
     const T *g = (const T *)M.g;
-    auto colf = [&](int64_t j) -> float {
-        if (KIND == K_SINK) {
-            if (first) return 1.f;
-            const float c = __ldcg(S.c + j);
-            return c * c;
+    /* the column factors of block b into the cache: c^2 (SINK; 1 on the first sweep) or (iters = 0 ? 1 : c) u */
+    auto fill = [&](int64_t b) {
+        const int64_t j0 = b * CB, j1 = j0 + CB < n ? j0 + CB : n;
+        for (int64_t j = j0 + t; j < j1; j += T_SWEEP) {
+            float f;
+            if (KIND == K_SINK) {
+                const float c = first ? 1.f : __ldcg(S.c + j);
+                f = c * c;
+            } else {
+                f = (unit ? 1.f : __ldcg(S.c + j)) * __ldcg(S.uv + j);
+            }
+            cvs[j - j0] = f;
         }
-        return (unit ? 1.f : __ldcg(S.c + j)) * __ldcg(S.uv + j);
     };
     if (wait) pdl_enter();   /* c and u come from the previous passes */
-    __syncthreads();         /* the previous segment's readers of the cache are done */
-    if (cached)
-        for (int64_t j = t; j < n; j += T_SWEEP) cvs[j] = colf(j);
-    __syncthreads();
+    if (nblk == 1) {
+        __syncthreads();     /* the previous segment's readers of the cache are done */
+        fill(0);
+        __syncthreads();
+    }
     const int64_t r0 = la * M.GR, r1 = lb * M.GR < M.m ? lb * M.GR : M.m;
     double vv = 0, ff = 0;
-    /* a warp a row: lane l sums chunks l, l + 32, ... with U loads in flight, then the warp's butterfly */
+    /* a warp a row: lane l adds chunks cb0 + l, cb0 + l + 32, ... < cb1 (cached from column cb0 E on) with U loads
+    ** in flight; then the warp's butterfly, and lane 0 sets the row's results */
+    auto add_chunks = [&](const T *gi, int64_t cb0, int64_t cb1, float &ps, float &pf) {
 #pragma unroll 1
-    for (int64_t q = warp; q < r1 - r0; q += WARPS) {
-        const int64_t row = rev ? r1 - 1 - q : r0 + q;
-        const float rold = (KIND == K_SINK ? first : unit) ? 1.f : S.r[row];
-        const T *gi = g + row * n;
-        float ps = 0, pf = 0;
-#pragma unroll 1
-        for (int64_t c0 = lane; c0 < C; c0 += 32 * U) {
+        for (int64_t c0 = cb0 + lane; c0 < cb1; c0 += 32 * U) {
             uint4 w[U];
 #pragma unroll
             for (int u = 0; u < U; u++) {
                 const int64_t ch = c0 + 32 * u;
-                w[u] = ch < C ? __ldg(reinterpret_cast<const uint4 *>(gi + ch * E)) : make_uint4(0, 0, 0, 0);
+                w[u] = ch < cb1 ? __ldg(reinterpret_cast<const uint4 *>(gi + ch * E)) : make_uint4(0, 0, 0, 0);
             }
 #pragma unroll
             for (int u = 0; u < U; u++) {
                 const int64_t ch = c0 + 32 * u;
-                if (ch >= C) break;
+                if (ch >= cb1) break;
                 float x[E], cf[E];
                 unpack(w[u], x, (const T *)0);
-                if (cached) {
 #pragma unroll
-                    for (int f = 0; f < E / 4; f++) {
-                        const float4 v = reinterpret_cast<const float4 *>(cvs + ch * E)[f];
-                        cf[4 * f] = v.x;
-                        cf[4 * f + 1] = v.y;
-                        cf[4 * f + 2] = v.z;
-                        cf[4 * f + 3] = v.w;
-                    }
-                } else {   /* from L1/L2, 16 bytes a load (c is not written during this pass) */
-#pragma unroll
-                    for (int f = 0; f < E / 4; f++) {
-                        const float4 c = KIND == K_SINK && first ? make_float4(1.f, 1.f, 1.f, 1.f)
-                                         : KIND == K_POWER && unit ? make_float4(1.f, 1.f, 1.f, 1.f)
-                                                                   : __ldg(reinterpret_cast<const float4 *>(S.c + ch * E) + f);
-                        if (KIND == K_SINK) {
-                            cf[4 * f] = c.x * c.x;
-                            cf[4 * f + 1] = c.y * c.y;
-                            cf[4 * f + 2] = c.z * c.z;
-                            cf[4 * f + 3] = c.w * c.w;
-                        } else {
-                            const float4 u = __ldg(reinterpret_cast<const float4 *>(S.uv + ch * E) + f);
-                            cf[4 * f] = c.x * u.x;
-                            cf[4 * f + 1] = c.y * u.y;
-                            cf[4 * f + 2] = c.z * u.z;
-                            cf[4 * f + 3] = c.w * u.w;
-                        }
-                    }
+                for (int f = 0; f < E / 4; f++) {
+                    const float4 v = reinterpret_cast<const float4 *>(cvs + (ch - cb0) * E)[f];
+                    cf[4 * f] = v.x;
+                    cf[4 * f + 1] = v.y;
+                    cf[4 * f + 2] = v.z;
+                    cf[4 * f + 3] = v.w;
                 }
 #pragma unroll
                 for (int e = 0; e < E; e++) {
@@ -844,9 +826,11 @@ __device__ __noinline__ void wide_rows_segment(const skargs<CAP> &A, const skmat
                 }
             }
         }
+    };
+    auto finish_row = [&](int64_t row, float rold, float ps, float pf) {
         ps = warp_sum(ps);
         if (want_ff) pf = warp_sum(pf);
-        if (lane != 0) continue;
+        if (lane != 0) return;
         if (KIND == K_SINK) {
             S.r[row] = ps == 0 ? rold : sqn * rold / clampf(rold * sqrtf(ps), eps);
         } else {
@@ -854,6 +838,36 @@ __device__ __noinline__ void wide_rows_segment(const skargs<CAP> &A, const skmat
             rv_of(S)[row] = rold * v;
             vv += (double)v * v;
             ff += (double)pf;
+        }
+    };
+    auto row_of = [&](int64_t q) { return rev ? r1 - 1 - q : r0 + q; };
+    /* (rold is read before the row's sum; only lane 0 of the row's own warp writes it after) */
+    auto rold_of = [&](int64_t row) { return (KIND == K_SINK ? first : unit) ? 1.f : S.r[row]; };
+    if (nblk == 1) {   /* each warp on its own rows, no barrier */
+#pragma unroll 1
+        for (int64_t q = warp; q < r1 - r0; q += WARPS) {
+            const int64_t row = row_of(q);
+            const float rold = rold_of(row);
+            float ps = 0, pf = 0;
+            add_chunks(g + row * n, 0, n / E, ps, pf);
+            finish_row(row, rold, ps, pf);
+        }
+    } else {           /* 16 rows at a time, the CTA's warps together over the blocks, the cache refilled between */
+#pragma unroll 1
+        for (int64_t q0 = 0; q0 < r1 - r0; q0 += WARPS) {
+            const bool on = q0 + warp < r1 - r0;
+            const int64_t row = on ? row_of(q0 + warp) : r0;
+            const float rold = rold_of(row);
+            float ps = 0, pf = 0;
+#pragma unroll 1
+            for (int64_t b = 0; b < nblk; b++) {
+                __syncthreads();
+                fill(b);
+                __syncthreads();
+                const int64_t cb0 = b * (CB / E), cb1 = cb0 + CB / E < n / E ? cb0 + CB / E : n / E;
+                if (on) add_chunks(g + row * n, cb0, cb1, ps, pf);
+            }
+            if (on) finish_row(row, rold, ps, pf);
         }
     }
     if (KIND == K_POWER) store_band_scalars(vv, ff, dred, S, band);

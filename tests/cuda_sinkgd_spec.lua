@@ -203,7 +203,8 @@ local PATHS = {
   { shape = { 2, 20000 }, dt = "bf16" },             -- rows too long for the registers: the wide path
   { shape = { 3, 9000 }, dt = "f32" },               -- f32 wide (2250 chunks of 4)
   { shape = { 2, 3, 16400 }, dt = "f16" },           -- wide experts
-  { shape = { 2, 50000 }, dt = "bf16" },             -- wide, column factors beyond the shared-memory cache
+  { shape = { 2, 50000 }, dt = "bf16" },             -- wide, beyond one block of cached column factors
+  { shape = { 3, 100008 }, dt = "f32" },             -- f32 wide, three blocks
   { shape = { 2, 20004 }, dt = "bf16" },             -- long rows, width not a multiple of 8: generic path
   { shape = { 1100, 1024 }, dt = "f32" },            -- row lanes across warps, a matrix over many CTAs
   { shape = { 5, 4096 }, dt = "f32" },               -- f32 K = 2
