@@ -731,7 +731,6 @@ __device__ __noinline__ void generic_segment(const skargs<CAP> &A, const skmat &
     __syncthreads();   /* the reductions' shared memory is free for the next segment */
 }
 
-
 /* --- the wide path: dense rows longer than the fast path's 4 T_SWEEP chunks --------------------------------
 ** (bf16 and f16 rows of more than 16384 elements, f32 of more than 8192: a Llama-3-70B down projection, an 8B one
 ** with f32 grads.)  The fast path keeps a row's column accumulators in registers, 4 chunks a thread, and so
@@ -741,13 +740,13 @@ __device__ __noinline__ void generic_segment(const skargs<CAP> &A, const skmat &
 **   rows (wide_rows_segment): a warp takes a row's sum, with the column factors (c^2, or c u) cached in shared
 **        memory -- rows of more than WIDE_RED / 4 columns in blocks, the CTA's 16 rows at a time -- and sets r
 **        (SINK) or v, r v and the band scalars (POWER), as the fast path does for its rows;
-**   columns (wide_cols_kernel, launched after the sweep): every thread owns WIDE_KC chunks of a tile of
+**   columns (wide_cols_segment, the pass after the rows): every thread owns WIDE_KC chunks of a tile of
 **        WIDE_KC T_SWEEP chunks and adds r^2 G^2 (SINK) or (r v) G (POWER) over the band's rows into registers,
 **        WIDE_NR rows a step, then stores the band's partials for the fold.  It walks the band against the rows
 **        pass, so it starts on the rows that pass read last (still in L2).
 ** Sums keep a fixed order (deterministic); the fold and everything after it are the fast path's.  The cache of
-** column factors is what makes the rows pass stream: read from L1/L2 instead, a 2048 x 28672 bf16 step took
-** 0.67 ms, and 1024 x 57344 (past one block) 0.92 ms against 0.54. */
+** column factors is what makes the rows pass stream: with the factors read from L1/L2 instead, a 2048 x 28672
+** bf16 step took 0.67 ms against 0.54, and 1024 x 57344 0.92 against 0.64 in blocks. */
 #define WIDE_UNROLL 8                                     /* a lane's loads in flight in the rows pass */
 #define WIDE_RED   (SWEEP_SMEM - 256)                     /* the rows pass's band sums (f64); below, the cache */
 #define WIDE_KC    4                                      /* chunks a thread a column tile */
@@ -978,7 +977,6 @@ __global__ void __launch_bounds__(T_SWEEP, 1) sweep_kernel(const skargs<CAP> *__
     }
     if (wait) pdl_enter();
 }
-
 
 /* The wide path's passes (above), on the sweep's CTAs and ranges, wide matrices only: WIDE_PASS_ROWS right
 ** after the sweep (which skips them), WIDE_PASS_COLS after that. */
