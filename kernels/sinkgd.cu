@@ -754,7 +754,7 @@ __device__ __noinline__ void generic_segment(const skargs<CAP> &A, const skmat &
 
 template <class T, int KIND, int CAP>
 __device__ __noinline__ void wide_rows_segment(const skargs<CAP> &A, const skmat &M, const skscr &S, int band,
-                                               int64_t la, int64_t lb, bool rev, char *smem, bool wait)
+                                               int64_t la, int64_t lb, bool rev, char *smem)
 {
     constexpr int E = elems16<T>::n, U = WIDE_UNROLL;
     constexpr int64_t CB = WIDE_RED / 4;   /* columns a block of the cache (a multiple of 8) */
@@ -781,7 +781,6 @@ __device__ __noinline__ void wide_rows_segment(const skargs<CAP> &A, const skmat
             cvs[j - j0] = f;
         }
     };
-    if (wait) pdl_enter();   /* c and u come from the previous passes */
     if (nblk == 1) {
         __syncthreads();     /* the previous segment's readers of the cache are done */
         fill(0);
@@ -873,7 +872,7 @@ __device__ __noinline__ void wide_rows_segment(const skargs<CAP> &A, const skmat
     __syncthreads();   /* the cache and the reductions' shared memory are free for the next segment */
 }
 
-template <class T, int KIND, int CAP>
+template <class T, int KIND>
 __device__ __noinline__ void wide_cols_segment(const skmat &M, const skscr &S, int band, int64_t la, int64_t lb,
                                                bool rev)
 {
@@ -1005,15 +1004,15 @@ __global__ void __launch_bounds__(T_SWEEP, 1) wide_kernel(const skargs<CAP> *__r
         const int band = (int)blockIdx.x - M.band0;
         if (PASS == WIDE_PASS_ROWS) {
             switch (M.gdt) {
-            case MS_DTYPE_BF16: wide_rows_segment<__nv_bfloat16, KIND>(A, M, S, band, sa, sb, rev, smem, false); break;
-            case MS_DTYPE_F16:  wide_rows_segment<__half, KIND>(A, M, S, band, sa, sb, rev, smem, false); break;
-            default:            wide_rows_segment<float, KIND>(A, M, S, band, sa, sb, rev, smem, false); break;
+            case MS_DTYPE_BF16: wide_rows_segment<__nv_bfloat16, KIND>(A, M, S, band, sa, sb, rev, smem); break;
+            case MS_DTYPE_F16:  wide_rows_segment<__half, KIND>(A, M, S, band, sa, sb, rev, smem); break;
+            default:            wide_rows_segment<float, KIND>(A, M, S, band, sa, sb, rev, smem); break;
             }
         } else {
             switch (M.gdt) {
-            case MS_DTYPE_BF16: wide_cols_segment<__nv_bfloat16, KIND, CAP>(M, S, band, sa, sb, rev); break;
-            case MS_DTYPE_F16:  wide_cols_segment<__half, KIND, CAP>(M, S, band, sa, sb, rev); break;
-            default:            wide_cols_segment<float, KIND, CAP>(M, S, band, sa, sb, rev); break;
+            case MS_DTYPE_BF16: wide_cols_segment<__nv_bfloat16, KIND>(M, S, band, sa, sb, rev); break;
+            case MS_DTYPE_F16:  wide_cols_segment<__half, KIND>(M, S, band, sa, sb, rev); break;
+            default:            wide_cols_segment<float, KIND>(M, S, band, sa, sb, rev); break;
             }
         }
     }
