@@ -12,7 +12,7 @@
 **           G^T (r v) from the same rows; the fold makes w, sigma and the next u (the last CTA of a matrix, told
 **           by an integer ticket, does the O(n) vector work); a degenerate u restarts the step (a second pass
 **           that every other matrix skips at once).
-**   wide    rows too long for a sweep's registers (dense, beyond 4 T_SWEEP chunks: bf16 n > 16384, f32 n > 8192)
+**   wide    rows too long for a sweep's registers (dense, bf16/f16 n > 16384, f32 n > 16384)
 **           take two passes an iteration instead of the sweep: the rows' sums, then the column partials
 **           (wide_kernel); the fold and the rest are the same.
 **   sums    (sphere) ||W||^2, <W, X>, ||X||^2 in f64, one pass over G and p.
@@ -334,11 +334,13 @@ __device__ __forceinline__ void store_band_scalars(double vv, double ff, double 
 
 /* --- the sweep: one CTA's band of a matrix ---------------------------------------------------------------
 ** The fast path (G dense, 16-byte aligned, n a multiple of E = 16 / sizeof(T), at most 4 * T_SWEEP chunks of E
-** per row).  A row is C = n / E chunks.  The threads form P = T_SWEEP / Cp row lanes of Cp threads (Cp a power
+** per row, 8 * T_SWEEP for f32).  A row is C = n / E chunks.  The threads form P = T_SWEEP / Cp row lanes of Cp threads (Cp a power
 ** of two up to 32, else a multiple of 32); thread kap of a lane takes chunks kap + Cp k, k < K, of R = 4 / K
 ** rows: K = 4 (Cp >= C / 4) whenever C >= 4, so a row's sum across its lane and its scale update are paid once
 ** per 4 chunks; K = 2 (2 rows) instead when the call's G fits in L2 and C <= 2 T_SWEEP (plan_chunk says why);
-** K = 1 with R = 4 rows a lane for rows of fewer than 4 chunks.  A group is P R rows (about 32 KiB); lane
+** K = 1 with R = 4 rows a lane for rows of fewer than 4 chunks; K = 8 (one row, one lane, in two stages) for f32
+** rows of more than 4 T_SWEEP chunks, whose 32 elements a thread cost the registers bf16's K = 4 does.  A
+** group is P R rows (about 32 KiB); lane
 ** rho takes rows rho + P r.  Each thread copies exactly the chunks it later reads (its 4 slots of a stage), so
 ** the ring needs no barrier; the only one per group is the row sums' exchange across warps.
 ** SINK:  S_i = sum_j G_ij^2 c_j^2, r_i <- sqrt(n) r_i / max(r_i sqrt(S_i), eps) (S_i = 0: r_i kept); column
@@ -400,7 +402,10 @@ template <class T, int K, int KIND, int CAP>
 __device__ __noinline__ void fast_segment(const skargs<CAP> &A, const skmat &M, const skscr &S, int band, int64_t la,
                                           int64_t lb, bool rev, char *smem, bool wait)
 {
-    constexpr int E = elems16<T>::n, R = SLOTS / K;
+    /* K = 8 (f32 rows of 2049-4096 chunks): a group is one row a lane in H = 2 stages of 4 chunks a thread, its
+    ** row sum finished after the second; G (or G^2) of the first stays in registers, since its slot is refilled
+    ** while the second is worked on */
+    constexpr int E = elems16<T>::n, H = K > SLOTS ? K / SLOTS : 1, KS = K / H, R = K > SLOTS ? 1 : SLOTS / K;
     const int t = threadIdx.x;
     const int Cp = M.Cp, P = M.P, GR = M.GR;
     const int rho = t / Cp, kap = t - rho * Cp;
@@ -432,32 +437,34 @@ __device__ __noinline__ void fast_segment(const skargs<CAP> &A, const skmat &M, 
     int irow = row0;                                               /* ... in the group issued next */
     const unsigned sbase = (unsigned)__cvta_generic_to_shared(smem) + (unsigned)t * 16u;
     const unsigned rbase = (unsigned)__cvta_generic_to_shared(smem + STAGES * STAGE_BYTES) + (unsigned)rho * 4u;
-    auto issue = [&](int istage, int irslot) {
+    /* stage h of a group (its chunks h KS .. h KS + KS - 1); the row scales with the first */
+    auto issue = [&](int istage, int irslot, int h) {
         const unsigned sd = sbase + (unsigned)(istage * STAGE_BYTES);
         const T *src = g + (int64_t)irow * ni + kofs;
 #pragma unroll
         for (int r = 0; r < R; r++) {
             const bool rv = on && irow + P * r < mi;
 #pragma unroll
-            for (int k = 0; k < K; k++) {
-                const bool ok = rv && ((kmask >> k) & 1u);
+            for (int k = 0; k < KS; k++) {
+                const int kk = h * KS + k;
+                const bool ok = rv && ((kmask >> kk) & 1u);
                 /* (a copy that reads nothing still gets a valid address) */
-                asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(sd + (unsigned)((r * K + k) * T_SWEEP * 16)),
-                             "l"(ok ? src + (int64_t)(P * r) * ni + Cp * k * E : g), "r"(ok ? 16 : 0)
+                asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(sd + (unsigned)((r * KS + k) * T_SWEEP * 16)),
+                             "l"(ok ? src + (int64_t)(P * r) * ni + Cp * kk * E : g), "r"(ok ? 16 : 0)
                              : "memory");
             }
-            if (need_rs && kap == 0)   /* one copy a row, by its first lane */
+            if (need_rs && kap == 0 && h == 0)   /* one copy a row, by its first lane */
                 asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(rbase + (unsigned)(irslot * RSLOT + r * P * 4)),
                              "l"(rvec + (rv ? irow + P * r : 0)), "r"(rv ? 4 : 0)
                              : "memory");
         }
-        irow += rstep;
+        if (h == H - 1) irow += rstep;
     };
 
     double vv = 0, ff = 0;
 #pragma unroll 1
     for (int s = 0; s < STAGES - 1; s++) {
-        if (s < ng) issue(s, s);
+        if (s < H * ng) issue(s, s / H, s % H);
         cp_commit();
     }
     if (wait) pdl_enter();   /* (the first groups and their r were written before the previous pass; c and u by it) */
@@ -495,73 +502,91 @@ __device__ __noinline__ void fast_segment(const skargs<CAP> &A, const skmat &M, 
 
     int crow = row0;   /* the thread's first row in the group consumed */
     int cstage = 0, crslot = 0;
+    /* Between the row sums and the column accumulators SINK keeps the group's G^2 in registers (one square an
+    ** element; c^2 comes from shared memory to make room for it); POWER reads shared memory again, save with
+    ** H = 2, whose first stage is refilled before then (G in registers) */
+    constexpr bool keep_z = KIND == K_SINK || H > 1;
 #pragma unroll 1
     for (int q = 0; q < ng; q++) {
-        /* group q + STAGES - 1 goes to the stage consumed just before this one, its row scales STAGES - 1 slots on */
-        if (q + STAGES - 1 < ng)
-            issue(cstage == 0 ? STAGES - 1 : cstage - 1, crslot >= 2 ? crslot - 2 : crslot + STAGES - 1);   /* (c + S - 1) mod S, (c + S - 1) mod (S + 1) */
-        cp_commit();
-        cp_wait<STAGES - 1>();   /* this thread's copies of group q have landed (zeros where out of range) */
-        const char *st = smem + cstage * STAGE_BYTES;
-        auto chunk = [&](int r, int k) { return *(const uint4 *)(st + ((r * K + k) * T_SWEEP + t) * 16); };
-        /* Between the row sums and the column accumulators SINK keeps the group's G^2 in registers (one square an
-        ** element; c^2 comes from shared memory to make room for it); POWER reads shared memory again */
-        constexpr bool keep_z = KIND == K_SINK;
         float z[keep_z ? R : 1][keep_z ? K : 1][keep_z ? E : 1];
         float rs[R], ps[R], pf[R];
+        float pk[R][K], fk[R][K];   /* one chain per chunk: K independent FMA chains, added as a fixed tree */
+        const char *st = smem;
+        auto chunk = [&](int r, int k) { return *(const uint4 *)(st + ((r * KS + k) * T_SWEEP + t) * 16); };
 #pragma unroll
-        for (int r = 0; r < R; r++) {
-            float pk[K], fk[K];   /* one chain per chunk: K independent FMA chains, added as a fixed tree */
+        for (int h = 0; h < H; h++) {
+            /* stage H q + h + STAGES - 1 (half a = (h + STAGES - 1) mod H of group q + d, d = (h + STAGES - 1) / H)
+            ** goes to the slot consumed just before this one, its row scales d slots on */
+            const int a = (h + STAGES - 1) % H, d = (h + STAGES - 1) / H;
+            const int hs = h == 0 ? cstage : cstage + h >= STAGES ? cstage + h - STAGES : cstage + h;   /* its slot */
+            if (H * q + h + STAGES - 1 < H * ng)
+                issue(hs == 0 ? STAGES - 1 : hs - 1, crslot + d >= STAGES + 1 ? crslot + d - (STAGES + 1) : crslot + d, a);
+            cp_commit();
+            cp_wait<STAGES - 1>();   /* this thread's copies of the half have landed (zeros where out of range) */
+            st = smem + hs * STAGE_BYTES;
 #pragma unroll
-            for (int k = 0; k < K; k++) {
-                float x[E], cv[E];
+            for (int r = 0; r < R; r++) {
 #pragma unroll
-                for (int f = 0; f < E / 4; f++) {
-                    const float4 c = cvs[(k * (E / 4) + f) * T_SWEEP + t];
-                    cv[4 * f] = c.x;
-                    cv[4 * f + 1] = c.y;
-                    cv[4 * f + 2] = c.z;
-                    cv[4 * f + 3] = c.w;
-                }
-                const uint4 w = chunk(r, k);
-                unpack(w, x, (const T *)0);
-                pk[k] = 0;
-                fk[k] = 0;
-                float sq[E];
-                if constexpr (keep_z && std::is_same<T, __nv_bfloat16>::value) {
-                    /* bf16: the squares straight from the packed words in one asm block -- written as x * x, ptxas
-                    ** recomputed them from the words in the column pass (two unpacks and squares an element) */
-                    const uint32_t wd[4] = { w.x, w.y, w.z, w.w };
+                for (int k0 = 0; k0 < KS; k0++) {
+                    const int k = h * KS + k0;
+                    float x[E], cv[E];
 #pragma unroll
-                    for (int h = 0; h < 4; h++)
-                        asm("{\n\t.reg .b32 lo, hi;\n\tshl.b32 lo, %2, 16;\n\tand.b32 hi, %2, 0xffff0000;\n\t"
-                            "mul.f32 %0, lo, lo;\n\tmul.f32 %1, hi, hi;\n}\n"
-                            : "=f"(sq[2 * h]), "=f"(sq[2 * h + 1])
-                            : "r"(wd[h]));
-                } else {
+                    for (int f = 0; f < E / 4; f++) {
+                        const float4 c = cvs[(k * (E / 4) + f) * T_SWEEP + t];
+                        cv[4 * f] = c.x;
+                        cv[4 * f + 1] = c.y;
+                        cv[4 * f + 2] = c.z;
+                        cv[4 * f + 3] = c.w;
+                    }
+                    const uint4 w = chunk(r, k0);
+                    unpack(w, x, (const T *)0);
+                    pk[r][k] = 0;
+                    fk[r][k] = 0;
+                    float sq[E];
+                    if constexpr (KIND == K_SINK && std::is_same<T, __nv_bfloat16>::value) {
+                        /* bf16: the squares straight from the packed words in one asm block -- written as x * x,
+                        ** ptxas recomputed them from the words in the column pass (two unpacks and squares an
+                        ** element) */
+                        const uint32_t wd[4] = { w.x, w.y, w.z, w.w };
 #pragma unroll
-                    for (int e = 0; e < E; e++) sq[e] = x[e] * x[e];
-                }
-#pragma unroll
-                for (int e = 0; e < E; e++) {
-                    if constexpr (KIND == K_SINK) {   /* (G c)^2 = G^2 c^2, (r G)^2 = r^2 G^2 */
-                        z[r][k][e] = sq[e];
-                        pk[k] = fmaf(sq[e], cv[e], pk[k]);
+                        for (int hw = 0; hw < 4; hw++)
+                            asm("{\n\t.reg .b32 lo, hi;\n\tshl.b32 lo, %2, 16;\n\tand.b32 hi, %2, 0xffff0000;\n\t"
+                                "mul.f32 %0, lo, lo;\n\tmul.f32 %1, hi, hi;\n}\n"
+                                : "=f"(sq[2 * hw]), "=f"(sq[2 * hw + 1])
+                                : "r"(wd[hw]));
                     } else {
-                        pk[k] = fmaf(x[e], cv[e], pk[k]);
-                        if (want_ff) fk[k] = fmaf(x[e], x[e], fk[k]);
+#pragma unroll
+                        for (int e = 0; e < E; e++) sq[e] = x[e] * x[e];
+                    }
+#pragma unroll
+                    for (int e = 0; e < E; e++) {
+                        if constexpr (KIND == K_SINK) {   /* (G c)^2 = G^2 c^2, (r G)^2 = r^2 G^2 */
+                            z[r][k][e] = sq[e];
+                            pk[r][k] = fmaf(sq[e], cv[e], pk[r][k]);
+                        } else {
+                            if constexpr (keep_z) z[r][k][e] = x[e];
+                            pk[r][k] = fmaf(x[e], cv[e], pk[r][k]);
+                            if (want_ff) fk[r][k] = fmaf(x[e], x[e], fk[r][k]);
+                        }
                     }
                 }
-            }
-            if constexpr (K == 4) {
-                ps[r] = (pk[0] + pk[1 % K]) + (pk[2 % K] + pk[3 % K]);
-                pf[r] = (fk[0] + fk[1 % K]) + (fk[2 % K] + fk[3 % K]);
-            } else if constexpr (K == 2) {
-                ps[r] = pk[0] + pk[1 % K];
-                pf[r] = fk[0] + fk[1 % K];
-            } else {
-                ps[r] = pk[0];
-                pf[r] = fk[0];
+                if (h == H - 1) {   /* the row's chains, added as a fixed tree */
+                    if constexpr (K == 8) {
+                        ps[r] = ((pk[r][0] + pk[r][1 % K]) + (pk[r][2 % K] + pk[r][3 % K])) +
+                                ((pk[r][4 % K] + pk[r][5 % K]) + (pk[r][6 % K] + pk[r][7 % K]));
+                        pf[r] = ((fk[r][0] + fk[r][1 % K]) + (fk[r][2 % K] + fk[r][3 % K])) +
+                                ((fk[r][4 % K] + fk[r][5 % K]) + (fk[r][6 % K] + fk[r][7 % K]));
+                    } else if constexpr (K == 4) {
+                        ps[r] = (pk[r][0] + pk[r][1 % K]) + (pk[r][2 % K] + pk[r][3 % K]);
+                        pf[r] = (fk[r][0] + fk[r][1 % K]) + (fk[r][2 % K] + fk[r][3 % K]);
+                    } else if constexpr (K == 2) {
+                        ps[r] = pk[r][0] + pk[r][1 % K];
+                        pf[r] = fk[r][0] + fk[r][1 % K];
+                    } else {
+                        ps[r] = pk[r][0];
+                        pf[r] = fk[r][0];
+                    }
+                }
             }
         }
         row_sums<R>(ps, pf, want_ff, Cp, P, rho, on, red + (int)(q & 1) * 2 * SLOTS * WARPS);
@@ -607,7 +632,7 @@ __device__ __noinline__ void fast_segment(const skargs<CAP> &A, const skmat &M, 
                 }
             }
         crow += rstep;
-        cstage = cstage + 1 == STAGES ? 0 : cstage + 1;
+        cstage = H == 1 ? (cstage + 1 == STAGES ? 0 : cstage + 1) : cstage + H >= STAGES ? cstage + H - STAGES : cstage + H;
         crslot = crslot + 1 == STAGES + 1 ? 0 : crslot + 1;
     }
     cp_wait<0>();
@@ -731,10 +756,9 @@ __device__ __noinline__ void generic_segment(const skargs<CAP> &A, const skmat &
     __syncthreads();   /* the reductions' shared memory is free for the next segment */
 }
 
-/* --- the wide path: dense rows longer than the fast path's 4 T_SWEEP chunks --------------------------------
-** (bf16 and f16 rows of more than 16384 elements, f32 of more than 8192: a Llama-3-70B down projection, an 8B one
-** with f32 grads.)  The fast path keeps a row's column accumulators in registers, 4 chunks a thread, and so
-** cannot hold these rows; the generic path read-modify-writes the partials in global memory a row at a time
+/* --- the wide path: dense rows longer than the fast path's (32 elements a thread) ----------------------------
+** (bf16, f16 and f32 rows of more than 16384 elements: a Llama-3-70B down projection.)  The fast path keeps a
+** row's column accumulators in registers, 32 elements a thread, and so cannot hold these rows; the generic path read-modify-writes the partials in global memory a row at a time
 ** (~0.6 TB/s: a 2048 x 28672 bf16 step took 1.53 ms, 0.54 here; bench/RESULTS.md, thirteenth session).  Here
 ** an iteration is two passes over G, each streamed at full width:
 **   rows (wide_rows_segment): a warp takes a row's sum, with the column factors (c^2, or c u) cached in shared
@@ -931,17 +955,20 @@ __device__ __noinline__ void wide_cols_segment(const skmat &M, const skscr &S, i
     }
 }
 
-template <class T, int KIND, int CAP>
+template <class T, int KIND, bool K8, int CAP>
 __device__ __forceinline__ void sweep_typed(const skargs<CAP> &A, const skmat &M, const skscr &S, int band, int64_t la,
                                             int64_t lb, bool rev, char *smem, bool wait)
 {
     if (!M.fast) generic_segment<T, KIND>(A, M, S, band, la, lb, rev, smem, wait);
     else if (M.K == 1) fast_segment<T, 1, KIND>(A, M, S, band, la, lb, rev, smem, wait);
     else if (M.K == 2) fast_segment<T, 2, KIND>(A, M, S, band, la, lb, rev, smem, wait);
+    else if (K8 && sizeof(T) == 4 && M.K == 8) fast_segment<float, 8, KIND>(A, M, S, band, la, lb, rev, smem, wait);
     else fast_segment<T, 4, KIND>(A, M, S, band, la, lb, rev, smem, wait);
 }
 
-template <int CAP, int KIND>
+/* K8: the call has f32 rows of K = 8 (plan_chunk).  Their map lives in a kernel of its own: in the same kernel,
+** ptxas allocated the other maps differently (the bf16 POWER K = 4 segment +17 instructions). */
+template <int CAP, int KIND, bool K8 = false>
 __global__ void __launch_bounds__(T_SWEEP, 1) sweep_kernel(const skargs<CAP> *__restrict__ tables, int flags)
 {
     /* Early (pdl_enter's comment) in calls of up to SMALL_CAP matrices; a restart pass reads the previous fold's
@@ -968,9 +995,9 @@ __global__ void __launch_bounds__(T_SWEEP, 1) sweep_kernel(const skargs<CAP> *__
         if (sb <= sa) continue;   /* a sharded rank's matrix without rows here */
         const int band = (int)blockIdx.x - M.band0;
         switch (M.gdt) {
-        case MS_DTYPE_BF16: sweep_typed<__nv_bfloat16, KIND>(A, M, S, band, sa - M.g0, sb - M.g0, rev, smem, wait); break;
-        case MS_DTYPE_F16:  sweep_typed<__half, KIND>(A, M, S, band, sa - M.g0, sb - M.g0, rev, smem, wait); break;
-        default:            sweep_typed<float, KIND>(A, M, S, band, sa - M.g0, sb - M.g0, rev, smem, wait); break;
+        case MS_DTYPE_BF16: sweep_typed<__nv_bfloat16, KIND, K8>(A, M, S, band, sa - M.g0, sb - M.g0, rev, smem, wait); break;
+        case MS_DTYPE_F16:  sweep_typed<__half, KIND, K8>(A, M, S, band, sa - M.g0, sb - M.g0, rev, smem, wait); break;
+        default:            sweep_typed<float, KIND, K8>(A, M, S, band, sa - M.g0, sb - M.g0, rev, smem, wait); break;
         }
         wait = false;
     }
@@ -1995,6 +2022,8 @@ template <int CAP, int KIND> static cudaError_t sweep_setup()
     if (done[slot]) return cudaSuccess;
     cudaError_t e = cudaFuncSetAttribute(sweep_kernel<CAP, KIND>, cudaFuncAttributeMaxDynamicSharedMemorySize, SWEEP_SMEM);
     if (e == cudaSuccess)
+        e = cudaFuncSetAttribute(sweep_kernel<CAP, KIND, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, SWEEP_SMEM);
+    if (e == cudaSuccess)
         e = cudaFuncSetAttribute(wide_kernel<CAP, KIND, WIDE_PASS_ROWS>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                  SWEEP_SMEM);
     if (e == cudaSuccess)
@@ -2145,8 +2174,10 @@ static int64_t plan_chunk(int cnt, const msk_sinkgd_mat *mm, int maxgrid, char *
         const int es = dtype_size(a.gdt), E = 16 / es;
         const bool dense = a.cs == 1 && (a.rs == a.n || a.m == 1);
         const bool streamable = dim != MSK_SHARD_COLS && dense && aligned16(a.g) && a.n % E == 0;
-        x.fast = streamable && a.n / E <= 4 * T_SWEEP && a.m < INT32_MAX;   /* (32-bit rows) */
-        x.wide = streamable && a.n / E > 4 * T_SWEEP;
+        /* the fast path's rows: 4 chunks a thread a row (32 elements of 16 bits), 8 for f32 (32 elements too) */
+        const int64_t fast_chunks = (es == 4 ? 8 : 4) * (int64_t)T_SWEEP;
+        x.fast = streamable && a.n / E <= fast_chunks && a.m < INT32_MAX;   /* (32-bit rows) */
+        x.wide = streamable && a.n / E > fast_chunks;
         x.pvec = dense && aligned16(a.g) && aligned16(a.p) && a.n > 0 && a.n % 8 == 0 &&
                  a.m * a.n / 8 < ((int64_t)1 << 31);
         if (dim == MSK_SHARD_COLS) {
@@ -2156,7 +2187,11 @@ static int64_t plan_chunk(int cnt, const msk_sinkgd_mat *mm, int maxgrid, char *
             ** reduction and scale update are paid once per 32 elements, not per 8.  When G fits in L2 (above),
             ** rows of at most 2 T_SWEEP chunks take them as 2 chunks of 2 rows (K = 2): fewer registers. */
             const int C = (int)(a.n / E);
-            if (C >= 4) {
+            if (C > 4 * T_SWEEP) {   /* f32 rows of 2049-4096 chunks: 8 a thread, over two stages */
+                const int cp = (C + 7) / 8;
+                x.K = 8;
+                x.Cp = (int16_t)((cp + 31) / 32 * 32);
+            } else if (C >= 4) {
                 const int k = (kforce ? kforce == 2 : in_l2) && C <= 2 * T_SWEEP ? 2 : 4, cp = (C + k - 1) / k;
                 x.K = (int8_t)k;
                 x.Cp = (int16_t)(cp <= 32 ? pow2ceil(cp) : (cp + 31) / 32 * 32);
@@ -2165,7 +2200,7 @@ static int64_t plan_chunk(int cnt, const msk_sinkgd_mat *mm, int maxgrid, char *
                 x.Cp = (int16_t)pow2ceil(C);
             }
             x.P = (int16_t)(T_SWEEP / x.Cp);
-            x.GR = (int16_t)(x.P * (SLOTS / x.K));
+            x.GR = (int16_t)(x.P * (x.K > SLOTS ? 1 : SLOTS / x.K));
         } else {
             int64_t rows = GROUP_BYTES / (a.n * es);
             x.GR = (int16_t)(rows < 1 ? 1 : rows > 1024 ? 1024 : rows);
@@ -2280,6 +2315,14 @@ template <int CAP> static bool any_wide(const skargs<CAP> &a, bool wide)
     return false;
 }
 
+/* the sweep kernel for the chunk: the one with the K = 8 map when a matrix takes it */
+template <int CAP, int KIND> static void (*sweep_for(const skargs<CAP> &a))(const skargs<CAP> *, int)
+{
+    for (int k = 0; k < a.nmat; k++)
+        if (a.m[k].fast && a.m[k].K == 8) return sweep_kernel<CAP, KIND, true>;
+    return sweep_kernel<CAP, KIND>;
+}
+
 /* The launch sequence of one chunk (moonstep.h's step, pass by pass). */
 template <int CAP>
 static ms_status run_chunk(ms_ctx *ctx, cudaStream_t s, const msk_sinkgd *o, int cnt, const msk_sinkgd_mat *mm,
@@ -2316,7 +2359,7 @@ static ms_status run_chunk(ms_ctx *ctx, cudaStream_t s, const msk_sinkgd *o, int
     /* a sweep of the fast and generic matrices, then the wide ones' two passes */
     auto sweep = [&](int kind, int flags, const char *what, const char *wide_what) {
         const bool sink = kind == K_SINK;
-        if (narrow) go(sink ? sweep_kernel<CAP, K_SINK> : sweep_kernel<CAP, K_POWER>, flags, G, T_SWEEP, SWEEP_SMEM, what);
+        if (narrow) go(sink ? sweep_for<CAP, K_SINK>(*a) : sweep_for<CAP, K_POWER>(*a), flags, G, T_SWEEP, SWEEP_SMEM, what);
         if (wide) {
             go(sink ? wide_kernel<CAP, K_SINK, WIDE_PASS_ROWS> : wide_kernel<CAP, K_POWER, WIDE_PASS_ROWS>, flags, G,
                T_SWEEP, SWEEP_SMEM, wide_what);
@@ -2496,7 +2539,7 @@ static ms_status run_sharded(ms_ctx *ctx, cudaStream_t s, const msk_sinkgd *o, i
     auto rows = [&]() {
         for (int k = 1; k <= o->iters; k++) {
             const int fl = (k == 1 ? FL_FIRST : 0) | (k == o->iters && spectral ? FL_LAST : 0);
-            go(sweep_kernel<CAP, K_SINK>, fl | (rev ? FL_REV : 0), G, T_SWEEP, SWEEP_SMEM, "sinkgd sweep");
+            go(sweep_for<CAP, K_SINK>(*a), fl | (rev ? FL_REV : 0), G, T_SWEEP, SWEEP_SMEM, "sinkgd sweep");
             if (wide) {
                 go(wide_kernel<CAP, K_SINK, WIDE_PASS_ROWS>, fl | (rev ? FL_REV : 0), G, T_SWEEP, SWEEP_SMEM,
                    "sinkgd wide rows");
@@ -2513,7 +2556,7 @@ static ms_status run_sharded(ms_ctx *ctx, cudaStream_t s, const msk_sinkgd *o, i
                 const int fl = unit | (k == o->sn_iters - 1 ? FL_LAST : 0);
                 for (int redo = 0; redo < 2; redo++) {   /* the step, then its restart (every other matrix skips) */
                     const int f = fl | (redo ? FL_REDO : 0);
-                    go(sweep_kernel<CAP, K_POWER>, f | (rev != (redo == 1) ? FL_REV : 0), G, T_SWEEP, SWEEP_SMEM,
+                    go(sweep_for<CAP, K_POWER>(*a), f | (rev != (redo == 1) ? FL_REV : 0), G, T_SWEEP, SWEEP_SMEM,
                        redo ? "sinkgd power restart" : "sinkgd power");
                     if (wide) {
                         const int fw = f | (rev != (redo == 1) ? FL_REV : 0);

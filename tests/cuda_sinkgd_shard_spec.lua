@@ -298,7 +298,8 @@ local SPECS = {
   { shape = { 3, 40, 64 }, dt = "f32" },                 -- 3-D: three matrices
   { shape = { 33, 12 }, pdt = "bf16", gdt = "f32" },     -- generic path, mixed dtypes
   { shape = { 64, 1024 }, dt = "bf16" },                 -- K = 4
-  { shape = { 20, 9000 }, dt = "f32" },                  -- the wide path (rows beyond 4 x 512 chunks)
+  { shape = { 20, 9000 }, dt = "f32" },                  -- f32 K = 8 (a row in two ring stages)
+  { shape = { 20, 16400 }, dt = "f32" },                 -- the wide path (rows beyond 16384 elements)
 }
 
 local CASES = {
@@ -323,7 +324,7 @@ describe("cuda ms_sinkgd_step_sharded on one rank", function()
       for _, with_comm in ipairs { true, false } do
         local dim = with_comm and ci % 2 == 0 and "none" or "rows"
         local A, B = pair(SPECS, c.mode, { dim }, 100 * ci)
-        local scales = { 0.5, 1.5, 1, 0.75, 1.25 }
+        local scales = { 0.5, 1.5, 1, 0.75, 1.25, 0.9 }
         for step = 1, 2 do
           local o = opts_of(c, step)
           o.stochastic_round = step == 2

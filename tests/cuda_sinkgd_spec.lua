@@ -1,7 +1,7 @@
 -- The CUDA SinkGD step (kernels/sinkgd.cu) and the CUDA 8-bit AdamW (kernels/adamw8.cu) against the CPU backend
 -- (engine/cpu/sinkgd.c, engine/cpu/adamw8.c) on the same fresh random inputs, through the C ABI, beyond the four
--- parity specs of tests/sinkgd_spec.lua: every thread map of the sweep (chunks per thread K = 1, 2, 4; row lanes
--- within a warp and across warps; the wide path for rows beyond 4 x 512 chunks; the generic path for odd widths
+-- parity specs of tests/sinkgd_spec.lua: every thread map of the sweep (chunks per thread K = 1, 2, 4, and 8 for
+-- f32; row lanes within a warp and across warps; the wide path for rows beyond 16384 elements; the generic path for odd widths
 -- and strided grads), f16 and mixed param/grad dtypes, matrices split over many CTAs and CTAs spanning matrices,
 -- non-contiguous grads, iters 0 and several power steps, zero and NaN gradients, a zero u and the restart of a
 -- degenerate u, device scalars and skip_t, stochastic rounding, bitwise reproducibility, groups larger than one
@@ -201,7 +201,9 @@ local PATHS = {
   { shape = { 8, 8192 }, dt = "bf16" },              -- K = 2 chunks a thread (G in L2), else 4
   { shape = { 4, 14336 }, dt = "bf16" },             -- K = 4 (the Llama MLP width)
   { shape = { 2, 20000 }, dt = "bf16" },             -- rows too long for the registers: the wide path
-  { shape = { 3, 9000 }, dt = "f32" },               -- f32 wide (2250 chunks of 4)
+  { shape = { 3, 9000 }, dt = "f32" },               -- f32 K = 8 (2250 chunks of 4, a row in two stages)
+  { shape = { 2, 16384 }, dt = "f32" },              -- f32 K = 8, every thread of the lane
+  { shape = { 2, 16400 }, dt = "f32" },              -- f32 wide (4100 chunks)
   { shape = { 2, 3, 16400 }, dt = "f16" },           -- wide experts
   { shape = { 2, 50000 }, dt = "bf16" },             -- wide, beyond one block of cached column factors
   { shape = { 3, 100008 }, dt = "f32" },             -- f32 wide, three blocks
@@ -298,14 +300,14 @@ describe("cuda ms_sinkgd_step", function()
     end
   end)
 
-  -- the wide path over many CTAs: each of 600 rows' sums is one CTA's, each band's column partials are a
-  -- columns pass's (kernels/sinkgd.cu, wide_rows_segment and wide_cols_kernel), with the fast path in the
+  -- the wide path over many CTAs: each of 300 rows' sums is one CTA's, each band's column partials are a
+  -- columns pass's (kernels/sinkgd.cu, wide_rows_segment and wide_cols_segment), with the fast path in the
   -- same call; iters 0 and 1 and the power restart's sweeps included
-  cuda_it("the wide path (rows beyond 4 x 512 chunks) over many bands, with a fast matrix, every mode and "
+  cuda_it("the wide path (rows beyond 16384 elements) over many bands, with a fast matrix, every mode and "
           .. "iters 0, 1 and 5", function()
     for _, mode in ipairs { "base", "spectral", "sphere" } do
       for _, iters in ipairs { 0, 1, 5 } do
-        local cm, gm = group({ { shape = { 600, 8200 }, dt = "f32" }, { shape = { 70, 16400 }, pdt = "f32", gdt = "bf16" },
+        local cm, gm = group({ { shape = { 300, 16400 }, dt = "f32" }, { shape = { 70, 16400 }, pdt = "f32", gdt = "bf16" },
                                { shape = { 256, 512 }, dt = "bf16" } }, mode)
         local o = { mode = mode, iters = iters, sn_iters = 2, target = "muon", lr = 0.05,
                     weight_decay = mode == "sphere" and 0 or 0.02, step = 1 }
@@ -319,6 +321,27 @@ describe("cuda ms_sinkgd_step", function()
           st, n = sinkgd_raw(GPU, { gm[1], gm[2] }, o)
           ok(st)
           assert.equals(3 * 5 + 2, n, "launches of a base step with wide matrices alone")
+        end
+      end
+    end
+  end)
+
+  -- f32 rows of 2049-4096 chunks (8193-16384 elements: a Llama down projection with f32 grads) take the sweep with
+  -- 8 chunks a thread, a row's sum finished over two ring stages (kernels/sinkgd.cu, fast_segment with K = 8):
+  -- rows over many bands, lanes of 384 and 512 threads, beside a K = 4 matrix; one sweep an iteration
+  cuda_it("f32 rows of 8193-16384 elements in the sweep (K = 8) over many bands, every mode and iters 0, 1 and 5",
+          function()
+    for _, mode in ipairs { "base", "spectral", "sphere" } do
+      for _, iters in ipairs { 0, 1, 5 } do
+        local cm, gm = group({ { shape = { 500, 12000 }, dt = "f32" }, { shape = { 2, 130, 16384 }, pdt = "bf16", gdt = "f32" },
+                               { shape = { 256, 512 }, dt = "f32" } }, mode)
+        local o = { mode = mode, iters = iters, sn_iters = 2, target = "muon", lr = 0.05,
+                    weight_decay = mode == "sphere" and 0 or 0.02, step = 1 }
+        step_and_compare(cm, gm, o, nil, ("%s iters %d f32 K = 8"):format(mode, iters))
+        if mode == "base" and iters == 5 then
+          local st, n = sinkgd_raw(GPU, gm, o)
+          ok(st)
+          assert.equals(2 * 5 + 2, n, "launches of a base step: a sweep and a fold an iteration, the apply, the tables")
         end
       end
     end
