@@ -3,8 +3,9 @@ bench/sinkgd_bench.lua -- the CUDA SinkGD step (ms.sinkgd_step, kernels/sinkgd.c
 host: bf16 params and grads, sinkhorn_iters 5, base and spectral modes (unit target, 1 power step), on the shapes
 of issue 5 and on the whole Llama-3-8B matrix set as one step.
 
-  build/moonstep bench/sinkgd_bench.lua [results.json] [shape,shape,...|none] [set|noset]
-  (a shape "MxN" is bf16; "f32:MxN" or "f16:MxN" gives params and grads that dtype)
+  build/moonstep bench/sinkgd_bench.lua [results.json] [shape,shape,...|none] [set|f32set|noset]
+  (a shape "MxN" is bf16; "f32:MxN" or "f16:MxN" gives params and grads that dtype; f32set: the Llama set with f32
+  params and grads, as an AMP run has them, instead of bf16)
   python3 bench/torch_baselines/sinkgd.py ...        -- the pinned PyTorch baselines, own process
 
 Method (DESIGN.md, "Performance"): CUDA events around R back-to-back steps, median of 7 trials after a warm-up
@@ -31,6 +32,7 @@ local ffi = core.ffi
 local out_path = arg and arg[1]
 local shape_arg = arg and arg[2] or "2048x2048,4096x4096,1024x4096,14336x4096,4096x14336,8x1408x2048"
 local want_set = not (arg and arg[3] == "noset")
+local set_dtype = arg and arg[3] == "f32set" and "f32" or "bf16"
 assert(ms.device_count("cuda") > 0, "sinkgd_bench: no CUDA device")
 local ctx = ms.context { device = "cuda" }
 local h = tensor.handle_ctx(ctx)
@@ -133,12 +135,13 @@ if want_set then
                   { 4096, 14336 } }
   local shapes = {}
   for _ = 1, 32 do for _, s in ipairs(layer) do shapes[#shapes + 1] = s end end
-  local s = make_set(shapes)
+  local s = make_set(shapes, set_dtype)
   local bytes = 0
-  for _, sh in ipairs(shapes) do bytes = bytes + sh[1] * sh[2] * 2 end
+  for _, sh in ipairs(shapes) do bytes = bytes + sh[1] * sh[2] * (set_dtype == "f32" and 4 or 2) end
   local t = time_each({ function() step(s, "base") end, function() step(s, "spectral") end }, 3, 6)
-  record("llama3-8b set (224)", bytes / 1e6, "base", t[1], floor_ms(bytes, bytes, "base"), 1)
-  record("llama3-8b set (224)", bytes / 1e6, "spectral", t[2], floor_ms(bytes, bytes, "spectral"), 1)
+  local name = set_dtype == "f32" and "llama3-8b set f32 (224)" or "llama3-8b set (224)"
+  record(name, bytes / 1e6, "base", t[1], floor_ms(bytes, bytes, "base"), 1)
+  record(name, bytes / 1e6, "spectral", t[2], floor_ms(bytes, bytes, "spectral"), 1)
 end
 
 release_timer()
