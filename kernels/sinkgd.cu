@@ -441,6 +441,10 @@ __device__ __noinline__ void fast_segment(const skargs<CAP> &A, const skmat &M, 
     auto issue = [&](int istage, int irslot, int h) {
         const unsigned sd = sbase + (unsigned)(istage * STAGE_BYTES);
         const T *src = g + (int64_t)irow * ni + kofs;
+        if (H > 1) {   /* the half's chunks from one base: ptxas kept all 8 offsets live across the loop */
+            src += (int64_t)(h * KS) * Cp * E;
+            asm volatile("" : "+l"(src));
+        }
 #pragma unroll
         for (int r = 0; r < R; r++) {
             const bool rv = on && irow + P * r < mi;
@@ -450,7 +454,7 @@ __device__ __noinline__ void fast_segment(const skargs<CAP> &A, const skmat &M, 
                 const bool ok = rv && ((kmask >> kk) & 1u);
                 /* (a copy that reads nothing still gets a valid address) */
                 asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(sd + (unsigned)((r * KS + k) * T_SWEEP * 16)),
-                             "l"(ok ? src + (int64_t)(P * r) * ni + Cp * kk * E : g), "r"(ok ? 16 : 0)
+                             "l"(ok ? src + (int64_t)(P * r) * ni + Cp * (H > 1 ? k : kk) * E : g), "r"(ok ? 16 : 0)
                              : "memory");
             }
             if (need_rs && kap == 0 && h == 0)   /* one copy a row, by its first lane */
