@@ -300,30 +300,36 @@ describe("cuda ms_sinkgd_step", function()
     end
   end)
 
-  -- the wide path over many CTAs: each of 300 rows' sums is one CTA's, each band's column partials are a
-  -- columns pass's (kernels/sinkgd.cu, wide_rows_segment and wide_cols_segment), with the fast path in the
-  -- same call; iters 0 and 1 and the power restart's sweeps included
-  cuda_it("the wide path (rows beyond 16384 elements) over many bands, with a fast matrix, every mode and "
-          .. "iters 0, 1 and 5", function()
+  -- a group of shapes against the CPU in every mode with iters 0, 1 and 5 (the power restart's sweeps included);
+  -- launches(gm, o) checks the launch counts of its base step with 5 iterations
+  local function every_mode_and_iters(shapes, what, launches)
     for _, mode in ipairs { "base", "spectral", "sphere" } do
       for _, iters in ipairs { 0, 1, 5 } do
-        local cm, gm = group({ { shape = { 300, 16400 }, dt = "f32" }, { shape = { 70, 16400 }, pdt = "f32", gdt = "bf16" },
-                               { shape = { 256, 512 }, dt = "bf16" } }, mode)
+        local cm, gm = group(shapes, mode)
         local o = { mode = mode, iters = iters, sn_iters = 2, target = "muon", lr = 0.05,
                     weight_decay = mode == "sphere" and 0 or 0.02, step = 1 }
-        step_and_compare(cm, gm, o, nil, ("%s iters %d wide"):format(mode, iters))
-        if mode == "base" and iters == 5 then
-          -- an iteration: the sweep (the fast matrix), the wide rows and columns passes, the fold; a call of wide
-          -- matrices alone launches no sweep
-          local st, n = sinkgd_raw(GPU, gm, o)
-          ok(st)
-          assert.equals(4 * 5 + 2, n, "launches of a base step with wide and fast matrices")
-          st, n = sinkgd_raw(GPU, { gm[1], gm[2] }, o)
-          ok(st)
-          assert.equals(3 * 5 + 2, n, "launches of a base step with wide matrices alone")
-        end
+        step_and_compare(cm, gm, o, nil, ("%s iters %d %s"):format(mode, iters, what))
+        if mode == "base" and iters == 5 then launches(gm, o) end
       end
     end
+  end
+
+  -- the wide path over many CTAs: each of 300 rows' sums is one CTA's, each band's column partials are a
+  -- columns pass's (kernels/sinkgd.cu, wide_rows_segment and wide_cols_segment), with the fast path in the
+  -- same call
+  cuda_it("the wide path (rows beyond 16384 elements) over many bands, with a fast matrix, every mode and "
+          .. "iters 0, 1 and 5", function()
+    every_mode_and_iters({ { shape = { 300, 16400 }, dt = "f32" }, { shape = { 70, 16400 }, pdt = "f32", gdt = "bf16" },
+                           { shape = { 256, 512 }, dt = "bf16" } }, "wide", function(gm, o)
+      -- an iteration: the sweep (the fast matrix), the wide rows and columns passes, the fold; a call of wide
+      -- matrices alone launches no sweep
+      local st, n = sinkgd_raw(GPU, gm, o)
+      ok(st)
+      assert.equals(4 * 5 + 2, n, "launches of a base step with wide and fast matrices")
+      st, n = sinkgd_raw(GPU, { gm[1], gm[2] }, o)
+      ok(st)
+      assert.equals(3 * 5 + 2, n, "launches of a base step with wide matrices alone")
+    end)
   end)
 
   -- f32 rows of 2049-4096 chunks (8193-16384 elements: a Llama down projection with f32 grads) take the sweep with
@@ -331,20 +337,12 @@ describe("cuda ms_sinkgd_step", function()
   -- rows over many bands, lanes of 384 and 512 threads, beside a K = 4 matrix; one sweep an iteration
   cuda_it("f32 rows of 8193-16384 elements in the sweep (K = 8) over many bands, every mode and iters 0, 1 and 5",
           function()
-    for _, mode in ipairs { "base", "spectral", "sphere" } do
-      for _, iters in ipairs { 0, 1, 5 } do
-        local cm, gm = group({ { shape = { 500, 12000 }, dt = "f32" }, { shape = { 2, 130, 16384 }, pdt = "bf16", gdt = "f32" },
-                               { shape = { 256, 512 }, dt = "f32" } }, mode)
-        local o = { mode = mode, iters = iters, sn_iters = 2, target = "muon", lr = 0.05,
-                    weight_decay = mode == "sphere" and 0 or 0.02, step = 1 }
-        step_and_compare(cm, gm, o, nil, ("%s iters %d f32 K = 8"):format(mode, iters))
-        if mode == "base" and iters == 5 then
-          local st, n = sinkgd_raw(GPU, gm, o)
-          ok(st)
-          assert.equals(2 * 5 + 2, n, "launches of a base step: a sweep and a fold an iteration, the apply, the tables")
-        end
-      end
-    end
+    every_mode_and_iters({ { shape = { 500, 12000 }, dt = "f32" }, { shape = { 2, 130, 16384 }, pdt = "bf16", gdt = "f32" },
+                           { shape = { 256, 512 }, dt = "f32" } }, "f32 K = 8", function(gm, o)
+      local st, n = sinkgd_raw(GPU, gm, o)
+      ok(st)
+      assert.equals(2 * 5 + 2, n, "launches of a base step: a sweep and a fold an iteration, the apply, the tables")
+    end)
   end)
 
   cuda_it("takes transposed, row-sliced and permuted grads in place (the CPU's results)", function()
