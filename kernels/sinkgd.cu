@@ -334,14 +334,13 @@ __device__ __forceinline__ void store_band_scalars(double vv, double ff, double 
 
 /* --- the sweep: one CTA's band of a matrix ---------------------------------------------------------------
 ** The fast path (G dense, 16-byte aligned, n a multiple of E = 16 / sizeof(T), at most 4 * T_SWEEP chunks of E
-** per row, 8 * T_SWEEP for f32).  A row is C = n / E chunks.  The threads form P = T_SWEEP / Cp row lanes of Cp threads (Cp a power
-** of two up to 32, else a multiple of 32); thread kap of a lane takes chunks kap + Cp k, k < K, of R = 4 / K
-** rows: K = 4 (Cp >= C / 4) whenever C >= 4, so a row's sum across its lane and its scale update are paid once
-** per 4 chunks; K = 2 (2 rows) instead when the call's G fits in L2 and C <= 2 T_SWEEP (plan_chunk says why);
-** K = 1 with R = 4 rows a lane for rows of fewer than 4 chunks; K = 8 (one row, one lane, in two stages) for f32
-** rows of more than 4 T_SWEEP chunks, whose 32 elements a thread cost the registers bf16's K = 4 does.  A
-** group is P R rows (about 32 KiB); lane
-** rho takes rows rho + P r.  Each thread copies exactly the chunks it later reads (its 4 slots of a stage), so
+** per row, 8 * T_SWEEP for f32).  A row is C = n / E chunks.  The threads form P = T_SWEEP / Cp row lanes of Cp
+** threads (Cp a power of two up to 32, else a multiple of 32); thread kap of a lane takes chunks kap + Cp k, k < K,
+** of R = 4 / K rows: K = 4 (Cp >= C / 4) whenever C >= 4, so a row's sum across its lane and its scale update are
+** paid once per 4 chunks; K = 2 (2 rows) instead when the call's G fits in L2 and C <= 2 T_SWEEP (plan_chunk says
+** why); K = 1 with R = 4 rows a lane for rows of fewer than 4 chunks; K = 8 (one row, one lane, in two stages)
+** for f32 rows of more than 4 T_SWEEP chunks, whose 32 elements a thread cost the registers bf16's K = 4 does.
+** A group is P R rows (about 32 KiB); lane rho takes rows rho + P r.  Each thread copies exactly the chunks it later reads (its 4 slots of a stage), so
 ** the ring needs no barrier; the only one per group is the row sums' exchange across warps.
 ** SINK:  S_i = sum_j G_ij^2 c_j^2, r_i <- sqrt(n) r_i / max(r_i sqrt(S_i), eps) (S_i = 0: r_i kept); column
 **        partials of r_i^2 G_ij^2 (G^2 computed once for both).
@@ -762,8 +761,8 @@ __device__ __noinline__ void generic_segment(const skargs<CAP> &A, const skmat &
 
 /* --- the wide path: dense rows longer than the fast path's (32 elements a thread) ----------------------------
 ** (bf16, f16 and f32 rows of more than 16384 elements: a Llama-3-70B down projection.)  The fast path keeps a
-** row's column accumulators in registers, 32 elements a thread, and so cannot hold these rows; the generic path read-modify-writes the partials in global memory a row at a time
-** (~0.6 TB/s: a 2048 x 28672 bf16 step took 1.53 ms, 0.54 here; bench/RESULTS.md, thirteenth session).  Here
+** row's column accumulators in registers, 32 elements a thread, and so cannot hold these rows; the generic path
+** read-modify-writes the partials in global memory a row at a time (~0.6 TB/s: a 2048 x 28672 bf16 step took 1.53 ms, 0.54 here; bench/RESULTS.md, thirteenth session).  Here
 ** an iteration is two passes over G, each streamed at full width:
 **   rows (wide_rows_segment): a warp takes a row's sum, with the column factors (c^2, or c u) cached in shared
 **        memory -- rows of more than WIDE_RED / 4 columns in blocks, the CTA's 16 rows at a time -- and sets r

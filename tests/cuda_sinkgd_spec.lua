@@ -1,11 +1,11 @@
 -- The CUDA SinkGD step (kernels/sinkgd.cu) and the CUDA 8-bit AdamW (kernels/adamw8.cu) against the CPU backend
 -- (engine/cpu/sinkgd.c, engine/cpu/adamw8.c) on the same fresh random inputs, through the C ABI, beyond the four
 -- parity specs of tests/sinkgd_spec.lua: every thread map of the sweep (chunks per thread K = 1, 2, 4, and 8 for
--- f32; row lanes within a warp and across warps; the wide path for rows beyond 16384 elements; the generic path for odd widths
--- and strided grads), f16 and mixed param/grad dtypes, matrices split over many CTAs and CTAs spanning matrices,
--- non-contiguous grads, iters 0 and several power steps, zero and NaN gradients, a zero u and the restart of a
--- degenerate u, device scalars and skip_t, stochastic rounding, bitwise reproducibility, groups larger than one
--- launch table, the launch count, graph capture, and the pool's cache.  SinkGD is compared to one rounding of the
+-- f32; row lanes within a warp and across warps; the wide path for rows beyond 16384 elements; the generic path
+-- for odd widths and strided grads), f16 and mixed param/grad dtypes, matrices split over many CTAs and CTAs
+-- spanning matrices, non-contiguous grads, iters 0 and several power steps, zero and NaN gradients, a zero u and
+-- the restart of a degenerate u, device scalars and skip_t, stochastic rounding, bitwise reproducibility, groups
+-- larger than one launch table, the launch count, graph capture, and the pool's cache.  SinkGD is compared to one rounding of the
 -- stored param (the GPU sums in f32, the CPU in f64): |gpu - cpu| <= 1 ulp + 1e-5 of the largest update.  8-bit
 -- AdamW is compared bit for bit.
 -- Every spec is a cuda_it: pending where no GPU is present.
