@@ -58,11 +58,13 @@ do
   core.check(C.ms_ctx_empty_cache(h))
 end
 
+local function elem_bytes(dtype) return dtype == "f32" and 4 or 2 end
+
 local function make_set(shapes, dtype)
   local s = { p = {}, g = {}, u = {} }
   for k, shape in ipairs(shapes) do
-    s.p[k] = ms.randn(shape, { ctx = ctx, dtype = dtype or "bf16" })
-    s.g[k] = ms.randn(shape, { ctx = ctx, dtype = dtype or "bf16" })
+    s.p[k] = ms.randn(shape, { ctx = ctx, dtype = dtype })
+    s.g[k] = ms.randn(shape, { ctx = ctx, dtype = dtype })
     local us = {}
     for d = 1, #shape - 2 do us[d] = shape[d] end
     us[#us + 1] = shape[#shape]
@@ -96,7 +98,7 @@ if shape_arg ~= "none" then
     for d in spec:gsub("^%a[%w]*:", ""):gmatch("%d+") do shape[#shape + 1] = tonumber(d) end
     local numel = 1
     for _, d in ipairs(shape) do numel = numel * d end
-    local bytes = numel * (dtype == "f32" and 4 or 2)
+    local bytes = numel * elem_bytes(dtype)
     local nsets = math.max(2, math.ceil(256e6 / (2 * bytes)))
     local sets = {}
     for i = 1, nsets do sets[i] = make_set({ shape }, dtype) end
@@ -137,7 +139,7 @@ if want_set then
   for _ = 1, 32 do for _, s in ipairs(layer) do shapes[#shapes + 1] = s end end
   local s = make_set(shapes, set_dtype)
   local bytes = 0
-  for _, sh in ipairs(shapes) do bytes = bytes + sh[1] * sh[2] * (set_dtype == "f32" and 4 or 2) end
+  for _, sh in ipairs(shapes) do bytes = bytes + sh[1] * sh[2] * elem_bytes(set_dtype) end
   local t = time_each({ function() step(s, "base") end, function() step(s, "spectral") end }, 3, 6)
   local name = set_dtype == "f32" and "llama3-8b set f32 (224)" or "llama3-8b set (224)"
   record(name, bytes / 1e6, "base", t[1], floor_ms(bytes, bytes, "base"), 1)
