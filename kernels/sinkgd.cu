@@ -509,13 +509,12 @@ __device__ __noinline__ void fast_segment(const skargs<CAP> &A, const skmat &M, 
 
     int crow = row0;   /* the thread's first row in the group consumed */
     int cstage = 0, crslot = 0;
-    /* Between the row sums and the column accumulators SINK keeps the group's G^2 in registers (one square an
-    ** element; c^2 comes from shared memory to make room for it); POWER reads shared memory again, save with
-    ** H = 2, whose first stage is refilled before then (G in registers) */
-    constexpr bool keep_z = KIND == K_SINK || H > 1;
+    /* Between the row sums and the column accumulators the group's G^2 (SINK: one square an element) or G (POWER)
+    ** stays in registers; c^2 or c u comes from shared memory to make room for it.  (POWER re-read its chunks
+    ** from shared memory until ptxas fit G without spills: -1% at most; bench/RESULTS.md, fifteenth session) */
 #pragma unroll 1
     for (int q = 0; q < ng; q++) {
-        float z[keep_z ? R : 1][keep_z ? K : 1][keep_z ? E : 1];
+        float z[R][K][E];
         float rs[R], ps[R], pf[R];
         float pk[R][K], fk[R][K];   /* one chain per chunk: K independent FMA chains, added as a fixed tree */
         const char *st = smem;
@@ -571,7 +570,7 @@ __device__ __noinline__ void fast_segment(const skargs<CAP> &A, const skmat &M, 
                             z[r][k][e] = sq[e];
                             pk[r][k] = fmaf(sq[e], cv[e], pk[r][k]);
                         } else {
-                            if constexpr (keep_z) z[r][k][e] = x[e];
+                            z[r][k][e] = x[e];
                             pk[r][k] = fmaf(x[e], cv[e], pk[r][k]);
                             if (want_ff) fk[r][k] = fmaf(x[e], x[e], fk[r][k]);
                         }
@@ -627,17 +626,9 @@ __device__ __noinline__ void fast_segment(const skargs<CAP> &A, const skmat &M, 
 #pragma unroll
         for (int r = 0; r < R; r++)
 #pragma unroll
-            for (int k = 0; k < K; k++) {
-                if constexpr (keep_z) {
+            for (int k = 0; k < K; k++)
 #pragma unroll
-                    for (int e = 0; e < E; e++) acc[k][e] = fmaf(co[r], z[r][k][e], acc[k][e]);   /* r^2 G^2 */
-                } else {
-                    float x[E];
-                    unpack(chunk(r, k), x, (const T *)0);
-#pragma unroll
-                    for (int e = 0; e < E; e++) acc[k][e] = fmaf(co[r], x[e], acc[k][e]);   /* (r v) G */
-                }
-            }
+                for (int e = 0; e < E; e++) acc[k][e] = fmaf(co[r], z[r][k][e], acc[k][e]);   /* r^2 G^2 or (r v) G */
         crow += rstep;
         cstage = H == 1 ? (cstage + 1 == STAGES ? 0 : cstage + 1) : cstage + H >= STAGES ? cstage + H - STAGES : cstage + H;
         crslot = crslot + 1 == STAGES + 1 ? 0 : crslot + 1;
