@@ -98,11 +98,15 @@ struct skmat {
     int32_t     member, band0, nbands;
     int16_t     Cp, P, GR;    /* the fast path's thread map (below); GR: rows per group */
     int8_t      K;
-    uint8_t     wide;         /* the wide path (rows too long for the fast one) */
+    uint8_t     wide;         /* rows too long for the fast path: WIDE_PASSES or WIDE_PAIR (below) */
     int8_t      gdt, pdt;
     uint8_t     fast, pvec;
     float       root;         /* sharded: sqrt of the global size of the sharded dim (rows: m, cols: n) */
 };
+
+/* how a matrix's rows too long for one CTA's registers are swept: wide_kernel's two passes an iteration, or
+** pair_kernel's one (16-bit rows of up to 2 * 4 T_SWEEP chunks) */
+enum { WIDE_NO = 0, WIDE_PASSES = 1, WIDE_PAIR = 2 };
 
 /* cols-sharded: where the slice lies in the global matrix */
 struct skcol {
@@ -401,10 +405,71 @@ __device__ __forceinline__ void row_sums(float (&ps)[R], float (&pf)[R], bool ff
     }
 }
 
-template <class T, int K, int KIND, int CAP>
+/* --- row pairs: a cluster of two CTAs splits each row (pair_kernel) ----------------------------------------
+** 16-bit rows of 2049-4096 chunks (n 16385-32768: a Llama-3-70B down projection's 28672) hold too many
+** columns for one CTA's registers.  A pair of CTAs takes the same rows, each half of their chunks with the
+** K = 4 map, and after each group's row sums a CTA posts its (S, |G|^2) to the partner's shared memory and
+** arrives on the partner's barrier for that group's parity: one pass an iteration, not the wide path's two. */
+#define PAIR_OFF  SWEEP_SMEM                              /* the pair's words, after the sweep's shared memory */
+#define PAIR_SMEM (SWEEP_SMEM + 64)
+
+struct pairw {
+    unsigned long long mbar[2];   /* the partner's sums of a group have come: one barrier a parity of the group */
+    float2 sums[2];               /* ... and here they are */
+    int xq;                       /* groups exchanged before this segment (the barriers' phases) */
+    int zband;                    /* fast_segment's epilogue */
+};
+static_assert(sizeof(pairw) <= PAIR_SMEM - PAIR_OFF, "the pair's words");
+
+__device__ __forceinline__ pairw *pair_words(char *smem) { return reinterpret_cast<pairw *>(smem + PAIR_OFF); }
+
+__device__ __forceinline__ unsigned cluster_rank()
+{
+    unsigned r;
+    asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
+    return r;
+}
+
+__device__ __forceinline__ void cluster_sync()
+{
+    asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+}
+
+/* Exchange x of the segment's groups: this CTA's row sums to the partner (thread 0), the partner's added on the
+** threads of the row (a + b = b + a: both CTAs get the same bits).  A slot is written again two exchanges later,
+** which the partner starts only after this CTA's next post, itself after every thread of the row has passed the
+** next group's row-sum barrier. */
+__device__ __forceinline__ void pair_exchange(float &ps, float &pf, int side, bool on, char *smem, int x)
+{
+    pairw *w = pair_words(smem);
+    const int slot = x & 1;
+    const unsigned mb = (unsigned)__cvta_generic_to_shared(&w->mbar[slot]);
+    const unsigned sb = (unsigned)__cvta_generic_to_shared(&w->sums[slot]);
+    if (threadIdx.x == 0) {
+        unsigned rmb, rsb;
+        asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(rsb) : "r"(sb), "r"(side ^ 1));
+        asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(rmb) : "r"(mb), "r"(side ^ 1));
+        asm volatile("st.shared::cluster.v2.f32 [%0], {%1, %2};\n" ::"r"(rsb), "f"(ps), "f"(pf) : "memory");
+        asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];\n" ::"r"(rmb) : "memory");
+    }
+    if (!on) return;
+    asm volatile("{\n\t.reg .pred done;\n"
+                 "PAIR_WAIT%=:\n\t"
+                 "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 done, [%0], %1;\n\t"
+                 "@!done bra PAIR_WAIT%=;\n}\n" ::"r"(mb), "r"((x >> 1) & 1)
+                 : "memory");
+    float a, b;
+    asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];\n" : "=f"(a), "=f"(b) : "r"(sb) : "memory");
+    ps += a;
+    pf += b;
+}
+
+template <class T, int K, int KIND, int CAP, bool PAIR = false>
 __device__ __noinline__ void fast_segment(const skargs<CAP> &A, const skmat &M, const skscr &S, int band, int64_t la,
                                           int64_t lb, bool rev, char *smem, bool wait)
 {
+    /* PAIR (pair_kernel): this CTA takes half of each row's chunks, its cluster partner the other half, and the
+    ** two add their row sums through distributed shared memory (pair_exchange) */
     /* K = 8 (f32 rows of 2049-4096 chunks): a group is one row a lane in H = 2 stages of 4 chunks a thread, its
     ** row sum finished after the second; G (or G^2) of the first stays in registers, since its slot is refilled
     ** while the second is worked on */
@@ -414,6 +479,9 @@ __device__ __noinline__ void fast_segment(const skargs<CAP> &A, const skmat &M, 
     const int rho = t / Cp, kap = t - rho * Cp;
     const int64_t m = M.m, n = M.n;
     const int C = (int)(n / E);
+    const int side = PAIR ? (int)cluster_rank() : 0;               /* PAIR: which half of the row */
+    const int coff = side * ((C + 1) / 2), Cm = PAIR ? (side ? C / 2 : (C + 1) / 2) : C;   /* its chunks: coff, + Cm */
+    const int xq = PAIR ? pair_words(smem)->xq : 0;
     const bool on = rho < P;
     const bool unit = (A.flags & FL_UNIT) != 0;
     const bool first = KIND == K_SINK && (A.flags & FL_FIRST);
@@ -426,7 +494,7 @@ __device__ __noinline__ void fast_segment(const skargs<CAP> &A, const skmat &M, 
 
     unsigned kmask = 0;   /* bit k: the thread's chunk k lies in the row */
 #pragma unroll
-    for (int k = 0; k < K; k++) kmask |= on && kap + Cp * k < C ? 1u << k : 0u;
+    for (int k = 0; k < K; k++) kmask |= on && kap + Cp * k < Cm ? 1u << k : 0u;
 
     /* Groups are issued and consumed in walk order (ascending, or descending when rev); the addresses, rows and
     ** ring slots advance by constant steps, so an issue is a few additions and the copies themselves.  A copy
@@ -436,7 +504,7 @@ __device__ __noinline__ void fast_segment(const skargs<CAP> &A, const skmat &M, 
     const int ng = (int)(lb - la), mi = (int)m, ni = (int)n;
     const int rstep = rev ? -GR : GR;                              /* rows between consecutive groups of the walk */
     const int row0 = (int)(rev ? lb - 1 : la) * GR + rho;          /* the thread's first row in the walk's first group */
-    const int kofs = kap * E;
+    const int kofs = (coff + kap) * E;
     int irow = row0;                                               /* ... in the group issued next */
     const unsigned sbase = (unsigned)__cvta_generic_to_shared(smem) + (unsigned)t * 16u;
     const unsigned rbase = (unsigned)__cvta_generic_to_shared(smem + STAGES * STAGE_BYTES) + (unsigned)rho * 4u;
@@ -483,7 +551,7 @@ __device__ __noinline__ void fast_segment(const skargs<CAP> &A, const skmat &M, 
     float4 cl[K][E / 4], ul[K][E / 4];
 #pragma unroll
     for (int k = 0; k < K; k++) {
-        const int ch = kap + Cp * k;
+        const int ch = coff + kap + Cp * k;
         const bool ok = (kmask >> k) & 1u;
         const float4 *c4 = reinterpret_cast<const float4 *>(S.c + (ok ? (int64_t)ch * E : 0));
         const float4 *u4 = reinterpret_cast<const float4 *>(S.uv + (ok ? (int64_t)ch * E : 0));
@@ -596,6 +664,7 @@ __device__ __noinline__ void fast_segment(const skargs<CAP> &A, const skmat &M, 
             }
         }
         row_sums<R>(ps, pf, want_ff, Cp, P, rho, on, red + (int)(q & 1) * 2 * SLOTS * WARPS);
+        if constexpr (PAIR) pair_exchange(ps[0], pf[0], side, on, smem, xq + q);
         if (Cp <= 32) __syncwarp();   /* the row's first lane's scale copy is visible to its other lanes */
         const char *rsl = smem + STAGES * STAGE_BYTES + crslot * RSLOT;
 #pragma unroll
@@ -612,12 +681,12 @@ __device__ __noinline__ void fast_segment(const skargs<CAP> &A, const skmat &M, 
                 const float rn = ps[r] == 0         ? rs[r]
                                  : q2 >= eps * eps ? sqn * rsqrtf(ps[r])
                                                     : sqn * rs[r] / clampf(rs[r] * sqrtf(ps[r]), eps);
-                if (rv && kap == 0) rvec[row] = rn;
+                if (rv && kap == 0 && side == 0) rvec[row] = rn;
                 co[r] = rv ? rn * rn : 0.f;
             } else {
                 const float v = rs[r] * ps[r];
                 co[r] = rv ? rs[r] * v : 0.f;
-                if (rv && kap == 0) {
+                if (rv && kap == 0 && side == 0) {
                     vv += (double)v * v;
                     ff += (double)pf[r];
                 }
@@ -638,15 +707,21 @@ __device__ __noinline__ void fast_segment(const skargs<CAP> &A, const skmat &M, 
     /* the band's row of column partials: chunk ch is thread kap = ch mod Cp's k = ch / Cp in every row lane; the
     ** row lanes' sums are added in lane order through the (drained) stage buffers */
     float *prow = S.part + (int64_t)band * n;
-    if (P == 1) {   /* (threads past the one lane, when Cp does not divide T_SWEEP, hold no columns) */
+    /* PAIR: the pair's rows span its two CTAs' ranges, so its partials go to the first band of the matrix among
+    ** them, and the other one's (zb >= 0) are zeros */
+    const int zb = PAIR ? pair_words(smem)->zband : -1;
+    float *zrow = S.part + (int64_t)zb * n;
+    if (PAIR || P == 1) {   /* (threads past the one lane, when Cp does not divide T_SWEEP, hold no columns) */
 #pragma unroll
         for (int k = 0; k < K; k++) {
-            const int ch = kap + Cp * k;
-            if (on && ch < C)
+            const int ch = coff + kap + Cp * k;
+            if (on && kap + Cp * k < Cm)
 #pragma unroll
-                for (int e = 0; e < E; e += 4)
+                for (int e = 0; e < E; e += 4) {
                     *reinterpret_cast<float4 *>(prow + (int64_t)ch * E + e) =
                         make_float4(acc[k][e], acc[k][e + 1], acc[k][e + 2], acc[k][e + 3]);
+                    if (PAIR && zb >= 0) *reinterpret_cast<float4 *>(zrow + (int64_t)ch * E + e) = zero4;
+                }
         }
     } else {
         /* T_SWEEP * K * E floats (<= 64 KiB, inside the stages) as float4 planes [k][f][thread]: the stores and the
@@ -681,7 +756,10 @@ __device__ __noinline__ void fast_segment(const skargs<CAP> &A, const skmat &M, 
                     make_float4(sum[e], sum[e + 1], sum[e + 2], sum[e + 3]);
         }
     }
-    if (KIND == K_POWER) store_band_scalars(vv, ff, (double *)(red + RED_FLOATS), S, band);
+    if (KIND == K_POWER && side == 0) {   /* (PAIR: the first half's CTA; vv and ff are its) */
+        store_band_scalars(vv, ff, (double *)(red + RED_FLOATS), S, band);
+        if (PAIR && zb >= 0 && t == 0) S.bsc[zb * BSC] = S.bsc[zb * BSC + 1] = 0;
+    }
     __syncthreads();   /* the last group's row sums are read before the next segment writes that buffer */
 }
 
@@ -987,7 +1065,7 @@ __global__ void __launch_bounds__(T_SWEEP, 1) sweep_kernel(const skargs<CAP> *__
         skscr S;
         scr_layout(M.scr, M.m, M.n, M.nbands, &S);
         if ((A.flags & FL_REDO) && __ldcg(S.scal + SC_REDO) == 0) continue;   /* no restart pending */
-        if (M.wide) continue;   /* wide_kernel's */
+        if (M.wide) continue;   /* wide_kernel's or pair_kernel's */
         const int64_t end = i + 1 < A.nmat ? A.m[i + 1].g0 : A.gtot;
         const int64_t sa = ga > M.g0 ? ga : M.g0, sb = gb < end ? gb : end;
         if (sb <= sa) continue;   /* a sharded rank's matrix without rows here */
@@ -1000,6 +1078,54 @@ __global__ void __launch_bounds__(T_SWEEP, 1) sweep_kernel(const skargs<CAP> *__
         wait = false;
     }
     if (wait) pdl_enter();
+}
+
+/* Row pairs (pair_exchange): clusters of 2 CTAs, pair matrices only.  A pair takes the rows of its two CTAs'
+** ranges (launched on the sweep's grid rounded up to even), so the other passes keep theirs. */
+template <int CAP, int KIND>
+__global__ void __launch_bounds__(T_SWEEP, 1) pair_kernel(const skargs<CAP> *__restrict__ tables, int flags)
+{
+    bool wait = CAP <= SMALL_CAP && (flags & FL_REDO) == 0;   /* (sweep_kernel's) */
+    if (!wait) pdl_enter();
+    const skargs<CAP> &A = tables[flags];
+    extern __shared__ __align__(16) char smem[];
+    if (A.o.skip.ptr && msk_scalar_value(A.o.skip) != 0) return;   /* (both CTAs of a pair alike) */
+    pairw *w = pair_words(smem);
+    if (threadIdx.x == 0) {
+        const unsigned mb = (unsigned)__cvta_generic_to_shared(w->mbar);
+        asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n\tmbarrier.init.shared::cta.b64 [%1], 1;\n" ::"r"(mb),
+                     "r"(mb + 8u) : "memory");
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+        w->xq = 0;
+    }
+    cluster_sync();   /* the partner's barriers are ready before the first post */
+    const int c2 = (int)blockIdx.x & ~1;
+    const int64_t ga = range_start(c2, A.gtot, A.grid), gb = range_start(c2 + 2 < A.grid ? c2 + 2 : A.grid, A.gtot, A.grid);
+    const bool rev = (A.flags & FL_REV) != 0;
+    const int i0 = ga < gb ? mat_of_group(A, ga) : 0, i1 = ga < gb ? mat_of_group(A, gb - 1) : -1;
+    for (int s = 0; s <= i1 - i0; s++) {
+        const int i = rev ? i1 - s : i0 + s;
+        const skmat &M = A.m[i];
+        if (M.wide != WIDE_PAIR) continue;
+        skscr S;
+        scr_layout(M.scr, M.m, M.n, M.nbands, &S);
+        if ((A.flags & FL_REDO) && __ldcg(S.scal + SC_REDO) == 0) continue;   /* no restart pending */
+        const int64_t end = i + 1 < A.nmat ? A.m[i + 1].g0 : A.gtot;
+        const int64_t sa = ga > M.g0 ? ga : M.g0, sb = gb < end ? gb : end;
+        if (sb <= sa) continue;
+        /* the partials go to the matrix's first band among the pair's two; the other, when it has one, gets zeros */
+        const int band = (c2 > M.band0 ? c2 : M.band0) - M.band0;
+        if (threadIdx.x == 0) w->zband = c2 >= M.band0 && c2 + 1 < M.band0 + M.nbands ? c2 + 1 - M.band0 : -1;
+        __syncthreads();
+        if (M.gdt == MS_DTYPE_BF16)
+            fast_segment<__nv_bfloat16, 4, KIND, CAP, true>(A, M, S, band, sa - M.g0, sb - M.g0, rev, smem, wait);
+        else
+            fast_segment<__half, 4, KIND, CAP, true>(A, M, S, band, sa - M.g0, sb - M.g0, rev, smem, wait);
+        if (threadIdx.x == 0) w->xq += (int)(sb - sa);   /* (read after the next segment's barrier above) */
+        wait = false;
+    }
+    if (wait) pdl_enter();
+    cluster_sync();   /* neither CTA leaves while its partner may still post to it */
 }
 
 /* The wide path's passes (above), on the sweep's CTAs and ranges, wide matrices only: WIDE_PASS_ROWS right
@@ -1019,7 +1145,7 @@ __global__ void __launch_bounds__(T_SWEEP, 1) wide_kernel(const skargs<CAP> *__r
     const int i0 = mat_of_group(A, ga), i1 = mat_of_group(A, gb - 1);
     for (int i = i0; i <= i1; i++) {
         const skmat &M = A.m[i];
-        if (!M.wide) continue;
+        if (M.wide != WIDE_PASSES) continue;
         skscr S;
         scr_layout(M.scr, M.m, M.n, M.nbands, &S);
         if ((A.flags & FL_REDO) && __ldcg(S.scal + SC_REDO) == 0) continue;   /* no restart pending */
@@ -2084,6 +2210,8 @@ template <int CAP, int KIND> static cudaError_t sweep_setup()
         e = cudaFuncSetAttribute(wide_kernel<CAP, KIND, WIDE_PASS_ROWS>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                  SWEEP_SMEM);
     if (e == cudaSuccess)
+        e = cudaFuncSetAttribute(pair_kernel<CAP, KIND>, cudaFuncAttributeMaxDynamicSharedMemorySize, PAIR_SMEM);
+    if (e == cudaSuccess)
         e = cudaFuncSetAttribute(elem_kernel<CAP, KIND>, cudaFuncAttributeMaxDynamicSharedMemorySize, ELEM_SMEM);
     if (e == cudaSuccess) done[slot] = true;
     return e;
@@ -2204,6 +2332,9 @@ static int64_t plan_chunk(int cnt, const msk_sinkgd_mat *mm, int maxgrid, char *
     /* MOONSTEP_SINKGD_K = 2 or 4 forces the choice (tests and measurements; read per plan) */
     const char *kv = getenv("MOONSTEP_SINKGD_K");
     const int kforce = kv && (kv[0] == '2' || kv[0] == '4') && kv[1] == 0 ? kv[0] - '0' : 0;
+    /* MOONSTEP_SINKGD_PAIR = 0 sends the pair path's rows to the wide path's passes (tests and measurements) */
+    const char *pv = getenv("MOONSTEP_SINKGD_PAIR");
+    const bool pairs = !(pv && pv[0] == '0' && pv[1] == 0);
     int64_t g0 = 0;
     for (int k = 0; k < cnt; k++) {
         const msk_sinkgd_mat &a = mm[k];
@@ -2234,11 +2365,19 @@ static int64_t plan_chunk(int cnt, const msk_sinkgd_mat *mm, int maxgrid, char *
         /* the fast path's rows: 4 chunks a thread a row (32 elements of 16 bits), 8 for f32 (32 elements too) */
         const int64_t fast_chunks = (es == 4 ? 8 : 4) * (int64_t)T_SWEEP;
         x.fast = streamable && a.n / E <= fast_chunks && a.m < INT32_MAX;   /* (32-bit rows) */
-        x.wide = streamable && a.n / E > fast_chunks;
+        x.wide = !streamable || a.n / E <= fast_chunks ? WIDE_NO
+                 : pairs && es == 2 && a.n / E <= 2 * fast_chunks && a.m < INT32_MAX ? WIDE_PAIR
+                                                                                    : WIDE_PASSES;
         x.pvec = dense && aligned16(a.g) && aligned16(a.p) && a.n > 0 && a.n % 8 == 0 &&
                  a.m * a.n / 8 < ((int64_t)1 << 31);
         if (dim == MSK_SHARD_COLS) {
             x.GR = 1;   /* the cols passes' exchanges hold a value a row */
+        } else if (x.wide == WIDE_PAIR) {   /* a half row's K = 4 map: one lane, a row a group */
+            const int half = (int)((a.n / E + 1) / 2), cp = (half + 3) / 4;
+            x.K = 4;
+            x.Cp = (int16_t)((cp + 31) / 32 * 32);
+            x.P = 1;
+            x.GR = 1;
         } else if (x.fast) {
             /* 4 chunks (32 bf16 or 16 f32 elements) of a thread per group whenever the row has 4 chunks: the row's
             ** reduction and scale update are paid once per 32 elements, not per 8.  When G fits in L2 (above),
@@ -2337,19 +2476,28 @@ static size_t table_bytes() { return TABLE_SLOTS * sizeof(skargs<MSK_SINKGD_CAP>
 template <int CAP>
 static ms_status launch(ms_ctx *ctx, cudaStream_t s, void (*K)(const skargs<CAP> *, int), const skargs<CAP> *tables,
                         int flags, unsigned grid, unsigned threads, size_t smem, const char *what, int *launches,
-                        bool pdl = false)
+                        bool pdl = false, bool pairs = false)
 {
-    if (pdl) {   /* programmatic dependent launch (pdl_enter): overlaps this launch with the previous pass's tail */
-        cudaLaunchAttribute at[1];
-        at[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-        at[0].val.programmaticStreamSerializationAllowed = 1;
+    if (pdl || pairs) {
+        cudaLaunchAttribute at[2];
+        unsigned na = 0;
+        if (pdl) {   /* programmatic dependent launch (pdl_enter): overlaps this launch with the previous pass's tail */
+            at[na].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+            at[na++].val.programmaticStreamSerializationAllowed = 1;
+        }
+        if (pairs) {   /* clusters of 2 CTAs (pair_kernel) */
+            at[na].id = cudaLaunchAttributeClusterDimension;
+            at[na].val.clusterDim.x = 2;
+            at[na].val.clusterDim.y = 1;
+            at[na++].val.clusterDim.z = 1;
+        }
         cudaLaunchConfig_t cfg = {};
         cfg.gridDim = dim3(grid);
         cfg.blockDim = dim3(threads);
         cfg.dynamicSmemBytes = smem;
         cfg.stream = s;
         cfg.attrs = at;
-        cfg.numAttrs = 1;
+        cfg.numAttrs = na;
         const cudaError_t e = cudaLaunchKernelEx(&cfg, K, tables, flags);
         if (e != cudaSuccess) {
             (void)cudaGetLastError();
@@ -2364,11 +2512,11 @@ static ms_status launch(ms_ctx *ctx, cudaStream_t s, void (*K)(const skargs<CAP>
     return MS_OK;
 }
 
-/* whether some matrix of the chunk takes the wide path (or, with wide false, some other) */
-template <int CAP> static bool any_wide(const skargs<CAP> &a, bool wide)
+/* whether some matrix of the chunk is swept as `wide` says (WIDE_NO: by sweep_kernel) */
+template <int CAP> static bool any_wide(const skargs<CAP> &a, int wide)
 {
     for (int k = 0; k < a.nmat; k++)
-        if ((a.m[k].wide != 0) == wide) return true;
+        if (a.m[k].wide == wide) return true;
     return false;
 }
 
@@ -2401,7 +2549,7 @@ static ms_status run_chunk(ms_ctx *ctx, cudaStream_t s, const msk_sinkgd *o, int
     a->flags = 0;
     const unsigned G = (unsigned)a->grid, F = (unsigned)a->nfold;
     const int unit = o->iters == 0 ? FL_UNIT : 0;
-    const bool wide = any_wide(*a, true), narrow = any_wide(*a, false);
+    const bool wide = any_wide(*a, WIDE_PASSES), pair = any_wide(*a, WIDE_PAIR), narrow = any_wide(*a, WIDE_NO);
     bool rev = false;
     ms_status st = MS_OK;
     typedef void (*kernel_t)(const skargs<CAP> *, int);
@@ -2409,14 +2557,18 @@ static ms_status run_chunk(ms_ctx *ctx, cudaStream_t s, const msk_sinkgd *o, int
     ** launches */
     unsigned used = 0;
     bool collect = true;
-    auto go = [&](kernel_t K, int flags, unsigned grid, unsigned threads, size_t smem, const char *what) {
+    auto go = [&](kernel_t K, int flags, unsigned grid, unsigned threads, size_t smem, const char *what,
+                  bool pairs = false) {
         if (collect) used |= 1u << flags;
-        else if (st == MS_OK) st = launch<CAP>(ctx, s, K, tables, flags, grid, threads, smem, what, launches, true);
+        else if (st == MS_OK) st = launch<CAP>(ctx, s, K, tables, flags, grid, threads, smem, what, launches, true, pairs);
     };
-    /* a sweep of the fast and generic matrices, then the wide ones' two passes */
+    /* a sweep of the fast and generic matrices, then the pairs', then the wide ones' two passes */
     auto sweep = [&](int kind, int flags, const char *what, const char *wide_what) {
         const bool sink = kind == K_SINK;
         if (narrow) go(sink ? sweep_for<CAP, K_SINK>(*a) : sweep_for<CAP, K_POWER>(*a), flags, G, T_SWEEP, SWEEP_SMEM, what);
+        if (pair)
+            go(sink ? pair_kernel<CAP, K_SINK> : pair_kernel<CAP, K_POWER>, flags, (G + 1) & ~1u, T_SWEEP, PAIR_SMEM,
+               wide_what, true);
         if (wide) {
             go(sink ? wide_kernel<CAP, K_SINK, WIDE_PASS_ROWS> : wide_kernel<CAP, K_POWER, WIDE_PASS_ROWS>, flags, G,
                T_SWEEP, SWEEP_SMEM, wide_what);
@@ -2573,17 +2725,18 @@ static ms_status run_sharded(ms_ctx *ctx, cudaStream_t s, const msk_sinkgd *o, i
     const int64_t cols32 = (int64_t)a->nfold * FOLD_COLS;
     const int unit = o->iters == 0 ? FL_UNIT : 0;
     const bool spectral = o->mode != MS_SINKGD_BASE, sphere = o->mode == MS_SINKGD_SPHERE;
-    const bool wide = any_wide(*a, true);
+    const bool wide = any_wide(*a, WIDE_PASSES), pair = any_wide(*a, WIDE_PAIR);
     bool rev = false;
     ms_status st = MS_OK;
     typedef void (*kernel_t)(const skargs<CAP> *, int);
     /* two walks, as run_chunk's: the first collects the flags values, the second launches and exchanges */
     unsigned used = 0;
     bool collect = true;
-    auto go = [&](kernel_t K, int flags, unsigned grid, unsigned threads, size_t smem, const char *what) {
+    auto go = [&](kernel_t K, int flags, unsigned grid, unsigned threads, size_t smem, const char *what,
+                  bool pairs = false) {
         if (grid == 0) return;
         if (collect) used |= 1u << flags;
-        else if (st == MS_OK) st = launch<CAP>(ctx, s, K, tables, flags, grid, threads, smem, what, launches);
+        else if (st == MS_OK) st = launch<CAP>(ctx, s, K, tables, flags, grid, threads, smem, what, launches, false, pairs);
     };
     auto xch = [&](int64_t count, ms_dtype dt) {
         if (!collect && st == MS_OK) st = x->sum(x->user, xr, count, dt);
@@ -2598,6 +2751,9 @@ static ms_status run_sharded(ms_ctx *ctx, cudaStream_t s, const msk_sinkgd *o, i
         for (int k = 1; k <= o->iters; k++) {
             const int fl = (k == 1 ? FL_FIRST : 0) | (k == o->iters && spectral ? FL_LAST : 0);
             go(sweep_for<CAP, K_SINK>(*a), fl | (rev ? FL_REV : 0), G, T_SWEEP, SWEEP_SMEM, "sinkgd sweep");
+            if (pair)
+                go(pair_kernel<CAP, K_SINK>, fl | (rev ? FL_REV : 0), (G + 1) & ~1u, T_SWEEP, PAIR_SMEM, "sinkgd pairs",
+                   true);
             if (wide) {
                 go(wide_kernel<CAP, K_SINK, WIDE_PASS_ROWS>, fl | (rev ? FL_REV : 0), G, T_SWEEP, SWEEP_SMEM,
                    "sinkgd wide rows");
@@ -2617,6 +2773,9 @@ static ms_status run_sharded(ms_ctx *ctx, cudaStream_t s, const msk_sinkgd *o, i
                     const int f = fl | (redo ? FL_REDO : 0);
                     go(sweep_for<CAP, K_POWER>(*a), f | (rev != (redo == 1) ? FL_REV : 0), G, T_SWEEP, SWEEP_SMEM,
                        redo ? "sinkgd power restart" : "sinkgd power");
+                    if (pair)
+                        go(pair_kernel<CAP, K_POWER>, f | (rev != (redo == 1) ? FL_REV : 0), (G + 1) & ~1u, T_SWEEP,
+                           PAIR_SMEM, "sinkgd power pairs", true);
                     if (wide) {
                         const int fw = f | (rev != (redo == 1) ? FL_REV : 0);
                         go(wide_kernel<CAP, K_POWER, WIDE_PASS_ROWS>, fw, G, T_SWEEP, SWEEP_SMEM, "sinkgd power wide rows");

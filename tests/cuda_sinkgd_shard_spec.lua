@@ -97,8 +97,10 @@ local function handles(list, ro)
   for i = 1, #list do a[i - 1] = T.handle(list[i]) end
   return a
 end
-local function doubles(list)
+-- (the engine reads one scale a member: a shorter list would be read past its end)
+local function doubles(list, count)
   if list == nil then return nil end
+  assert(#list == count, ("%d scales for %d members"):format(#list, count))
   local a = ffi.new("double[?]", max(#list, 1))
   for i = 1, #list do a[i - 1] = list[i] end
   return a
@@ -118,7 +120,7 @@ end
 -- ms_sinkgd_step on members {p=, g=, u=, t=}; returns the status
 function K.step(ctx, members, o, scales)
   local P, G, U, Tt = arrays(members, o.mode or "base")
-  return C.ms_sinkgd_step(T.handle_ctx(ctx), #members, P, G, U, Tt, doubles(scales), options(o))
+  return C.ms_sinkgd_step(T.handle_ctx(ctx), #members, P, G, U, Tt, doubles(scales, #members), options(o))
 end
 
 -- ms_sinkgd_step_sharded on members {p=, g=, u=, t=, shard = {dim =, offset =, global =}} (comm nil: NULL)
@@ -132,7 +134,7 @@ function K.step_sharded(ctx, comm, members, o, scales)
     sh[k - 1].global = s.global or 0
   end
   return C.ms_sinkgd_step_sharded(T.handle_ctx(ctx), comm and ms.comm.handle(comm) or nil, #members, P, G, U, Tt,
-                                  doubles(scales), sh, options(o))
+                                  doubles(scales, #members), sh, options(o))
 end
 
 local function lead_of(shape)
@@ -300,6 +302,7 @@ local SPECS = {
   { shape = { 64, 1024 }, dt = "bf16" },                 -- K = 4
   { shape = { 20, 9000 }, dt = "f32" },                  -- f32 K = 8 (a row in two ring stages)
   { shape = { 20, 16400 }, dt = "f32" },                 -- the wide path (rows beyond 16384 elements)
+  { shape = { 20, 20000 }, dt = "bf16" },                -- row pairs (16-bit rows of 16385-32768 elements)
 }
 
 local CASES = {
@@ -324,7 +327,7 @@ describe("cuda ms_sinkgd_step_sharded on one rank", function()
       for _, with_comm in ipairs { true, false } do
         local dim = with_comm and ci % 2 == 0 and "none" or "rows"
         local A, B = pair(SPECS, c.mode, { dim }, 100 * ci)
-        local scales = { 0.5, 1.5, 1, 0.75, 1.25, 0.9 }
+        local scales = { 0.5, 1.5, 1, 0.75, 1.25, 0.9, 1.1 }
         for step = 1, 2 do
           local o = opts_of(c, step)
           o.stochastic_round = step == 2

@@ -1,7 +1,7 @@
 -- The CUDA SinkGD step (kernels/sinkgd.cu) and the CUDA 8-bit AdamW (kernels/adamw8.cu) against the CPU backend
 -- (engine/cpu/sinkgd.c, engine/cpu/adamw8.c) on the same fresh random inputs, through the C ABI, beyond the four
 -- parity specs of tests/sinkgd_spec.lua: every thread map of the sweep (chunks per thread K = 1, 2, 4, and 8 for
--- f32; row lanes within a warp and across warps; the wide path for rows beyond 16384 elements; the generic path
+-- f32; row lanes within a warp and across warps; row pairs and the wide path for long rows; the generic path
 -- for odd widths and strided grads), f16 and mixed param/grad dtypes, matrices split over many CTAs and CTAs
 -- spanning matrices, non-contiguous grads, iters 0 and several power steps, zero and NaN gradients, a zero u and
 -- the restart of a degenerate u, device scalars and skip_t, stochastic rounding, bitwise reproducibility, groups
@@ -71,8 +71,10 @@ local function handles(list, ro)
   for i = 1, n do a[i - 1] = T.handle(list[i]) end
   return a
 end
-local function doubles(list)
+-- (the engine reads one value a member: a shorter list would be read past its end)
+local function doubles(list, count)
   if list == nil then return nil end
+  assert(#list == count, ("%d values for %d members"):format(#list, count))
   local a = ffi.new("double[?]", max(#list, 1))
   for i = 1, #list do a[i - 1] = list[i] end
   return a
@@ -106,7 +108,7 @@ local function sinkgd_raw(ctx, members, o, scales, quiet)
   for k, mb in ipairs(members) do P[k], G[k], U[k], Tt[k] = mb.p, mb.g, mb.u, mb.t end
   local mode = o.mode or "base"
   local args = { handles(P), handles(G, true), mode ~= "base" and handles(U) or nil,
-                 mode == "sphere" and handles(Tt) or nil, doubles(scales), sinkgd_opts(o) }
+                 mode == "sphere" and handles(Tt) or nil, doubles(scales, #members), sinkgd_opts(o) }
   local n0 = not quiet and launches(ctx) or 0
   local st = C.ms_sinkgd_step(T.handle_ctx(ctx), #members, args[1], args[2], args[3], args[4], args[5], args[6])
   return st, not quiet and launches(ctx) - n0 or 0
@@ -200,11 +202,14 @@ local PATHS = {
   { shape = { 3000, 256 }, dt = "bf16" },            -- row lanes of 32 threads within a warp, many groups
   { shape = { 8, 8192 }, dt = "bf16" },              -- K = 2 chunks a thread (G in L2), else 4
   { shape = { 4, 14336 }, dt = "bf16" },             -- K = 4 (the Llama MLP width)
-  { shape = { 2, 20000 }, dt = "bf16" },             -- rows too long for the registers: the wide path
+  { shape = { 2, 20000 }, dt = "bf16" },             -- rows too long for one CTA's registers: a pair of CTAs
+  { shape = { 3, 32768 }, dt = "bf16" },             -- a pair's longest rows (2048 chunks a CTA)
+  { shape = { 2, 16392 }, dt = "f16" },              -- a pair's halves of 1025 and 1024 chunks
   { shape = { 3, 9000 }, dt = "f32" },               -- f32 K = 8 (2250 chunks of 4, a row in two stages)
   { shape = { 2, 16384 }, dt = "f32" },              -- f32 K = 8, every thread of the lane
   { shape = { 2, 16400 }, dt = "f32" },              -- f32 wide (4100 chunks)
-  { shape = { 2, 3, 16400 }, dt = "f16" },           -- wide experts
+  { shape = { 2, 3, 16400 }, dt = "f16" },           -- pair experts
+  { shape = { 2, 40000 }, dt = "bf16" },             -- 16-bit wide (5000 chunks)
   { shape = { 2, 50000 }, dt = "bf16" },             -- wide, beyond one block of cached column factors
   { shape = { 3, 100008 }, dt = "f32" },             -- f32 wide, three blocks
   { shape = { 2, 20004 }, dt = "bf16" },             -- long rows, width not a multiple of 8: generic path
@@ -317,9 +322,10 @@ describe("cuda ms_sinkgd_step", function()
   -- the wide path over many CTAs: each of 300 rows' sums is one CTA's, each band's column partials are a
   -- columns pass's (kernels/sinkgd.cu, wide_rows_segment and wide_cols_segment), with the fast path in the
   -- same call
-  cuda_it("the wide path (rows beyond 16384 elements) over many bands, with a fast matrix, every mode and "
+  cuda_it("the wide path (f32 rows beyond 16384 elements, 16-bit beyond 32768) over many bands, with a fast matrix, "
+          .. "every mode and "
           .. "iters 0, 1 and 5", function()
-    every_mode_and_iters({ { shape = { 300, 16400 }, dt = "f32" }, { shape = { 70, 16400 }, pdt = "f32", gdt = "bf16" },
+    every_mode_and_iters({ { shape = { 300, 16400 }, dt = "f32" }, { shape = { 70, 40000 }, pdt = "f32", gdt = "bf16" },
                            { shape = { 256, 512 }, dt = "bf16" } }, "wide", function(gm, o)
       -- an iteration: the sweep (the fast matrix), the wide rows and columns passes, the fold; a call of wide
       -- matrices alone launches no sweep
@@ -330,6 +336,42 @@ describe("cuda ms_sinkgd_step", function()
       ok(st)
       assert.equals(3 * 5 + 2, n, "launches of a base step with wide matrices alone")
     end)
+  end)
+
+  -- 16-bit rows of 2049-4096 chunks (16385-32768 elements: a Llama-3-70B down projection) take the sweep on
+  -- clusters of two CTAs, each half of every row, the row sums exchanged between them (kernels/sinkgd.cu,
+  -- pair_kernel): rows over many bands, odd and even chunk counts, experts, beside a fast matrix; one sweep
+  -- launch for the pairs an iteration.  MOONSTEP_SINKGD_PAIR = 0 sends the same rows to the wide path.
+  cuda_it("16-bit rows of 16385-32768 elements in row pairs over many bands, every mode and iters 0, 1 and 5",
+          function()
+    local shapes = { { shape = { 300, 28672 }, dt = "bf16" }, { shape = { 2, 90, 16392 }, pdt = "bf16", gdt = "f16" },
+                     { shape = { 256, 512 }, dt = "bf16" } }
+    every_mode_and_iters(shapes, "pairs", function(gm, o)
+      local st, n = sinkgd_raw(GPU, gm, o)
+      ok(st)
+      assert.equals(3 * 5 + 2, n, "launches of a base step with pairs and a fast matrix")
+      st, n = sinkgd_raw(GPU, { gm[1], gm[2] }, o)
+      ok(st)
+      assert.equals(2 * 5 + 2, n, "launches of a base step with pairs alone")
+    end)
+    -- a call of 7 row groups: 7 CTA ranges, the last pair's second range empty
+    for _, mode in ipairs { "base", "spectral" } do
+      local cm, gm = group({ { shape = { 7, 20000 }, dt = "bf16" } }, mode)
+      step_and_compare(cm, gm, { mode = mode, iters = 5, sn_iters = 1, lr = 0.05, weight_decay = 0.02, step = 1 }, nil,
+                       mode .. " 7 rows")
+    end
+    pcall(ffi.cdef, "int setenv(const char *k, const char *v, int overwrite); int unsetenv(const char *k);")
+    ffi.C.setenv("MOONSTEP_SINKGD_PAIR", "0", 1)
+    local good, err = pcall(function()
+      local cm, gm = group(shapes, "spectral")
+      local o = { mode = "spectral", iters = 5, sn_iters = 1, lr = 0.05, weight_decay = 0.02, step = 1 }
+      step_and_compare(cm, gm, o, nil, "the same rows on the wide path")
+      local st, n = sinkgd_raw(GPU, { gm[1], gm[2] }, { mode = "base", iters = 5 })
+      ok(st)
+      assert.equals(3 * 5 + 2, n, "launches of a base step on the wide path")
+    end)
+    ffi.C.unsetenv("MOONSTEP_SINKGD_PAIR")
+    assert(good, err)
   end)
 
   -- f32 rows of 2049-4096 chunks (8193-16384 elements: a Llama down projection with f32 grads) take the sweep with
@@ -567,7 +609,7 @@ local function adamw8_raw(ctx, members, o)
   c.block_size = o.block_size or 256
   local n0 = launches(ctx)
   local st = C.ms_adamw8_step(T.handle_ctx(ctx), #members, handles(P), handles(G, true), handles(CM), handles(SM),
-                              handles(CV), handles(SV), doubles(o.scales), c)
+                              handles(CV), handles(SV), doubles(o.scales, #members), c)
   return st, launches(ctx) - n0
 end
 
