@@ -12,9 +12,10 @@
 **           G^T (r v) from the same rows; the fold makes w, sigma and the next u (the last CTA of a matrix, told
 **           by an integer ticket, does the O(n) vector work); a degenerate u restarts the step (a second pass
 **           that every other matrix skips at once).
-**   wide    rows too long for a sweep's registers (dense, bf16/f16 n > 16384, f32 n > 16384)
-**           take two passes an iteration instead of the sweep: the rows' sums, then the column partials
-**           (wide_kernel); the fold and the rest are the same.
+**   pairs   dense bf16/f16 rows of 16385-32768 elements, too long for one CTA's registers: the sweep on
+**           clusters of two CTAs, each half of every row, the row sums exchanged between them (pair_kernel).
+**   wide    longer dense rows (bf16/f16 n > 32768, f32 n > 16384) take two passes an iteration instead of
+**           the sweep: the rows' sums, then the column partials (wide_kernel); the fold and the rest are the same.
 **   sums    (sphere) ||W||^2, <W, X>, ||X||^2 in f64, one pass over G and p.
 **   apply   p <- (p dec - coef X) fac, one pass over G and p, stochastic rounding as engine/cpu/optim.c.
 **
@@ -833,7 +834,8 @@ __device__ __noinline__ void generic_segment(const skargs<CAP> &A, const skmat &
 }
 
 /* --- the wide path: dense rows longer than the fast path's (32 elements a thread) ----------------------------
-** (bf16, f16 and f32 rows of more than 16384 elements: a Llama-3-70B down projection.)  The fast path keeps a
+** (bf16 and f16 rows of more than 32768 elements, f32 of more than 16384; the 16-bit ones of 16385-32768 take
+** row pairs, below, unless MOONSTEP_SINKGD_PAIR = 0.)  The fast path keeps a
 ** row's column accumulators in registers, 32 elements a thread, and so cannot hold these rows; the generic path
 ** read-modify-writes the partials in global memory a row at a time (~0.6 TB/s: a 2048 x 28672 bf16 step took 1.53 ms, 0.54 here; bench/RESULTS.md, thirteenth session).  Here
 ** an iteration is two passes over G, each streamed at full width:
