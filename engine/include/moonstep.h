@@ -630,7 +630,9 @@ typedef struct ms_sinkgd_options {
 ** (for a 2-D param [] or [1]), contiguous.  With skip_t nonzero nothing changes, state included.  Results
 ** do not depend on the thread count or on the grads' layout.  On CUDA they are bitwise reproducible; the
 ** thread map (2 or 4 16-byte chunks of a row per thread, chosen by whether the call's gradients fit in L2) may
-** change the last bits: MOONSTEP_SINKGD_K = 2 or 4 forces it (for tests and measurements).
+** change the last bits: MOONSTEP_SINKGD_K = 2 or 4 forces it (for tests and measurements).  Dense bf16/f16 rows
+** of 16385-32768 elements are swept by pairs of CTAs; MOONSTEP_SINKGD_PAIR = 0 gives them two passes an
+** iteration instead (results that may differ in the last bits).
 ** Errors: MS_E_ARG (NULL arrays or members, options out of range), MS_E_SHAPE, MS_E_DTYPE, MS_E_LAYOUT,
 ** MS_E_DEVICE, MS_E_OOM (scratch: O(m + n) per matrix), MS_E_UNSUPPORTED (a backend without the op). */
 MS_API ms_status ms_sinkgd_step(ms_ctx *ctx, int n, ms_tensor *const *params, const ms_tensor *const *grads,
