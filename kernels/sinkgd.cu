@@ -1102,7 +1102,8 @@ __global__ void __launch_bounds__(T_SWEEP, 1) pair_kernel(const skargs<CAP> *__r
     }
     cluster_sync();   /* the partner's barriers are ready before the first post */
     const int c2 = (int)blockIdx.x & ~1;
-    const int64_t ga = range_start(c2, A.gtot, A.grid), gb = range_start(c2 + 2 < A.grid ? c2 + 2 : A.grid, A.gtot, A.grid);
+    const int64_t ga = range_start(c2, A.gtot, A.grid);
+    const int64_t gb = range_start(c2 + 2 < A.grid ? c2 + 2 : A.grid, A.gtot, A.grid);
     const bool rev = (A.flags & FL_REV) != 0;
     const int i0 = ga < gb ? mat_of_group(A, ga) : 0, i1 = ga < gb ? mat_of_group(A, gb - 1) : -1;
     for (int s = 0; s <= i1 - i0; s++) {
