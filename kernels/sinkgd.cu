@@ -409,8 +409,9 @@ __device__ __forceinline__ void row_sums(float (&ps)[R], float (&pf)[R], bool ff
 /* --- row pairs: a cluster of two CTAs splits each row (pair_kernel) ----------------------------------------
 ** 16-bit rows of 2049-4096 chunks (n 16385-32768: a Llama-3-70B down projection's 28672) hold too many
 ** columns for one CTA's registers.  A pair of CTAs takes the same rows, each half of their chunks with the
-** K = 4 map, and after each group's row sums a CTA posts its (S, |G|^2) to the partner's shared memory and
-** arrives on the partner's barrier for that group's parity: one pass an iteration, not the wide path's two. */
+** K = 4 map, and after each group's row sums a CTA stores its (S, |G|^2) into the partner's shared memory with
+** st.async, which completes the transaction of the partner's barrier for that group's parity: one pass an
+** iteration, not the wide path's two. */
 #define PAIR_OFF  SWEEP_SMEM                              /* the pair's words, after the sweep's shared memory */
 #define PAIR_SMEM (SWEEP_SMEM + 64)
 
@@ -450,13 +451,17 @@ __device__ __forceinline__ void pair_exchange(float &ps, float &pf, int side, bo
         unsigned rmb, rsb;
         asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(rsb) : "r"(sb), "r"(side ^ 1));
         asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(rmb) : "r"(mb), "r"(side ^ 1));
-        asm volatile("st.shared::cluster.v2.f32 [%0], {%1, %2};\n" ::"r"(rsb), "f"(ps), "f"(pf) : "memory");
-        asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];\n" ::"r"(rmb) : "memory");
+        /* this barrier's arrival for the exchange (the partner's 8 bytes may land before it: the transaction
+        ** count goes negative), then the sums into the partner's slot, completing its barrier's transaction */
+        asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], 8;\n" ::"r"(mb) : "memory");
+        asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v2.f32 [%0], {%1, %2}, [%3];\n" ::"r"(rsb),
+                     "f"(ps), "f"(pf), "r"(rmb)
+                     : "memory");
     }
     if (!on) return;
     asm volatile("{\n\t.reg .pred done;\n"
                  "PAIR_WAIT%=:\n\t"
-                 "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 done, [%0], %1;\n\t"
+                 "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n\t"
                  "@!done bra PAIR_WAIT%=;\n}\n" ::"r"(mb), "r"((x >> 1) & 1)
                  : "memory");
     float a, b;
