@@ -164,6 +164,15 @@ static ms_status dash_state(ms_ctx *ctx, bool capturing, struct ms_cuda_dash **o
     return MS_OK;
 }
 
+/* The DASH state with its cuBLASLt handle (the Lt factor and solver paths; made on first use, never while
+** capturing). */
+static ms_status dash_lt(ms_ctx *ctx, struct ms_cuda_dash **out)
+{
+    MS_TRY(dash_state(ctx, false, out));
+    if ((*out)->lt == NULL) MS_CUBLAS_TRY(ctx, cublasLtCreate(&(*out)->lt));
+    return MS_OK;
+}
+
 /* The eigensolver's side streams and handles (count from MOONSTEP_DASH_EVD_STREAMS, fixed once made). */
 static ms_status evd_streams(ms_ctx *ctx, struct ms_cuda_dash *d, bool capturing)
 {
@@ -451,10 +460,7 @@ ms_status ms_cuda_blocks_gather_factors(ms_ctx *ctx, ms_tensor *stack, ms_tensor
     const factor_path path = factor_path_of();
     const bool capturing = stream_capturing(ctx);
     struct ms_cuda_dash *d = ms_cuda(ctx)->dash;
-    if (path == FACTOR_LT && !capturing) {
-        MS_TRY(dash_state(ctx, false, &d));
-        if (d->lt == NULL) MS_CUBLAS_TRY(ctx, cublasLtCreate(&d->lt));
-    }
+    if (path == FACTOR_LT && !capturing) MS_TRY(dash_lt(ctx, &d));
     cublasHandle_t h;
     MS_TRY(ms_cuda_blas(ctx, &h));   /* the workspace the cuBLASLt calls share (same stream, in order) */
     const bool tf32 = o->allow_tf32 != 0, lt = path == FACTOR_LT;
@@ -1367,9 +1373,9 @@ ms_status ms_cuda_inv_root(ms_ctx *ctx, ms_tensor *x, ms_tensor *residual, ms_te
     choose_split(&S);
     MS_TRY(ms_cuda_blas(ctx, &S.blas));
     S.lt_tile = S.tf32 && o->method == MS_ROOT_CN ? solver_tile(ctx, S.K, S.n) : 0;
-    if (o->method == MS_ROOT_EVD || (S.early && !S.capturing && S.lag > 0) || (S.lt_tile && !S.capturing))
+    if (S.lt_tile && !S.capturing) MS_TRY(dash_lt(ctx, &S.dash));
+    else if (o->method == MS_ROOT_EVD || (S.early && !S.capturing && S.lag > 0))
         MS_TRY(dash_state(ctx, S.capturing, &S.dash));
-    if (S.lt_tile && !S.capturing && S.dash->lt == NULL) MS_CUBLAS_TRY(ctx, cublasLtCreate(&S.dash->lt));
     if (S.lt_tile && S.capturing && S.dash == NULL) S.dash = ms_cuda(ctx)->dash;
 
     const int pi_m = o->method != MS_ROOT_EVD && o->scaling == MS_SCALING_PIM ? o->pi_vectors : 1;
