@@ -331,8 +331,8 @@ template <class T> __device__ __forceinline__ void load8(const T *p, float *x)
 
 /* A power pass's band scalars: the CTA's sums of v^2 and (iters = 0) ||G||^2 over its band's rows, in a fixed
 ** order, for the power fold.  Every block of the fold reads every band's v^2, so they lie side by side (then the
-** bands' ||G||^2): 8 bytes each instead of 64 apart, each block's reads are 8 times fewer L2 sectors, all of the
-** same lines (a fold of 448 blocks took 18 us against a Sinkhorn fold's 5.6; now 9.4). */
+** bands' ||G||^2): 8 bytes apart instead of 64, a block's reads touch 8 times fewer L2 sectors of lines that the
+** whole grid reads (a 128-block power fold 11.0 -> 8.4 us under ncu). */
 __device__ __forceinline__ double *band_vv(const skscr &S) { return S.bsc; }
 __device__ __forceinline__ double *band_ff(const skscr &S, int nb) { return S.bsc + nb; }
 
@@ -1246,6 +1246,7 @@ __global__ void __launch_bounds__(FOLD_THREADS) fold_kernel(const skargs<CAP> *_
     const skargs<CAP> &A = tables[flags];
     __shared__ float sm[FOLD_THREADS / 32][FOLD_COLS];
     __shared__ double dred[FOLD_THREADS / 32];
+    __shared__ double scal_sh[4];   /* POWER: SC_REDO, SC_F2, SC_UU, SC_RESTARTED (thread 0's reads, below) */
     __shared__ int is_last;
     if (A.o.skip.ptr && msk_scalar_value(A.o.skip) != 0) return;
     const int blk = blockIdx.x;
@@ -1257,7 +1258,13 @@ __global__ void __launch_bounds__(FOLD_THREADS) fold_kernel(const skargs<CAP> *_
     const int t = threadIdx.x, lane = t & 31, warp = t >> 5;
     const int64_t n = M.n, m = M.m;
     const int lbk = blk - M.f0, nf = (int)nfold_of(n);
-    if (KIND == K_POWER && (A.flags & FL_REDO) && __ldcg(S.scal + SC_REDO) == 0) {   /* no restart pending */
+    /* POWER: the matrix's scalars that every thread needs are thread 0's reads, shared -- the same words read by
+    ** every warp of the grid queue in L2 (below: a 448-block power fold took 17.2 us with them, 9.0 without) */
+    if (KIND == K_POWER && (A.flags & FL_REDO)) {
+        if (t == 0) scal_sh[0] = __ldcg(S.scal + SC_REDO);
+        __syncthreads();
+    }
+    if (KIND == K_POWER && (A.flags & FL_REDO) && scal_sh[0] == 0) {   /* no restart pending */
         if ((A.flags & FL_LAST) && A.xch == NULL) {   /* the power fold left u to this one (see there) */
             const int64_t jj = (int64_t)lbk * FOLD_COLS + t;
             if (t < FOLD_COLS && jj < n) {
@@ -1362,7 +1369,13 @@ __global__ void __launch_bounds__(FOLD_THREADS) fold_kernel(const skargs<CAP> *_
         return;
     }
 
-    /* POWER: the matrix's scalars, the same bits in every block */
+    /* POWER: the matrix's scalars, the same bits in every block.  (Thread 0's reads are issued here: before the
+    ** column sums the 448-block fold took 15.1 us, not 9.0 -- warp 0 waits for them before its own sums, likely) */
+    if (STAGE != FOLD_PART && t == 0) {
+        scal_sh[1] = __ldcg(S.scal + SC_F2);
+        scal_sh[2] = __ldcg(S.scal + SC_UU);
+        scal_sh[3] = __ldcg(S.scal + SC_RESTARTED);
+    }
     double nv2 = 0, ffs = 0;
     if (STAGE == FOLD_FINISH) {
         nv2 = __ldcg(xd + xsc);
@@ -1384,9 +1397,9 @@ __global__ void __launch_bounds__(FOLD_THREADS) fold_kernel(const skargs<CAP> *_
             return;
         }
     }
-    const double nv = sqrt(nv2), f2 = unit ? ffs : __ldcg(S.scal + SC_F2);
-    const bool restart = __ldcg(S.scal + SC_RESTARTED) == 0 && f2 > 0 &&
-                         nv <= U_DEGENERATE * sqrt(f2) * sqrt(__ldcg(S.scal + SC_UU));
+    __syncthreads();   /* scal_sh */
+    const double nv = sqrt(nv2), f2 = unit ? ffs : scal_sh[1];
+    const bool restart = scal_sh[3] == 0 && f2 > 0 && nv <= U_DEGENERATE * sqrt(f2) * sqrt(scal_sh[2]);
     double q = 0;
     if (restart) {
         if (jv) S.uv[j] = u_start(A.o.seed, M.b, j);
