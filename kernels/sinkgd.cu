@@ -74,7 +74,7 @@
 #define PARAM_LIMIT 32764                                 /* bytes of kernel parameters (CUDA 12.1+) */
 #define U_DEGENERATE 1e-4                                 /* engine/cpu/sinkgd.c's restart threshold */
 
-#define BSC 8   /* band scalars: power (|v|^2, ||G||^2) or sphere sums (3 per CTA of ESPLIT) */
+#define BSC 8   /* band scalars a band: the sphere sums (3 per CTA of ESPLIT); the power passes' 2 (band_vv) */
 enum { FL_FIRST = 1, FL_UNIT = 2, FL_LAST = 4, FL_REDO = 8, FL_REV = 16 };
 enum { K_SINK = 0, K_POWER = 1 };       /* sweeps */
 enum { E_SUMS = 0, E_APPLY = 1 };       /* elementwise passes */
@@ -133,6 +133,7 @@ static_assert(sizeof(skargs<MSK_SINKGD_CAP>) <= PARAM_LIMIT, "the SinkGD table e
 struct skscr {
     float  *r, *c, *uv, *wv, *part;   /* r [m], c [n], u [n], w [n], part [nbands][n] */
     double *bsc, *fsc, *scal;         /* band scalars [BSC nbands], fold-block scalars [nfold], SC_* */
+                                      /* (bsc: the sphere sums [nbands][BSC]; the power passes' band_vv, band_ff) */
 };
 
 __host__ __device__ __forceinline__ int64_t up4(int64_t x) { return (x + 3) / 4 * 4; }
