@@ -175,29 +175,22 @@ __host__ __device__ __forceinline__ int64_t range_start(int64_t b, int64_t gtot,
     return b * gtot / grid;
 }
 
-template <int CAP>
-__device__ __forceinline__ int mat_of_group(const skargs<CAP> &A, int64_t g)
+/* The last matrix whose first (row group, fold block) -- the member `first`, ascending -- is at most x. */
+template <int CAP, class F>
+__device__ __forceinline__ int mat_at(const skargs<CAP> &A, int64_t x, F first)
 {
     int lo = 0, hi = A.nmat - 1;
     while (lo < hi) {
         const int mid = lo + (hi - lo + 1) / 2;
-        if (A.m[mid].g0 <= g) lo = mid;
+        if (A.m[mid].*first <= x) lo = mid;
         else hi = mid - 1;
     }
     return lo;
 }
-
 template <int CAP>
-__device__ __forceinline__ int mat_of_fold(const skargs<CAP> &A, int64_t blk)
-{
-    int lo = 0, hi = A.nmat - 1;
-    while (lo < hi) {
-        const int mid = lo + (hi - lo + 1) / 2;
-        if (A.m[mid].f0 <= blk) lo = mid;
-        else hi = mid - 1;
-    }
-    return lo;
-}
+__device__ __forceinline__ int mat_of_group(const skargs<CAP> &A, int64_t g) { return mat_at(A, g, &skmat::g0); }
+template <int CAP>
+__device__ __forceinline__ int mat_of_fold(const skargs<CAP> &A, int64_t blk) { return mat_at(A, blk, &skmat::f0); }
 
 /* Deterministic block sums: butterfly within warps, then every thread adds the warps' sums in warp order
 ** (so every thread holds the same bits).  red holds NT / 32 values of shared memory. */
