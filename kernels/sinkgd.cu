@@ -192,6 +192,18 @@ __device__ __forceinline__ int mat_of_group(const skargs<CAP> &A, int64_t g) { r
 template <int CAP>
 __device__ __forceinline__ int mat_of_fold(const skargs<CAP> &A, int64_t blk) { return mat_at(A, blk, &skmat::f0); }
 
+/* Matrix i's row groups within the launch's range [ga, gb), counted from its first group: [sa, sb); false when
+** there are none (a sharded rank's matrix without rows here). */
+template <int CAP>
+__device__ __forceinline__ bool groups_in(const skargs<CAP> &A, int i, int64_t ga, int64_t gb, int64_t &sa,
+                                          int64_t &sb)
+{
+    const int64_t g0 = A.m[i].g0, end = i + 1 < A.nmat ? A.m[i + 1].g0 : A.gtot;
+    sa = (ga > g0 ? ga : g0) - g0;
+    sb = (gb < end ? gb : end) - g0;
+    return sb > sa;
+}
+
 /* Deterministic block sums: butterfly within warps, then every thread adds the warps' sums in warp order
 ** (so every thread holds the same bits).  red holds NT / 32 values of shared memory. */
 template <class V> __device__ __forceinline__ V warp_sum(V v)
@@ -1075,14 +1087,13 @@ __global__ void __launch_bounds__(T_SWEEP, 1) sweep_kernel(const skargs<CAP> *__
         scr_layout(M.scr, M.m, M.n, M.nbands, &S);
         if ((A.flags & FL_REDO) && __ldcg(S.scal + SC_REDO) == 0) continue;   /* no restart pending */
         if (M.wide) continue;   /* wide_kernel's or pair_kernel's */
-        const int64_t end = i + 1 < A.nmat ? A.m[i + 1].g0 : A.gtot;
-        const int64_t sa = ga > M.g0 ? ga : M.g0, sb = gb < end ? gb : end;
-        if (sb <= sa) continue;   /* a sharded rank's matrix without rows here */
+        int64_t sa, sb;
+        if (!groups_in(A, i, ga, gb, sa, sb)) continue;
         const int band = (int)blockIdx.x - M.band0;
         switch (M.gdt) {
-        case MS_DTYPE_BF16: sweep_typed<__nv_bfloat16, KIND, K8>(A, M, S, band, sa - M.g0, sb - M.g0, rev, smem, wait); break;
-        case MS_DTYPE_F16:  sweep_typed<__half, KIND, K8>(A, M, S, band, sa - M.g0, sb - M.g0, rev, smem, wait); break;
-        default:            sweep_typed<float, KIND, K8>(A, M, S, band, sa - M.g0, sb - M.g0, rev, smem, wait); break;
+        case MS_DTYPE_BF16: sweep_typed<__nv_bfloat16, KIND, K8>(A, M, S, band, sa, sb, rev, smem, wait); break;
+        case MS_DTYPE_F16:  sweep_typed<__half, KIND, K8>(A, M, S, band, sa, sb, rev, smem, wait); break;
+        default:            sweep_typed<float, KIND, K8>(A, M, S, band, sa, sb, rev, smem, wait); break;
         }
         wait = false;
     }
@@ -1120,17 +1131,16 @@ __global__ void __launch_bounds__(T_SWEEP, 1) pair_kernel(const skargs<CAP> *__r
         skscr S;
         scr_layout(M.scr, M.m, M.n, M.nbands, &S);
         if ((A.flags & FL_REDO) && __ldcg(S.scal + SC_REDO) == 0) continue;   /* no restart pending */
-        const int64_t end = i + 1 < A.nmat ? A.m[i + 1].g0 : A.gtot;
-        const int64_t sa = ga > M.g0 ? ga : M.g0, sb = gb < end ? gb : end;
-        if (sb <= sa) continue;
+        int64_t sa, sb;
+        if (!groups_in(A, i, ga, gb, sa, sb)) continue;
         /* the partials go to the matrix's first band among the pair's two; the other, when it has one, gets zeros */
         const int band = (c2 > M.band0 ? c2 : M.band0) - M.band0;
         if (threadIdx.x == 0) w->zband = c2 >= M.band0 && c2 + 1 < M.band0 + M.nbands ? c2 + 1 - M.band0 : -1;
         __syncthreads();
         if (M.gdt == MS_DTYPE_BF16)
-            fast_segment<__nv_bfloat16, 4, KIND, CAP, true>(A, M, S, band, sa - M.g0, sb - M.g0, rev, smem, wait);
+            fast_segment<__nv_bfloat16, 4, KIND, CAP, true>(A, M, S, band, sa, sb, rev, smem, wait);
         else
-            fast_segment<__half, 4, KIND, CAP, true>(A, M, S, band, sa - M.g0, sb - M.g0, rev, smem, wait);
+            fast_segment<__half, 4, KIND, CAP, true>(A, M, S, band, sa, sb, rev, smem, wait);
         if (threadIdx.x == 0) w->xq += (int)(sb - sa);   /* (read after the next segment's barrier above) */
         wait = false;
     }
@@ -1159,9 +1169,8 @@ __global__ void __launch_bounds__(T_SWEEP, 1) wide_kernel(const skargs<CAP> *__r
         skscr S;
         scr_layout(M.scr, M.m, M.n, M.nbands, &S);
         if ((A.flags & FL_REDO) && __ldcg(S.scal + SC_REDO) == 0) continue;   /* no restart pending */
-        const int64_t end = i + 1 < A.nmat ? A.m[i + 1].g0 : A.gtot;
-        const int64_t sa = (ga > M.g0 ? ga : M.g0) - M.g0, sb = (gb < end ? gb : end) - M.g0;
-        if (sb <= sa) continue;
+        int64_t sa, sb;
+        if (!groups_in(A, i, ga, gb, sa, sb)) continue;
         const int band = (int)blockIdx.x - M.band0;
         if (PASS == WIDE_PASS_ROWS) {
             switch (M.gdt) {
@@ -1791,9 +1800,8 @@ __global__ void __launch_bounds__(T_SWEEP, 1) elem_kernel(const skargs<CAP> *__r
         const skmat &M = A.m[i];
         skscr S;
         scr_layout(M.scr, M.m, M.n, M.nbands, &S);
-        const int64_t end = i + 1 < A.nmat ? A.m[i + 1].g0 : A.gtot;
-        const int64_t sa = (ga > M.g0 ? ga : M.g0) - M.g0, sb = (gb < end ? gb : end) - M.g0;
-        if (sb <= sa) continue;   /* a sharded rank's matrix without rows here */
+        int64_t sa, sb;
+        if (!groups_in(A, i, ga, gb, sa, sb)) continue;
         const int64_t r0 = sa * M.GR, r1 = sb * M.GR < M.m ? sb * M.GR : M.m;
         const int band = b - M.band0;
         /* called once the segment's first copies of G and p are issued: the wait, then what the previous passes
@@ -2183,9 +2191,8 @@ __global__ void __launch_bounds__(T_SWEEP) capply_kernel(const skargs<CAP> *__re
         const skmat &M = A.m[i];
         skscr S;
         scr_layout(M.scr, M.m, M.n, M.nbands, &S);
-        const int64_t end = i + 1 < A.nmat ? A.m[i + 1].g0 : A.gtot;
-        const int64_t r0 = (ga > M.g0 ? ga : M.g0) - M.g0, r1 = (gb < end ? gb : end) - M.g0;   /* GR = 1 */
-        if (r1 <= r0) continue;
+        int64_t r0, r1;   /* (GR = 1: groups are rows) */
+        if (!groups_in(A, i, ga, gb, r0, r1)) continue;
         const coefs cf = coefs_of(A, M, S, false, &t_sh);   /* (t was captured by the sphere's unpack) */
         const int64_t ng = A.cols[i].ng;
         switch (M.gdt) {
