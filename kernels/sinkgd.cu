@@ -1243,8 +1243,16 @@ __device__ __forceinline__ void power_start(const msk_sinkgd &o, const skmat &M,
 ** the global m's root for c. */
 enum { FOLD_WHOLE = 0, FOLD_PART = 1, FOLD_FINISH = 2 };
 
-template <int CAP, int KIND, int STAGE = FOLD_WHOLE, bool START = false>
-__global__ void __launch_bounds__(FOLD_THREADS) fold_kernel(const skargs<CAP> *__restrict__ tables, int flags)
+/* fold_packed_kernel: the whole fold at FOLD_PACKED blocks an SM.  The START and POWER folds take 52-62
+** registers, 4 blocks an SM, and a block's time is a chain of latencies (loads, barriers, the ticket), so a grid
+** of many waves (a chunk of many matrices: 14336 blocks for 32 x 4096 x 14336) is paced by residency: held to 32
+** registers (the last block's vector work spills) they took 71 and 96 us there instead of 123 and 146.  Within
+** one wave the spills only lengthen the step's path (4096 x 4096 spectral +2%): run_chunk picks by the grid
+** (many_folds).  (A second launch bound of 1 is not the default: ptxas then gave the folds 40-128 registers.) */
+enum { FOLD_PACKED = 8 };
+
+template <int CAP, int KIND, int STAGE, bool START>
+__device__ __forceinline__ void fold_pass(const skargs<CAP> *__restrict__ tables, int flags)
 {
     const skargs<CAP> &A = tables[flags];
     __shared__ float sm[FOLD_THREADS / 32][FOLD_COLS];
@@ -1391,7 +1399,7 @@ __global__ void __launch_bounds__(FOLD_THREADS) fold_kernel(const skargs<CAP> *_
             if (unit) ffs += __ldcg(bff + bb);   /* (used only when iters = 0) */
         }
         nv2 = block_sum<FOLD_THREADS>(nv2, dred);
-        ffs = block_sum<FOLD_THREADS>(ffs, dred);
+        if (unit) ffs = block_sum<FOLD_THREADS>(ffs, dred);
         if (STAGE == FOLD_PART) {
             if (t == 0) {
                 xd[xsc] = nv2;
@@ -1462,6 +1470,19 @@ __global__ void __launch_bounds__(FOLD_THREADS) fold_kernel(const skargs<CAP> *_
         if (nw != 0) S.scal[SC_UU] = uu;
         S.scal[SC_REDO] = 0;
     }
+}
+
+template <int CAP, int KIND, int STAGE = FOLD_WHOLE, bool START = false>
+__global__ void __launch_bounds__(FOLD_THREADS) fold_kernel(const skargs<CAP> *__restrict__ tables, int flags)
+{
+    fold_pass<CAP, KIND, STAGE, START>(tables, flags);
+}
+
+template <int CAP, int KIND, bool START>
+__global__ void __launch_bounds__(FOLD_THREADS, FOLD_PACKED)
+    fold_packed_kernel(const skargs<CAP> *__restrict__ tables, int flags)
+{
+    fold_pass<CAP, KIND, FOLD_WHOLE, START>(tables, flags);
 }
 
 /* --- the power step's start when there is no SINK fold (iters = 0; the last SINK fold does it otherwise): u from
@@ -2581,9 +2602,13 @@ static ms_status run_chunk(ms_ctx *ctx, cudaStream_t s, const msk_sinkgd *o, int
     const unsigned G = (unsigned)a->grid, F = (unsigned)a->nfold;
     const int unit = o->iters == 0 ? FL_UNIT : 0;
     const bool wide = any_wide(*a, WIDE_PASSES), pair = any_wide(*a, WIDE_PAIR), narrow = any_wide(*a, WIDE_NO);
+    /* more fold blocks than one wave of the START and POWER folds at 4 an SM: their FOLD_PACKED instances */
+    const bool many_folds = F > 4u * (unsigned)ctas_per_pass();
     bool rev = false;
     ms_status st = MS_OK;
     typedef void (*kernel_t)(const skargs<CAP> *, int);
+    const kernel_t power_fold = many_folds ? fold_packed_kernel<CAP, K_POWER, false>
+                                           : fold_kernel<CAP, K_POWER>;
     /* two walks over the launch sequence: the first collects the flags values (the tables to write), the second
     ** launches */
     unsigned used = 0;
@@ -2611,8 +2636,10 @@ static ms_status run_chunk(ms_ctx *ctx, cudaStream_t s, const msk_sinkgd *o, int
         for (int k = 1; k <= o->iters; k++) {
             const int fl = (k == 1 ? FL_FIRST : 0) | (k == o->iters && o->mode != MS_SINKGD_BASE ? FL_LAST : 0);
             sweep(K_SINK, fl | (rev ? FL_REV : 0), "sinkgd sweep", "sinkgd wide passes");
-            go(fl & FL_LAST ? fold_kernel<CAP, K_SINK, FOLD_WHOLE, true> : fold_kernel<CAP, K_SINK>, fl, F,
-               FOLD_THREADS, 0, "sinkgd fold");
+            go(!(fl & FL_LAST) ? fold_kernel<CAP, K_SINK>
+               : many_folds ? fold_packed_kernel<CAP, K_SINK, true>
+                            : fold_kernel<CAP, K_SINK, FOLD_WHOLE, true>,
+               fl, F, FOLD_THREADS, 0, "sinkgd fold");
             rev = !rev;
         }
         if (o->mode != MS_SINKGD_BASE) {
@@ -2620,10 +2647,10 @@ static ms_status run_chunk(ms_ctx *ctx, cudaStream_t s, const msk_sinkgd *o, int
             for (int k = 0; k < o->sn_iters; k++) {
                 const int fl = unit | (k == o->sn_iters - 1 ? FL_LAST : 0);
                 sweep(K_POWER, fl | (rev ? FL_REV : 0), "sinkgd power", "sinkgd power wide passes");
-                go(fold_kernel<CAP, K_POWER>, fl, F, FOLD_THREADS, 0, "sinkgd power fold");
+                go(power_fold, fl, F, FOLD_THREADS, 0, "sinkgd power fold");
                 sweep(K_POWER, fl | FL_REDO | (rev ? 0 : FL_REV), "sinkgd power restart",
                       "sinkgd power restart wide passes");
-                go(fold_kernel<CAP, K_POWER>, fl | FL_REDO, F, FOLD_THREADS, 0, "sinkgd power restart fold");
+                go(power_fold, fl | FL_REDO, F, FOLD_THREADS, 0, "sinkgd power restart fold");
                 rev = !rev;
             }
         }

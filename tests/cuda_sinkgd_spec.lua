@@ -413,31 +413,37 @@ describe("cuda ms_sinkgd_step", function()
     end
   end)
 
-  -- sn_iters 2: the second power step's restart passes run with the chunk's restart word set by the first's
+  -- sn_iters 2: a second power step after the restart.  Member 5's 17000 columns make the chunk's fold grid more
+  -- than a wave (546 blocks against 4 x 132), so its START and POWER folds are the FOLD_PACKED instances.
   cuda_it("zero gradients, zero rows and columns, a zero u (its first value) and a u orthogonal to X's rows "
-          .. "(the restart), one or two power steps: the CPU's results, no NaN", function()
+          .. "(the restart), one or two power steps, a fold grid of one wave or more: the CPU's results, no NaN",
+          function()
     for _, sn in ipairs { 1, 2 } do
       for _, mode in ipairs { "base", "spectral", "sphere" } do
-        local cm, gm = group({ { shape = { 64, 128 }, dt = "bf16" }, { shape = { 40, 256 }, dt = "f32" },
-                               { shape = { 1, 2 }, dt = "f32" }, { shape = { 16, 16 }, dt = "f16" } }, mode)
-        -- member 1: rows 3..9 and columns 5..20 zero; member 2: all zero; member 3: G = [a, a] and u = [b, -b]
-        local g1 = vals(cm[1].g)
-        for i = 3, 9 do for j = 1, 128 do g1[(i - 1) * 128 + j] = 0 end end
-        for i = 1, 64 do for j = 5, 20 do g1[(i - 1) * 128 + j] = 0 end end
-        cm[1].g:copy_(ms.tensor(g1):view(64, 128):to("bf16"))
-        cm[2].g:zero_()
-        local a, b = 0.3 + math.random(), 0.2 + math.random()
-        cm[3].g:copy_(ms.tensor({ { a, a } }))
-        if cm[3].u then cm[3].u:copy_(ms.tensor({ b, -b })) end
-        if cm[4].u then cm[4].u:zero_() end
-        for k, mb in ipairs(cm) do
-          gm[k].g:copy_(gpu(mb.g))
-          if mb.u then gm[k].u:copy_(gpu(mb.u)) end
-        end
-        step_and_compare(cm, gm, { mode = mode, iters = 5, sn_iters = sn, lr = 0.1 }, nil,
-                         ("%s zeros, %d power steps"):format(mode, sn))
-        for k, mb in ipairs(gm) do
-          for i, x in ipairs(vals(mb.p)) do assert(x == x, ("%s member %d element %d is NaN"):format(mode, k, i)) end
+        for _, many in ipairs { false, true } do
+          local members = { { shape = { 64, 128 }, dt = "bf16" }, { shape = { 40, 256 }, dt = "f32" },
+                            { shape = { 1, 2 }, dt = "f32" }, { shape = { 16, 16 }, dt = "f16" } }
+          if many then members[5] = { shape = { 3, 17000 }, dt = "f32" } end
+          local cm, gm = group(members, mode)
+          -- member 1: rows 3..9 and columns 5..20 zero; member 2: all zero; member 3: G = [a, a] and u = [b, -b]
+          local g1 = vals(cm[1].g)
+          for i = 3, 9 do for j = 1, 128 do g1[(i - 1) * 128 + j] = 0 end end
+          for i = 1, 64 do for j = 5, 20 do g1[(i - 1) * 128 + j] = 0 end end
+          cm[1].g:copy_(ms.tensor(g1):view(64, 128):to("bf16"))
+          cm[2].g:zero_()
+          local a, b = 0.3 + math.random(), 0.2 + math.random()
+          cm[3].g:copy_(ms.tensor({ { a, a } }))
+          if cm[3].u then cm[3].u:copy_(ms.tensor({ b, -b })) end
+          if cm[4].u then cm[4].u:zero_() end
+          for k, mb in ipairs(cm) do
+            gm[k].g:copy_(gpu(mb.g))
+            if mb.u then gm[k].u:copy_(gpu(mb.u)) end
+          end
+          step_and_compare(cm, gm, { mode = mode, iters = 5, sn_iters = sn, lr = 0.1 }, nil,
+                           ("%s zeros, %d power steps%s"):format(mode, sn, many and ", many folds" or ""))
+          for k, mb in ipairs(gm) do
+            for i, x in ipairs(vals(mb.p)) do assert(x == x, ("%s member %d element %d is NaN"):format(mode, k, i)) end
+          end
         end
       end
     end
