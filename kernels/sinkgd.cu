@@ -2602,7 +2602,8 @@ static ms_status run_chunk(ms_ctx *ctx, cudaStream_t s, const msk_sinkgd *o, int
     const unsigned G = (unsigned)a->grid, F = (unsigned)a->nfold;
     const int unit = o->iters == 0 ? FL_UNIT : 0;
     const bool wide = any_wide(*a, WIDE_PASSES), pair = any_wide(*a, WIDE_PAIR), narrow = any_wide(*a, WIDE_NO);
-    /* more fold blocks than one wave of the START and POWER folds at 4 an SM: their FOLD_PACKED instances */
+    /* more fold blocks than one wave of the START and POWER folds at 4 an SM (ctas_per_pass: the SMs, one sweep
+    ** CTA each): their FOLD_PACKED instances.  (The sharded PART and FINISH folds keep one instance: not measured.) */
     const bool many_folds = F > 4u * (unsigned)ctas_per_pass();
     bool rev = false;
     ms_status st = MS_OK;
