@@ -1485,6 +1485,125 @@ __global__ void __launch_bounds__(FOLD_THREADS, FOLD_PACKED)
     fold_pass<CAP, KIND, FOLD_WHOLE, START>(tables, flags);
 }
 
+/* The SINK folds (START included; not the sharded ones) of a chunk of many fold blocks whose matrices have at
+** most WARP_FOLD_BANDS bands each: a warp a fold block.  With few bands most of a fold_kernel block's 8 warps have
+** nothing to add, and a grid of many blocks (the Llama-3-8B set's 4096-wide chunk: 24576) is paced by running
+** them through the SMs.  The bits are fold_pass's: a lane adds its column's bands w, w + 8, ... for w = 0..7 and
+** then those 8 sums in w order, as fold_pass's warps and its sm[] sum do; a START block's sums are warp 0's (the
+** other warps of a fold_pass block hold zeros), and the matrix's last warp sums the blocks' scalars, and walks
+** u's start, as fold_pass's 256 threads would (sum256).  MOONSTEP_SINKGD_WARP_FOLD = 0 turns it off (tests and
+** measurements). */
+enum { WARP_FOLD_BANDS = 16 };
+
+/* block_sum<FOLD_THREADS> of the values v(t) of the threads t = 0..255 of a block, on one warp: lane l holds
+** t = l + 32 w for w = 0..7 (every lane gets the same bits) */
+template <class V>
+__device__ __forceinline__ double sum256(const V &v)
+{
+    double s = 0;
+#pragma unroll 1
+    for (int w = 0; w < FOLD_THREADS / 32; w++) s += warp_sum(v((int)(threadIdx.x & 31) + 32 * w));
+    return s;
+}
+
+template <int CAP, bool START>
+__global__ void __launch_bounds__(FOLD_THREADS) fold_warp_kernel(const skargs<CAP> *__restrict__ tables, int flags)
+{
+    constexpr int W = FOLD_THREADS / 32;
+    const skargs<CAP> &A = tables[flags];
+    if (A.o.skip.ptr && msk_scalar_value(A.o.skip) != 0) return;
+    const int blk = (int)blockIdx.x * W + (int)(threadIdx.x >> 5), lane = threadIdx.x & 31;
+    if (blk >= A.nfold) {   /* (a whole warp: blk is the warp's) */
+        pdl_enter();
+        return;
+    }
+    const int i = mat_of_fold(A, blk);
+    const skmat &M = A.m[i];
+    skscr S;
+    scr_layout(M.scr, M.m, M.n, M.nbands, &S);
+    pdl_enter();   /* (fold_pass's order) */
+    const int64_t n = M.n, m = M.m;
+    const int lbk = blk - M.f0;
+    const int64_t j = (int64_t)lbk * FOLD_COLS + lane;
+    const bool jv = j < n;
+    double q = 0, uu = 0;
+    if (jv) {
+        const float *col = S.part + j;
+        const int nb = M.nbands;
+        float sw[W];
+#pragma unroll
+        for (int w = 0; w < W; w++) sw[w] = 0.f;
+        for (int b0 = 0; b0 < nb; b0 += W) {
+            float v[W];
+#pragma unroll
+            for (int w = 0; w < W; w++) v[w] = b0 + w < nb ? __ldcg(col + (int64_t)(b0 + w) * n) : 0.f;
+#pragma unroll
+            for (int w = 0; w < W; w++)
+                if (b0 + w < nb) sw[w] += v[w];
+        }
+        float T2 = 0;
+#pragma unroll
+        for (int w = 0; w < W; w++) T2 += sw[w];
+        const float c_old = (A.flags & FL_FIRST) ? 1.f : S.c[j];
+        const float cn = T2 == 0 ? c_old : sqrtf((float)m) * c_old / clampf(c_old * sqrtf(T2), (float)A.o.eps);
+        S.c[j] = cn;
+        if (START) {
+            q = (double)cn * cn * T2;
+            const float u = M.u[j];
+            S.uv[j] = u;
+            uu = (double)u * u;
+        }
+    }
+    if (!START) return;
+    q = warp_sum(q);
+    uu = warp_sum(uu);
+    const int nf = (int)nfold_of(n);
+    double *const fuu = fuu_of(S, m);
+    if (lane == 0) {
+        S.fsc[lbk] = q;
+        fuu[lbk] = uu;
+    }
+    __threadfence();   /* this warp's writes are visible device-wide before its ticket */
+    __syncwarp();
+    unsigned last = 0;
+    if (lane == 0) last = nf == 1 || atomicInc(&A.tickets[i], (unsigned)(nf - 1)) == (unsigned)(nf - 1);
+    if (!__shfl_sync(0xffffffffu, last, 0)) return;
+    __threadfence();
+    /* the last warp: fold_pass's last block's sums and power_start, each thread t's part walked by lane t % 32 */
+    const double f2 = sum256([&](int t) {
+        double a = 0;
+        for (int k = t; k < nf; k += FOLD_THREADS) a += __ldcg(S.fsc + k);
+        return a;
+    });
+    double u2 = sum256([&](int t) {
+        double a = 0;
+        for (int k = t; k < nf; k += FOLD_THREADS) a += __ldcg(fuu + k);
+        return a;
+    });
+    const bool zero = u2 == 0;
+    if (zero) {
+        float *const uv = S.uv;
+        const uint64_t seed = A.o.seed;
+        const int64_t mb = M.b;
+        u2 = sum256([&](int t) {
+            double a = 0;
+            for (int64_t jj = t; jj < n; jj += FOLD_THREADS) {
+                const float u = u_start(seed, mb, jj);
+                uv[jj] = u;
+                a += (double)u * u;
+            }
+            return a;
+        });
+    }
+    if (lane == 0) {
+        S.scal[SC_F2] = f2;
+        S.scal[SC_UU] = u2;
+        S.scal[SC_SIGMA] = A.o.eps;
+        S.scal[SC_RESTARTED] = zero ? 1 : 0;
+        S.scal[SC_REDO] = 0;
+    }
+}
+
 /* --- the power step's start when there is no SINK fold (iters = 0; the last SINK fold does it otherwise): u from
 ** the state and ||u||^2; one block per matrix. */
 template <int CAP>
@@ -2605,6 +2724,10 @@ static ms_status run_chunk(ms_ctx *ctx, cudaStream_t s, const msk_sinkgd *o, int
     /* more fold blocks than one wave of the START and POWER folds at 4 an SM (ctas_per_pass: the SMs, one sweep
     ** CTA each): their FOLD_PACKED instances.  (The sharded PART and FINISH folds keep one instance: not measured.) */
     const bool many_folds = F > 4u * (unsigned)ctas_per_pass();
+    int max_bands = 0;
+    for (int k = 0; k < cnt; k++) max_bands = std::max(max_bands, (int)a->m[k].nbands);
+    const char *nv = getenv("MOONSTEP_SINKGD_WARP_FOLD");
+    const bool warp_folds = many_folds && max_bands <= WARP_FOLD_BANDS && !(nv && nv[0] == '0' && nv[1] == 0);
     bool rev = false;
     ms_status st = MS_OK;
     typedef void (*kernel_t)(const skargs<CAP> *, int);
@@ -2637,10 +2760,14 @@ static ms_status run_chunk(ms_ctx *ctx, cudaStream_t s, const msk_sinkgd *o, int
         for (int k = 1; k <= o->iters; k++) {
             const int fl = (k == 1 ? FL_FIRST : 0) | (k == o->iters && o->mode != MS_SINKGD_BASE ? FL_LAST : 0);
             sweep(K_SINK, fl | (rev ? FL_REV : 0), "sinkgd sweep", "sinkgd wide passes");
-            go(!(fl & FL_LAST) ? fold_kernel<CAP, K_SINK>
-               : many_folds ? fold_packed_kernel<CAP, K_SINK, true>
-                            : fold_kernel<CAP, K_SINK, FOLD_WHOLE, true>,
-               fl, F, FOLD_THREADS, 0, "sinkgd fold");
+            if (warp_folds)
+                go(!(fl & FL_LAST) ? fold_warp_kernel<CAP, false> : fold_warp_kernel<CAP, true>, fl,
+                   (F + FOLD_THREADS / 32 - 1) / (FOLD_THREADS / 32), FOLD_THREADS, 0, "sinkgd fold");
+            else
+                go(!(fl & FL_LAST) ? fold_kernel<CAP, K_SINK>
+                   : many_folds ? fold_packed_kernel<CAP, K_SINK, true>
+                                : fold_kernel<CAP, K_SINK, FOLD_WHOLE, true>,
+                   fl, F, FOLD_THREADS, 0, "sinkgd fold");
             rev = !rev;
         }
         if (o->mode != MS_SINKGD_BASE) {

@@ -180,18 +180,7 @@ end
 -- ---------------------------------------------------------------------------------------------------
 local function vals(t) return t:tolist_flat() end
 
--- equal values, NaN matching NaN and -0 told from +0: for these dtypes, the same bits
-local function assert_same(got, want, what)
-  assert(#got == #want, ("%s: %d values, expected %d"):format(what, #got, #want))
-  for j = 1, #want do
-    local x, y = got[j], want[j]
-    local same = x == y or (x ~= x and y ~= y)
-    if same and x == 0 and y == 0 then same = 1 / x == 1 / y end
-    if not same then
-      error(("%s: element %d is %.17g on the GPU, %.17g on the CPU"):format(what, j, x, y), 2)
-    end
-  end
-end
+local assert_same = H.assert_same
 
 local function assert_same_tensors(gl, cl, what)
   for i = 1, #cl do assert_same(vals(gl[i]), vals(cl[i]), ("%s, member %d"):format(what, i)) end

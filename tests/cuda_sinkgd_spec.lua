@@ -29,41 +29,7 @@ local function randn(shape, dt, ctx) return ms.randn(shape, { dtype = dt or "f32
 local function urand(shape, lo, hi) return ms.rand(shape, { seed = H.seed(), low = lo, high = hi }) end
 local function gpu(t) return t:to(GPU) end
 
-local ulp = H.ulp
-
--- |got - want| <= k ulp(want) + atol; NaN passes only against NaN
-local function assert_ulps(got, want, dt, what, k, atol)
-  k, atol = k or 1, atol or 0
-  assert.equals(#want, #got, what .. ": length")
-  for i = 1, #want do
-    local w, g = want[i], got[i]
-    if w ~= w then
-      if g == g then error(("%s: element %d is %.9g, expected NaN"):format(what, i, g), 2) end
-    elseif not (abs(g - w) <= k * ulp(w, dt) + atol) then
-      error(("%s: element %d is %.9g, expected %.9g (error %.3g > %.3g)"):format(what, i, g, w, abs(g - w),
-            k * ulp(w, dt) + atol), 2)
-    end
-  end
-end
-
-local function same_bits(a, b)
-  if #a ~= #b then return false end
-  for i = 1, #a do
-    local x, y = a[i], b[i]
-    if x ~= y and not (x ~= x and y ~= y) then return false end
-    if x == 0 and 1 / x ~= 1 / y then return false end
-  end
-  return true
-end
-local function assert_same(got, want, what)
-  if not same_bits(got, want) then
-    for i = 1, max(#got, #want) do
-      if not same_bits({ got[i] }, { want[i] }) then
-        error(("%s: element %d is %s, expected %s (the same bits)"):format(what, i, tostring(got[i]), tostring(want[i])), 2)
-      end
-    end
-  end
-end
+local assert_ulps, same_bits, assert_same = H.assert_ulps, H.same_bits, H.assert_same
 
 local function handles(list, ro)
   local n = #list
@@ -319,6 +285,20 @@ describe("cuda ms_sinkgd_step", function()
     end
   end
 
+  -- every_mode_and_iters' launch check: a base step of 5 iterations (and the step's 2 other launches) launches
+  -- `mixed` kernels an iteration for the whole group, which ends with a fast matrix, and `alone` for its first two
+  -- matrices
+  local function launches_an_iteration(mixed, alone, what)
+    return function(gm, o)
+      local st, n = sinkgd_raw(GPU, gm, o)
+      ok(st)
+      assert.equals(mixed * 5 + 2, n, "launches of a base step with " .. what .. " and a fast matrix")
+      st, n = sinkgd_raw(GPU, { gm[1], gm[2] }, o)
+      ok(st)
+      assert.equals(alone * 5 + 2, n, "launches of a base step with " .. what .. " alone")
+    end
+  end
+
   -- the wide path over many CTAs: each of 300 rows' sums is one CTA's, each band's column partials are a
   -- columns pass's (kernels/sinkgd.cu, wide_rows_segment and wide_cols_segment), with the fast path in the
   -- same call
@@ -326,16 +306,10 @@ describe("cuda ms_sinkgd_step", function()
           .. "every mode and "
           .. "iters 0, 1 and 5", function()
     every_mode_and_iters({ { shape = { 300, 16400 }, dt = "f32" }, { shape = { 70, 40000 }, pdt = "f32", gdt = "bf16" },
-                           { shape = { 256, 512 }, dt = "bf16" } }, "wide", function(gm, o)
-      -- an iteration: the sweep (the fast matrix), the wide rows and columns passes, the fold; a call of wide
-      -- matrices alone launches no sweep
-      local st, n = sinkgd_raw(GPU, gm, o)
-      ok(st)
-      assert.equals(4 * 5 + 2, n, "launches of a base step with wide and fast matrices")
-      st, n = sinkgd_raw(GPU, { gm[1], gm[2] }, o)
-      ok(st)
-      assert.equals(3 * 5 + 2, n, "launches of a base step with wide matrices alone")
-    end)
+                           { shape = { 256, 512 }, dt = "bf16" } }, "wide",
+                         -- an iteration: the sweep (the fast matrix), the wide rows and columns passes, the fold;
+                         -- a call of wide matrices alone launches no sweep
+                         launches_an_iteration(4, 3, "wide matrices"))
   end)
 
   -- 16-bit rows of 2049-4096 chunks (16385-32768 elements: a Llama-3-70B down projection) take the sweep on
@@ -346,14 +320,7 @@ describe("cuda ms_sinkgd_step", function()
           function()
     local shapes = { { shape = { 300, 28672 }, dt = "bf16" }, { shape = { 2, 90, 16392 }, pdt = "bf16", gdt = "f16" },
                      { shape = { 256, 512 }, dt = "bf16" } }
-    every_mode_and_iters(shapes, "pairs", function(gm, o)
-      local st, n = sinkgd_raw(GPU, gm, o)
-      ok(st)
-      assert.equals(3 * 5 + 2, n, "launches of a base step with pairs and a fast matrix")
-      st, n = sinkgd_raw(GPU, { gm[1], gm[2] }, o)
-      ok(st)
-      assert.equals(2 * 5 + 2, n, "launches of a base step with pairs alone")
-    end)
+    every_mode_and_iters(shapes, "pairs", launches_an_iteration(3, 2, "pairs"))
     -- a call of 7 row groups: 7 CTA ranges, the last pair's second range empty
     for _, mode in ipairs { "base", "spectral" } do
       local cm, gm = group({ { shape = { 7, 20000 }, dt = "bf16" } }, mode)
@@ -372,6 +339,45 @@ describe("cuda ms_sinkgd_step", function()
     end)
     ffi.C.unsetenv("MOONSTEP_SINKGD_PAIR")
     assert(good, err)
+  end)
+
+  -- a chunk of many fold blocks (more than 4 an SM) whose matrices have at most 16 bands each folds its plain SINK
+  -- iterations a warp a fold block (kernels/sinkgd.cu, fold_warp_kernel): the CPU's results, and the bits of
+  -- fold_kernel (MOONSTEP_SINKGD_WARP_FOLD = 0), in every mode, the START fold's walk of u's start included (a
+  -- zero u in every third member).  40 matrices of 512 columns: 640 fold blocks, 2-4 bands a matrix; the 3 x 9000
+  -- member adds 282 blocks of one band.
+  cuda_it("folds a chunk of many matrices of few bands a warp a fold block, with fold_kernel's bits", function()
+    local specs = {}
+    for k = 1, 40 do specs[k] = { shape = { 64, 512 }, dt = k % 2 == 0 and "bf16" or "f32" } end
+    specs[41] = { shape = { 3, 9000 }, pdt = "bf16", gdt = "f32" }
+    pcall(ffi.cdef, "int setenv(const char *k, const char *v, int overwrite); int unsetenv(const char *k);")
+    for _, mode in ipairs { "base", "spectral", "sphere" } do
+      local cm, gm = group(specs, mode)
+      for k = 3, #cm, 3 do if cm[k].u then cm[k].u:zero_() end end
+      local o = { mode = mode, iters = 5, sn_iters = 1, lr = 0.05, weight_decay = mode == "sphere" and 0 or 0.02,
+                  step = 1 }
+      step_and_compare(cm, gm, o, nil, mode .. " many matrices")
+      for k = 3, #gm, 3 do if gm[k].u then gm[k].u:zero_() end end
+      local start, first = {}, {}
+      for k, mb in ipairs(gm) do start[k] = { p = mb.p:clone(), u = mb.u and mb.u:clone(), t = mb.t and mb.t:clone() } end
+      ok(sinkgd_raw(GPU, gm, o))
+      for k, mb in ipairs(gm) do
+        first[k] = { p = vals(mb.p), u = mb.u and vals(mb.u) }
+        mb.p:copy_(start[k].p)
+        if mb.u then mb.u:copy_(start[k].u) end
+        if mb.t then mb.t:copy_(start[k].t) end
+      end
+      ffi.C.setenv("MOONSTEP_SINKGD_WARP_FOLD", "0", 1)
+      local good, err = pcall(function()
+        ok(sinkgd_raw(GPU, gm, o))
+        for k, mb in ipairs(gm) do
+          assert_same(vals(mb.p), first[k].p, mode .. " p " .. k .. " with fold_kernel")
+          if mb.u then assert_same(vals(mb.u), first[k].u, mode .. " u " .. k .. " with fold_kernel") end
+        end
+      end)
+      ffi.C.unsetenv("MOONSTEP_SINKGD_WARP_FOLD")
+      assert(good, err)
+    end
   end)
 
   -- f32 rows of 2049-4096 chunks (8193-16384 elements: a Llama down projection with f32 grads) take the sweep with

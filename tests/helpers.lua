@@ -153,6 +153,44 @@ function H.ulp(x, dt)
   return 2 ^ (e - MANT[dt] + 1)
 end
 
+--- Equal value lists, NaN matching NaN and -0 told from +0: for f32, bf16 and f16 values, the same bits.
+function H.same_bits(a, b)
+  if #a ~= #b then return false end
+  for i = 1, #a do
+    local x, y = a[i], b[i]
+    if x ~= y and not (x ~= x and y ~= y) then return false end
+    if x == 0 and 1 / x ~= 1 / y then return false end
+  end
+  return true
+end
+
+--- Asserts H.same_bits(got, want), naming the first element that differs.
+function H.assert_same(got, want, what)
+  if H.same_bits(got, want) then return end
+  if #got ~= #want then error(("%s: %d values, expected %d"):format(what, #got, #want), 2) end
+  for i = 1, #want do
+    if not H.same_bits({ got[i] }, { want[i] }) then
+      error(("%s: element %d is %s, expected %s (the same bits)"):format(what, i, tostring(got[i]), tostring(want[i])), 2)
+    end
+  end
+end
+
+--- Asserts |got - want| <= k ulp(want) + atol elementwise in dtype dt (k = 1, atol = 0 unless given); NaN matches
+--- only NaN.
+function H.assert_ulps(got, want, dt, what, k, atol)
+  k, atol = k or 1, atol or 0
+  if #got ~= #want then error(("%s: %d values, expected %d"):format(what, #got, #want), 2) end
+  for i = 1, #want do
+    local w, g = want[i], got[i]
+    if w ~= w then
+      if g == g then error(("%s: element %d is %.9g, expected NaN"):format(what, i, g), 2) end
+    elseif not (math.abs(g - w) <= k * H.ulp(w, dt) + atol) then
+      error(("%s: element %d is %.9g, expected %.9g (error %.3g > %.3g)"):format(what, i, g, w, math.abs(g - w),
+            k * H.ulp(w, dt) + atol), 2)
+    end
+  end
+end
+
 --- Eigenvalue lists of b entries for SPD test blocks of condition number kappa: spread log-uniformly from 1
 --- down to 1 / kappa, or in two clusters (near 1 and near 1 / kappa).
 function H.spectrum_spread(kappa, b)

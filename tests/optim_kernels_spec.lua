@@ -114,16 +114,7 @@ local function sumsq(srcs, dst_dt)
   return vals(dst)
 end
 
--- equal values, NaN matching NaN and -0 told from +0: for the dtypes here, the same bits
-local function same_bits(a, b)
-  if #a ~= #b then return false end
-  for i = 1, #a do
-    local x, y = a[i], b[i]
-    if x ~= y and not (x ~= x and y ~= y) then return false end
-    if x == 0 and 1 / x ~= 1 / y then return false end
-  end
-  return true
-end
+local same_bits = H.same_bits
 
 local function snapshot(list)
   local s = {}

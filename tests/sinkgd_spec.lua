@@ -33,38 +33,7 @@ local function F(x) fbuf[0] = x return fbuf[0] end   -- x rounded to f32 (neares
 -- spacing of the dtype's values around x
 local ulp = H.ulp
 
--- equal values, NaN matching NaN and -0 told from +0: for the dtypes here, the same bits
-local function same_bits(a, b)
-  if #a ~= #b then return false end
-  for i = 1, #a do
-    local x, y = a[i], b[i]
-    if x ~= y and not (x ~= x and y ~= y) then return false end
-    if x == 0 and 1 / x ~= 1 / y then return false end
-  end
-  return true
-end
-local function assert_same(got, want, what)
-  if not same_bits(got, want) then
-    for i = 1, max(#got, #want) do
-      if not same_bits({ got[i] }, { want[i] }) then
-        error(("%s: element %d is %s, expected %s (the same bits)"):format(what, i, tostring(got[i]), tostring(want[i])), 2)
-      end
-    end
-  end
-end
-
--- |got - want| <= k ulp(want) (+ atol), NaN failing
-local function assert_ulps(got, want, dt, what, k, atol)
-  k, atol = k or 1, atol or 0
-  assert.equals(#want, #got, what .. ": length")
-  for i = 1, #want do
-    local tol = k * ulp(want[i], dt) + atol
-    if not (abs(got[i] - want[i]) <= tol) then
-      error(("%s: element %d is %.9g, expected %.9g (error %.3g > %.3g)"):format(what, i, got[i], want[i],
-            abs(got[i] - want[i]), tol), 2)
-    end
-  end
-end
+local same_bits, assert_same, assert_ulps = H.same_bits, H.assert_same, H.assert_ulps
 
 local function handles(list, n, ro)
   n = n or #list
