@@ -1485,13 +1485,14 @@ __global__ void __launch_bounds__(FOLD_THREADS, FOLD_PACKED)
     fold_pass<CAP, KIND, FOLD_WHOLE, START>(tables, flags);
 }
 
-/* The SINK folds (START included; not the sharded ones) of a chunk of many fold blocks whose matrices have at
-** most WARP_FOLD_BANDS bands each: a warp a fold block.  With few bands most of a fold_kernel block's 8 warps have
+/* The SINK folds (START included) and the step's last POWER fold (FL_LAST, not a restart's) of an unsharded chunk
+** of many fold blocks whose matrices have at most WARP_FOLD_BANDS bands each: a warp a fold block.  With few bands most of a fold_kernel block's 8 warps have
 ** nothing to add, and a grid of many blocks (the Llama-3-8B set's 4096-wide chunk: 24576) is paced by running
 ** them through the SMs.  The bits are fold_pass's: a lane adds its column's bands w, w + 8, ... for w = 0..7 and
-** then those 8 sums in w order, as fold_pass's warps and its sm[] sum do; a START block's sums are warp 0's (the
-** other warps of a fold_pass block hold zeros), and the matrix's last warp sums the blocks' scalars, and walks
-** u's start, as fold_pass's 256 threads would (sum256).  MOONSTEP_SINKGD_WARP_FOLD = 0 turns it off (tests and
+** then those 8 sums in w order, as fold_pass's warps and its sm[] sum do; a block's sums (START's, POWER's, the
+** bands' |v|^2) are warp 0's (the other warps of a fold_pass block hold zeros), and the matrix's last warp sums
+** the blocks' scalars, and walks u's start, as fold_pass's 256 threads would (sum256).  The POWER fold's last
+** block walks u only when it is not the step's last or when a restart redoes it, so those keep fold_pass.  MOONSTEP_SINKGD_WARP_FOLD = 0 turns it off (tests and
 ** measurements). */
 enum { WARP_FOLD_BANDS = 16 };
 
@@ -1506,9 +1507,10 @@ __device__ __forceinline__ double sum256(const V &v)
     return s;
 }
 
-template <int CAP, bool START>
+template <int CAP, int KIND, bool START>
 __global__ void __launch_bounds__(FOLD_THREADS) fold_warp_kernel(const skargs<CAP> *__restrict__ tables, int flags)
 {
+    static_assert(KIND == K_SINK || !START, "START is a SINK fold");
     constexpr int W = FOLD_THREADS / 32;
     const skargs<CAP> &A = tables[flags];
     if (A.o.skip.ptr && msk_scalar_value(A.o.skip) != 0) return;
@@ -1526,7 +1528,8 @@ __global__ void __launch_bounds__(FOLD_THREADS) fold_warp_kernel(const skargs<CA
     const int lbk = blk - M.f0;
     const int64_t j = (int64_t)lbk * FOLD_COLS + lane;
     const bool jv = j < n;
-    double q = 0, uu = 0;
+    const int nf = (int)nfold_of(n);
+    float T2 = 0;
     if (jv) {
         const float *col = S.part + j;
         const int nb = M.nbands;
@@ -1541,9 +1544,56 @@ __global__ void __launch_bounds__(FOLD_THREADS) fold_warp_kernel(const skargs<CA
             for (int w = 0; w < W; w++)
                 if (b0 + w < nb) sw[w] += v[w];
         }
-        float T2 = 0;
 #pragma unroll
         for (int w = 0; w < W; w++) T2 += sw[w];
+    }
+    if (KIND == K_POWER) {
+        const bool unit = (A.flags & FL_UNIT) != 0;
+        const double f2s = __ldcg(S.scal + SC_F2), uus = __ldcg(S.scal + SC_UU), rst = __ldcg(S.scal + SC_RESTARTED);
+        const int nb = M.nbands;
+        double nv2 = lane < nb ? __ldcg(band_vv(S) + lane) : 0, ffs = 0;
+        nv2 = warp_sum(nv2);
+        if (unit) ffs = warp_sum(lane < nb ? __ldcg(band_ff(S, nb) + lane) : 0.0);
+        const double nv = sqrt(nv2), f2 = unit ? ffs : f2s;
+        const bool restart = rst == 0 && f2 > 0 && nv <= U_DEGENERATE * sqrt(f2) * sqrt(uus);
+        double q = 0;
+        if (restart) {
+            if (jv) S.uv[j] = u_start(A.o.seed, M.b, j);
+        } else if (jv) {
+            const float w = (float)((double)(unit ? 1.f : S.c[j]) * T2 / clampd(nv, A.o.eps));
+            S.wv[j] = w;
+            q = (double)w * w;
+        }
+        if (!restart) {
+            q = warp_sum(q);
+            if (lane == 0) S.fsc[lbk] = q;
+        }
+        __threadfence();   /* this warp's writes are visible device-wide before its ticket */
+        __syncwarp();
+        unsigned last = 0;
+        if (lane == 0) last = nf == 1 || atomicInc(&A.tickets[i], (unsigned)(nf - 1)) == (unsigned)(nf - 1);
+        if (!__shfl_sync(0xffffffffu, last, 0)) return;
+        __threadfence();
+        if (lane == 0 && restart) {   /* u is the start vector now; the redo pass and fold take it from there */
+            S.scal[SC_RESTARTED] = 1;
+            S.scal[SC_REDO] = 1;
+        }
+        if (restart) return;
+        /* the step's last power fold: the restart fold that follows stores u (fold_pass) */
+        const double nw = sqrt(sum256([&](int t) {
+            double a = 0;
+            for (int k = t; k < nf; k += FOLD_THREADS) a += __ldcg(S.fsc + k);
+            return a;
+        }));
+        if (lane == 0) {
+            S.scal[SC_SIGMA] = clampd(nw, A.o.eps);
+            S.scal[SC_WZERO] = nw == 0 ? 1 : 0;
+            S.scal[SC_REDO] = 0;
+        }
+        return;
+    }
+    double q = 0, uu = 0;
+    if (jv) {
         const float c_old = (A.flags & FL_FIRST) ? 1.f : S.c[j];
         const float cn = T2 == 0 ? c_old : sqrtf((float)m) * c_old / clampf(c_old * sqrtf(T2), (float)A.o.eps);
         S.c[j] = cn;
@@ -1557,7 +1607,6 @@ __global__ void __launch_bounds__(FOLD_THREADS) fold_warp_kernel(const skargs<CA
     if (!START) return;
     q = warp_sum(q);
     uu = warp_sum(uu);
-    const int nf = (int)nfold_of(n);
     double *const fuu = fuu_of(S, m);
     if (lane == 0) {
         S.fsc[lbk] = q;
@@ -2715,6 +2764,9 @@ static ms_status run_chunk(ms_ctx *ctx, cudaStream_t s, const msk_sinkgd *o, int
     a->o = *o;
     a->nmat = cnt;
     a->tickets = tickets;
+    a->xch = NULL;   /* unsharded (the folds test it) */
+    a->rvb = NULL;
+    a->cols = NULL;
     skargs<CAP> *tables = reinterpret_cast<skargs<CAP> *>(scratch);
     plan_chunk(cnt, mm, ctas_per_pass(), scratch + table_bytes(), a->m, &a->gtot, &a->grid, &a->nfold);
     a->flags = 0;
@@ -2761,7 +2813,7 @@ static ms_status run_chunk(ms_ctx *ctx, cudaStream_t s, const msk_sinkgd *o, int
             const int fl = (k == 1 ? FL_FIRST : 0) | (k == o->iters && o->mode != MS_SINKGD_BASE ? FL_LAST : 0);
             sweep(K_SINK, fl | (rev ? FL_REV : 0), "sinkgd sweep", "sinkgd wide passes");
             if (warp_folds)
-                go(!(fl & FL_LAST) ? fold_warp_kernel<CAP, false> : fold_warp_kernel<CAP, true>, fl,
+                go(!(fl & FL_LAST) ? fold_warp_kernel<CAP, K_SINK, false> : fold_warp_kernel<CAP, K_SINK, true>, fl,
                    (F + FOLD_THREADS / 32 - 1) / (FOLD_THREADS / 32), FOLD_THREADS, 0, "sinkgd fold");
             else
                 go(!(fl & FL_LAST) ? fold_kernel<CAP, K_SINK>
@@ -2775,7 +2827,11 @@ static ms_status run_chunk(ms_ctx *ctx, cudaStream_t s, const msk_sinkgd *o, int
             for (int k = 0; k < o->sn_iters; k++) {
                 const int fl = unit | (k == o->sn_iters - 1 ? FL_LAST : 0);
                 sweep(K_POWER, fl | (rev ? FL_REV : 0), "sinkgd power", "sinkgd power wide passes");
-                go(power_fold, fl, F, FOLD_THREADS, 0, "sinkgd power fold");
+                if (warp_folds && (fl & FL_LAST))
+                    go(fold_warp_kernel<CAP, K_POWER, false>, fl, (F + FOLD_THREADS / 32 - 1) / (FOLD_THREADS / 32),
+                       FOLD_THREADS, 0, "sinkgd power fold");
+                else
+                    go(power_fold, fl, F, FOLD_THREADS, 0, "sinkgd power fold");
                 sweep(K_POWER, fl | FL_REDO | (rev ? 0 : FL_REV), "sinkgd power restart",
                       "sinkgd power restart wide passes");
                 go(power_fold, fl | FL_REDO, F, FOLD_THREADS, 0, "sinkgd power restart fold");

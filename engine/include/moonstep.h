@@ -632,7 +632,9 @@ typedef struct ms_sinkgd_options {
 ** thread map (2 or 4 16-byte chunks of a row per thread, chosen by whether the call's gradients fit in L2) may
 ** change the last bits: MOONSTEP_SINKGD_K = 2 or 4 forces it (for tests and measurements).  Dense bf16/f16 rows
 ** of 16385-32768 elements are swept by pairs of CTAs; MOONSTEP_SINKGD_PAIR = 0 gives them two passes an
-** iteration instead (results that may differ in the last bits).
+** iteration instead (results that may differ in the last bits).  Calls of many matrices with few CTA bands each
+** fold their column sums a warp a block of 32 columns; MOONSTEP_SINKGD_WARP_FOLD = 0 folds them a CTA a block
+** instead (the same bits).
 ** Errors: MS_E_ARG (NULL arrays or members, options out of range), MS_E_SHAPE, MS_E_DTYPE, MS_E_LAYOUT,
 ** MS_E_DEVICE, MS_E_OOM (scratch: O(m + n) per matrix), MS_E_UNSUPPORTED (a backend without the op). */
 MS_API ms_status ms_sinkgd_step(ms_ctx *ctx, int n, ms_tensor *const *params, const ms_tensor *const *grads,
