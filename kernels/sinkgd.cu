@@ -1227,6 +1227,29 @@ __device__ __forceinline__ void power_start(const msk_sinkgd &o, const skmat &M,
     }
 }
 
+/* The fold's column j of a matrix: SINK's c_j from its partials' sum T2 (T2 = 0 keeps it); POWER's restart test
+** (engine/cpu/sinkgd.c's) and w_j = c_j T_j / max(||v||, eps) into wv, returning w_j^2, or u's start into uv
+** when the matrix restarts.  (fold_pass and fold_warp_kernel.) */
+__device__ __forceinline__ float sink_column(float c_old, float T2, float sqm, float eps)
+{
+    return T2 == 0 ? c_old : sqm * c_old / clampf(c_old * sqrtf(T2), eps);
+}
+__device__ __forceinline__ bool power_restarts(double restarted, double f2, double nv, double uu)
+{
+    return restarted == 0 && f2 > 0 && nv <= U_DEGENERATE * sqrt(f2) * sqrt(uu);
+}
+__device__ __forceinline__ double power_column(const msk_sinkgd &o, const skmat &M, const skscr &S, int64_t j, float T2,
+                                               double nv, bool unit, bool restart)
+{
+    if (restart) {
+        S.uv[j] = u_start(o.seed, M.b, j);
+        return 0;
+    }
+    const float w = (float)((double)(unit ? 1.f : S.c[j]) * T2 / clampd(nv, o.eps));
+    S.wv[j] = w;
+    return (double)w * w;
+}
+
 /* --- the folds: column partials summed in band order ------------------------------------------------------
 ** A block takes FOLD_COLS = 32 columns of one matrix: warp w adds the bands w, w + 8, ... of its lane's column,
 ** then the 8 warp sums are added in warp order.
@@ -1340,7 +1363,7 @@ __device__ __forceinline__ void fold_pass(const skargs<CAP> *__restrict__ tables
         if (jv) {
             const float c_old = (A.flags & FL_FIRST) ? 1.f : S.c[j];
             const float sqm = STAGE == FOLD_FINISH ? M.root : sqrtf((float)m);
-            const float cn = T2 == 0 ? c_old : sqm * c_old / clampf(c_old * sqrtf(T2), eps);
+            const float cn = sink_column(c_old, T2, sqm, eps);
             S.c[j] = cn;
             q = (double)cn * cn * T2;
         }
@@ -1410,15 +1433,8 @@ __device__ __forceinline__ void fold_pass(const skargs<CAP> *__restrict__ tables
     }
     __syncthreads();   /* scal_sh */
     const double nv = sqrt(nv2), f2 = unit ? ffs : scal_sh[1];
-    const bool restart = scal_sh[3] == 0 && f2 > 0 && nv <= U_DEGENERATE * sqrt(f2) * sqrt(scal_sh[2]);
-    double q = 0;
-    if (restart) {
-        if (jv) S.uv[j] = u_start(A.o.seed, M.b, j);
-    } else if (jv) {
-        const float w = (float)((double)(unit ? 1.f : S.c[j]) * T2 / clampd(nv, A.o.eps));
-        S.wv[j] = w;
-        q = (double)w * w;
-    }
+    const bool restart = power_restarts(scal_sh[3], f2, nv, scal_sh[2]);
+    double q = jv ? power_column(A.o, M, S, j, T2, nv, unit, restart) : 0;
     if (!restart) {
         q = block_sum<FOLD_THREADS>(q, dred);
         if (t == 0) S.fsc[lbk] = q;
@@ -1555,15 +1571,8 @@ __global__ void __launch_bounds__(FOLD_THREADS) fold_warp_kernel(const skargs<CA
         nv2 = warp_sum(nv2);
         if (unit) ffs = warp_sum(lane < nb ? __ldcg(band_ff(S, nb) + lane) : 0.0);
         const double nv = sqrt(nv2), f2 = unit ? ffs : f2s;
-        const bool restart = rst == 0 && f2 > 0 && nv <= U_DEGENERATE * sqrt(f2) * sqrt(uus);
-        double q = 0;
-        if (restart) {
-            if (jv) S.uv[j] = u_start(A.o.seed, M.b, j);
-        } else if (jv) {
-            const float w = (float)((double)(unit ? 1.f : S.c[j]) * T2 / clampd(nv, A.o.eps));
-            S.wv[j] = w;
-            q = (double)w * w;
-        }
+        const bool restart = power_restarts(rst, f2, nv, uus);
+        double q = jv ? power_column(A.o, M, S, j, T2, nv, unit, restart) : 0;
         if (!restart) {
             q = warp_sum(q);
             if (lane == 0) S.fsc[lbk] = q;
@@ -1595,7 +1604,7 @@ __global__ void __launch_bounds__(FOLD_THREADS) fold_warp_kernel(const skargs<CA
     double q = 0, uu = 0;
     if (jv) {
         const float c_old = (A.flags & FL_FIRST) ? 1.f : S.c[j];
-        const float cn = T2 == 0 ? c_old : sqrtf((float)m) * c_old / clampf(c_old * sqrtf(T2), (float)A.o.eps);
+        const float cn = sink_column(c_old, T2, sqrtf((float)m), (float)A.o.eps);
         S.c[j] = cn;
         if (START) {
             q = (double)cn * cn * T2;
