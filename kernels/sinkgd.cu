@@ -230,9 +230,9 @@ template <int NT, class V> __device__ __forceinline__ V block_sum(V v, V *red)
 ** power step is one CTA's (prep, the fold's last block); one load at a time, its L2 latency was paid n / NT
 ** times: 33 us for n = 14336. */
 template <int NT, int VB = 16, class L, class U>
-__device__ __forceinline__ void vec_walk(int64_t n, const L &load, const U &use)
+__device__ __forceinline__ void vec_walk_from(int64_t first, int64_t n, const L &load, const U &use)
 {
-    for (int64_t j0 = threadIdx.x; j0 < n; j0 += (int64_t)VB * NT) {
+    for (int64_t j0 = first; j0 < n; j0 += (int64_t)VB * NT) {
         float v[VB];
 #pragma unroll
         for (int u = 0; u < VB; u++) {
@@ -245,6 +245,11 @@ __device__ __forceinline__ void vec_walk(int64_t n, const L &load, const U &use)
             if (j < n) use(j, v[u]);
         }
     }
+}
+template <int NT, int VB = 16, class L, class U>
+__device__ __forceinline__ void vec_walk(int64_t n, const L &load, const U &use)
+{
+    vec_walk_from<NT, VB>(threadIdx.x, n, load, use);
 }
 
 /* u's first value for element j of matrix b (engine/cpu/sinkgd.c, u_start): 2 U - 1, U the f32 uniform of
@@ -1501,14 +1506,14 @@ __global__ void __launch_bounds__(FOLD_THREADS, FOLD_PACKED)
     fold_pass<CAP, KIND, FOLD_WHOLE, START>(tables, flags);
 }
 
-/* The SINK folds (START included) and the step's last POWER fold (FL_LAST, not a restart's) of an unsharded chunk
-** of many fold blocks whose matrices have at most WARP_FOLD_BANDS bands each: a warp a fold block.  With few bands most of a fold_kernel block's 8 warps have
+/* The folds (SINK, START, POWER and the restart's) of an unsharded chunk of many fold blocks whose matrices have
+** at most WARP_FOLD_BANDS bands each: a warp a fold block.  With few bands most of a fold_kernel block's 8 warps have
 ** nothing to add, and a grid of many blocks (the Llama-3-8B set's 4096-wide chunk: 24576) is paced by running
 ** them through the SMs.  The bits are fold_pass's: a lane adds its column's bands w, w + 8, ... for w = 0..7 and
 ** then those 8 sums in w order, as fold_pass's warps and its sm[] sum do; a block's sums (START's, POWER's, the
 ** bands' |v|^2) are warp 0's (the other warps of a fold_pass block hold zeros), and the matrix's last warp sums
-** the blocks' scalars, and walks u's start, as fold_pass's 256 threads would (sum256).  The POWER fold's last
-** block walks u only when it is not the step's last or when a restart redoes it, so those keep fold_pass.  MOONSTEP_SINKGD_WARP_FOLD = 0 turns it off (tests and
+** the blocks' scalars and walks u (its start, or w / sigma) as fold_pass's 256 threads would (sum256): slower
+** than a block's walk, so run_chunk keeps fold_pass for a power fold that walks u in every step.  MOONSTEP_SINKGD_WARP_FOLD = 0 turns it off (tests and
 ** measurements). */
 enum { WARP_FOLD_BANDS = 16 };
 
@@ -1521,6 +1526,19 @@ __device__ __forceinline__ double sum256(const V &v)
 #pragma unroll 1
     for (int w = 0; w < FOLD_THREADS / 32; w++) s += warp_sum(v((int)(threadIdx.x & 31) + 32 * w));
     return s;
+}
+
+/* A fold warp's ticket for its matrix's nf fold blocks: the warp's writes are made visible device-wide first; true
+** in the last warp to take one, which then sees the others' writes */
+__device__ __forceinline__ bool last_warp(unsigned *ticket, int nf)
+{
+    __threadfence();
+    __syncwarp();
+    unsigned last = 0;
+    if ((threadIdx.x & 31) == 0) last = nf == 1 || atomicInc(ticket, (unsigned)(nf - 1)) == (unsigned)(nf - 1);
+    last = __shfl_sync(0xffffffffu, last, 0);
+    if (last) __threadfence();
+    return last != 0;
 }
 
 template <int CAP, int KIND, bool START>
@@ -1544,6 +1562,13 @@ __global__ void __launch_bounds__(FOLD_THREADS) fold_warp_kernel(const skargs<CA
     const int lbk = blk - M.f0;
     const int64_t j = (int64_t)lbk * FOLD_COLS + lane;
     const bool jv = j < n;
+    if (KIND == K_POWER && (A.flags & FL_REDO) && __ldcg(S.scal + SC_REDO) == 0) {   /* no restart pending */
+        if ((A.flags & FL_LAST) && A.xch == NULL && jv) {   /* the power fold left u to this one (fold_pass) */
+            const double sigma = __ldcg(S.scal + SC_SIGMA);
+            M.u[j] = __ldcg(S.scal + SC_WZERO) != 0 ? __ldcg(S.uv + j) : u_of(__ldcg(S.wv + j), sigma, __drcp_rn(sigma));
+        }
+        return;
+    }
     const int nf = (int)nfold_of(n);
     float T2 = 0;
     if (jv) {
@@ -1577,26 +1602,46 @@ __global__ void __launch_bounds__(FOLD_THREADS) fold_warp_kernel(const skargs<CA
             q = warp_sum(q);
             if (lane == 0) S.fsc[lbk] = q;
         }
-        __threadfence();   /* this warp's writes are visible device-wide before its ticket */
-        __syncwarp();
-        unsigned last = 0;
-        if (lane == 0) last = nf == 1 || atomicInc(&A.tickets[i], (unsigned)(nf - 1)) == (unsigned)(nf - 1);
-        if (!__shfl_sync(0xffffffffu, last, 0)) return;
-        __threadfence();
+        if (!last_warp(&A.tickets[i], nf)) return;
         if (lane == 0 && restart) {   /* u is the start vector now; the redo pass and fold take it from there */
             S.scal[SC_RESTARTED] = 1;
             S.scal[SC_REDO] = 1;
         }
         if (restart) return;
-        /* the step's last power fold: the restart fold that follows stores u (fold_pass) */
         const double nw = sqrt(sum256([&](int t) {
             double a = 0;
             for (int k = t; k < nf; k += FOLD_THREADS) a += __ldcg(S.fsc + k);
             return a;
         }));
+        const double sigma = clampd(nw, A.o.eps);
+        if ((A.flags & (FL_LAST | FL_REDO)) == FL_LAST && A.xch == NULL) {   /* the restart fold stores u */
+            if (lane == 0) {
+                S.scal[SC_SIGMA] = sigma;
+                S.scal[SC_WZERO] = nw == 0 ? 1 : 0;
+                S.scal[SC_REDO] = 0;
+            }
+            return;
+        }
+        double uu = 0;
+        float *const keep = (A.flags & FL_LAST) ? M.u : NULL;   /* the persisted u, stored as it is made */
+        if (nw != 0) {   /* X^T v = 0 keeps u */
+            const double rs = __drcp_rn(sigma);
+            uu = sum256([&](int t) {
+                double a = 0;
+                vec_walk_from<FOLD_THREADS, 4>(t, n, [&](int64_t jj) { return __ldcg(S.wv + jj); }, [&](int64_t jj, float w) {
+                    const float u = u_of(w, sigma, rs);
+                    S.uv[jj] = u;
+                    if (keep != NULL) keep[jj] = u;
+                    a += (double)u * u;
+                });
+                return a;
+            });
+        } else if (keep != NULL) {
+            for (int64_t jj = lane; jj < n; jj += 32) keep[jj] = __ldcg(S.uv + jj);
+        }
         if (lane == 0) {
-            S.scal[SC_SIGMA] = clampd(nw, A.o.eps);
-            S.scal[SC_WZERO] = nw == 0 ? 1 : 0;
+            S.scal[SC_SIGMA] = sigma;
+            if (nw != 0) S.scal[SC_UU] = uu;
             S.scal[SC_REDO] = 0;
         }
         return;
@@ -1621,12 +1666,7 @@ __global__ void __launch_bounds__(FOLD_THREADS) fold_warp_kernel(const skargs<CA
         S.fsc[lbk] = q;
         fuu[lbk] = uu;
     }
-    __threadfence();   /* this warp's writes are visible device-wide before its ticket */
-    __syncwarp();
-    unsigned last = 0;
-    if (lane == 0) last = nf == 1 || atomicInc(&A.tickets[i], (unsigned)(nf - 1)) == (unsigned)(nf - 1);
-    if (!__shfl_sync(0xffffffffu, last, 0)) return;
-    __threadfence();
+    if (!last_warp(&A.tickets[i], nf)) return;
     /* the last warp: fold_pass's last block's sums and power_start, each thread t's part walked by lane t % 32 */
     const double f2 = sum256([&](int t) {
         double a = 0;
@@ -2803,6 +2843,15 @@ static ms_status run_chunk(ms_ctx *ctx, cudaStream_t s, const msk_sinkgd *o, int
         if (collect) used |= 1u << flags;
         else if (st == MS_OK) st = launch<CAP>(ctx, s, K, tables, flags, grid, threads, smem, what, launches, true, pairs);
     };
+    /* With warp folds, a power fold whose last warp walks u in every step (one not the step's last: sn_iters > 1)
+    ** keeps fold_pass's 256 threads for the walk; the restart fold walks only when a restart is pending. */
+    auto power_fold_go = [&](int flags, const char *what) {
+        if (warp_folds && (flags & (FL_LAST | FL_REDO)))
+            go(fold_warp_kernel<CAP, K_POWER, false>, flags, (F + FOLD_THREADS / 32 - 1) / (FOLD_THREADS / 32),
+               FOLD_THREADS, 0, what);
+        else
+            go(power_fold, flags, F, FOLD_THREADS, 0, what);
+    };
     /* a sweep of the fast and generic matrices, then the pairs', then the wide ones' two passes */
     auto sweep = [&](int kind, int flags, const char *what, const char *wide_what) {
         const bool sink = kind == K_SINK;
@@ -2836,14 +2885,10 @@ static ms_status run_chunk(ms_ctx *ctx, cudaStream_t s, const msk_sinkgd *o, int
             for (int k = 0; k < o->sn_iters; k++) {
                 const int fl = unit | (k == o->sn_iters - 1 ? FL_LAST : 0);
                 sweep(K_POWER, fl | (rev ? FL_REV : 0), "sinkgd power", "sinkgd power wide passes");
-                if (warp_folds && (fl & FL_LAST))
-                    go(fold_warp_kernel<CAP, K_POWER, false>, fl, (F + FOLD_THREADS / 32 - 1) / (FOLD_THREADS / 32),
-                       FOLD_THREADS, 0, "sinkgd power fold");
-                else
-                    go(power_fold, fl, F, FOLD_THREADS, 0, "sinkgd power fold");
+                power_fold_go(fl, "sinkgd power fold");
                 sweep(K_POWER, fl | FL_REDO | (rev ? 0 : FL_REV), "sinkgd power restart",
                       "sinkgd power restart wide passes");
-                go(power_fold, fl | FL_REDO, F, FOLD_THREADS, 0, "sinkgd power restart fold");
+                power_fold_go(fl | FL_REDO, "sinkgd power restart fold");
                 rev = !rev;
             }
         }

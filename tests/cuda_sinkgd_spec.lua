@@ -344,20 +344,26 @@ describe("cuda ms_sinkgd_step", function()
   -- a chunk of many fold blocks (more than 4 an SM) whose matrices have at most 16 bands each folds its plain SINK
   -- iterations a warp a fold block (kernels/sinkgd.cu, fold_warp_kernel): the CPU's results, and the bits of
   -- fold_kernel (MOONSTEP_SINKGD_WARP_FOLD = 0), in every mode, the START fold's walk of u's start included (a
-  -- zero u in every third member).  40 matrices of 512 columns: 640 fold blocks, 2-4 bands a matrix; the 3 x 9000
-  -- member adds 282 blocks of one band.
+  -- zero u in every third member) and the restart of a u orthogonal to X's rows (the last member, as below).  40
+  -- matrices of 512 columns: 640 fold blocks, 2-4 bands a matrix; the 3 x 9000 member adds 282 blocks of one band.
   cuda_it("folds a chunk of many matrices of few bands a warp a fold block, with fold_kernel's bits", function()
     local specs = {}
     for k = 1, 40 do specs[k] = { shape = { 64, 512 }, dt = k % 2 == 0 and "bf16" or "f32" } end
     specs[41] = { shape = { 3, 9000 }, pdt = "bf16", gdt = "f32" }
+    specs[42] = { shape = { 1, 2 }, dt = "f32" }
     pcall(ffi.cdef, "int setenv(const char *k, const char *v, int overwrite); int unsetenv(const char *k);")
     for _, mode in ipairs { "base", "spectral", "sphere" } do
       local cm, gm = group(specs, mode)
       for k = 3, #cm, 3 do if cm[k].u then cm[k].u:zero_() end end
+      local a, b = 0.3 + math.random(), 0.2 + math.random()
+      cm[42].g:copy_(ms.tensor({ { a, a } }))
+      gm[42].g:copy_(gpu(cm[42].g))
+      if cm[42].u then cm[42].u:copy_(ms.tensor({ b, -b })) end
       local o = { mode = mode, iters = 5, sn_iters = 1, lr = 0.05, weight_decay = mode == "sphere" and 0 or 0.02,
                   step = 1 }
       step_and_compare(cm, gm, o, nil, mode .. " many matrices")
       for k = 3, #gm, 3 do if gm[k].u then gm[k].u:zero_() end end
+      if gm[42].u then gm[42].u:copy_(gpu(ms.tensor({ b, -b }))) end
       local start, first = {}, {}
       for k, mb in ipairs(gm) do start[k] = { p = mb.p:clone(), u = mb.u and mb.u:clone(), t = mb.t and mb.t:clone() } end
       ok(sinkgd_raw(GPU, gm, o))
