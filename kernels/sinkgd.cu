@@ -1506,15 +1506,16 @@ __global__ void __launch_bounds__(FOLD_THREADS, FOLD_PACKED)
     fold_pass<CAP, KIND, FOLD_WHOLE, START>(tables, flags);
 }
 
-/* The folds (SINK, START, POWER and the restart's) of an unsharded chunk of many fold blocks whose matrices have
-** at most WARP_FOLD_BANDS bands each: a warp a fold block.  With few bands most of a fold_kernel block's 8 warps have
-** nothing to add, and a grid of many blocks (the Llama-3-8B set's 4096-wide chunk: 24576) is paced by running
-** them through the SMs.  The bits are fold_pass's: a lane adds its column's bands w, w + 8, ... for w = 0..7 and
-** then those 8 sums in w order, as fold_pass's warps and its sm[] sum do; a block's sums (START's, POWER's, the
-** bands' |v|^2) are warp 0's (the other warps of a fold_pass block hold zeros), and the matrix's last warp sums
-** the blocks' scalars and walks u (its start, or w / sigma) as fold_pass's 256 threads would (sum256): slower
-** than a block's walk, so run_chunk keeps fold_pass for a power fold that walks u in every step.  MOONSTEP_SINKGD_WARP_FOLD = 0 turns it off (tests and
-** measurements). */
+/* The folds of a chunk of many fold blocks whose matrices have at most WARP_FOLD_BANDS bands each, a warp a fold
+** block: SINK, START, POWER and the restart's, and the rows-sharded SINK PART and FINISH and POWER PART.  With few
+** bands most of a fold_kernel block's 8 warps have nothing to add, and a grid of many blocks (the Llama-3-8B set's
+** 4096-wide chunk: 24576) is paced by running them through the SMs.  The bits are fold_pass's: a lane adds its
+** column's bands w, w + 8, ... for w = 0..7 and then those 8 sums in w order, as fold_pass's warps and its sm[]
+** sum do; a block's sums (START's, POWER's, the bands' |v|^2) are warp 0's (the other warps of a fold_pass block
+** hold zeros), and the matrix's last warp sums the blocks' scalars and walks u (its start, or w / sigma) as
+** fold_pass's 256 threads would (sum256).  That walk is slower than a block's, so a power fold that walks u in
+** every step (one before the last of sn_iters > 1; a sharded FINISH) keeps fold_pass.  MOONSTEP_SINKGD_WARP_FOLD = 0
+** turns them off (tests and measurements). */
 enum { WARP_FOLD_BANDS = 16 };
 
 /* block_sum<FOLD_THREADS> of the values v(t) of the threads t = 0..255 of a block, on one warp: lane l holds
@@ -1541,10 +1542,11 @@ __device__ __forceinline__ bool last_warp(unsigned *ticket, int nf)
     return last != 0;
 }
 
-template <int CAP, int KIND, bool START>
+template <int CAP, int KIND, bool START, int STAGE = FOLD_WHOLE>
 __global__ void __launch_bounds__(FOLD_THREADS) fold_warp_kernel(const skargs<CAP> *__restrict__ tables, int flags)
 {
     static_assert(KIND == K_SINK || !START, "START is a SINK fold");
+    static_assert(KIND == K_SINK || STAGE != FOLD_FINISH, "a sharded POWER FINISH walks u: fold_pass's");
     constexpr int W = FOLD_THREADS / 32;
     const skargs<CAP> &A = tables[flags];
     if (A.o.skip.ptr && msk_scalar_value(A.o.skip) != 0) return;
@@ -1570,8 +1572,14 @@ __global__ void __launch_bounds__(FOLD_THREADS) fold_warp_kernel(const skargs<CA
         return;
     }
     const int nf = (int)nfold_of(n);
+    /* sharded: this block's column sums, and the matrix's two scalars after every column (fold_pass) */
+    float *const xs = (float *)A.xch;
+    double *const xd = (double *)A.xch;
+    const int64_t xcol = (int64_t)blk * FOLD_COLS + lane, xsc = (int64_t)A.nfold * FOLD_COLS + 2 * (int64_t)i;
     float T2 = 0;
-    if (jv) {
+    if (STAGE == FOLD_FINISH) {
+        if (jv) T2 = __ldcg(xs + xcol);
+    } else if (jv) {
         const float *col = S.part + j;
         const int nb = M.nbands;
         float sw[W];
@@ -1587,6 +1595,22 @@ __global__ void __launch_bounds__(FOLD_THREADS) fold_warp_kernel(const skargs<CA
         }
 #pragma unroll
         for (int w = 0; w < W; w++) T2 += sw[w];
+    }
+    if (STAGE == FOLD_PART) {   /* (zeros past n: the buffer is dense) */
+        if (KIND == K_SINK) {
+            xs[xcol] = T2;
+            return;
+        }
+        xd[xcol] = T2;
+        if (lbk != 0) return;   /* the matrix's first block stores |v|^2 and ||G||^2 */
+        const int nb = M.nbands;
+        const double nv2 = warp_sum(lane < nb ? __ldcg(band_vv(S) + lane) : 0.0);
+        const double ffs = (A.flags & FL_UNIT) ? warp_sum(lane < nb ? __ldcg(band_ff(S, nb) + lane) : 0.0) : 0.0;
+        if (lane == 0) {
+            xd[xsc] = nv2;
+            xd[xsc + 1] = ffs;
+        }
+        return;
     }
     if (KIND == K_POWER) {
         const bool unit = (A.flags & FL_UNIT) != 0;
@@ -1649,7 +1673,8 @@ __global__ void __launch_bounds__(FOLD_THREADS) fold_warp_kernel(const skargs<CA
     double q = 0, uu = 0;
     if (jv) {
         const float c_old = (A.flags & FL_FIRST) ? 1.f : S.c[j];
-        const float cn = sink_column(c_old, T2, sqrtf((float)m), (float)A.o.eps);
+        const float sqm = STAGE == FOLD_FINISH ? M.root : sqrtf((float)m);
+        const float cn = sink_column(c_old, T2, sqm, (float)A.o.eps);
         S.c[j] = cn;
         if (START) {
             q = (double)cn * cn * T2;
@@ -2797,6 +2822,18 @@ template <int CAP, int KIND> static void (*sweep_for(const skargs<CAP> &a))(cons
     return sweep_kernel<CAP, KIND>;
 }
 
+/* Whether a chunk's folds run a warp a fold block (fold_warp_kernel): more fold blocks than 4 an SM (the grid
+** many_folds also tests), none of its matrices with more than WARP_FOLD_BANDS bands, and MOONSTEP_SINKGD_WARP_FOLD
+** not 0. */
+template <int CAP> static bool warp_folds_for(const skargs<CAP> &a)
+{
+    if ((unsigned)a.nfold <= 4u * (unsigned)ctas_per_pass()) return false;
+    for (int k = 0; k < a.nmat; k++)
+        if (a.m[k].nbands > WARP_FOLD_BANDS) return false;
+    const char *v = getenv("MOONSTEP_SINKGD_WARP_FOLD");
+    return !(v && v[0] == '0' && v[1] == 0);
+}
+
 /* The launch sequence of one chunk (moonstep.h's step, pass by pass). */
 template <int CAP>
 static ms_status run_chunk(ms_ctx *ctx, cudaStream_t s, const msk_sinkgd *o, int cnt, const msk_sinkgd_mat *mm,
@@ -2823,12 +2860,10 @@ static ms_status run_chunk(ms_ctx *ctx, cudaStream_t s, const msk_sinkgd *o, int
     const int unit = o->iters == 0 ? FL_UNIT : 0;
     const bool wide = any_wide(*a, WIDE_PASSES), pair = any_wide(*a, WIDE_PAIR), narrow = any_wide(*a, WIDE_NO);
     /* more fold blocks than one wave of the START and POWER folds at 4 an SM (ctas_per_pass: the SMs, one sweep
-    ** CTA each): their FOLD_PACKED instances.  (The sharded PART and FINISH folds keep one instance: not measured.) */
+    ** CTA each): their FOLD_PACKED instances, where the folds do not run a warp a block.  (The sharded FINISH of a
+    ** POWER fold keeps one instance: not measured.) */
     const bool many_folds = F > 4u * (unsigned)ctas_per_pass();
-    int max_bands = 0;
-    for (int k = 0; k < cnt; k++) max_bands = std::max(max_bands, (int)a->m[k].nbands);
-    const char *nv = getenv("MOONSTEP_SINKGD_WARP_FOLD");
-    const bool warp_folds = many_folds && max_bands <= WARP_FOLD_BANDS && !(nv && nv[0] == '0' && nv[1] == 0);
+    const bool warp_folds = warp_folds_for(*a);
     bool rev = false;
     ms_status st = MS_OK;
     typedef void (*kernel_t)(const skargs<CAP> *, int);
@@ -3022,6 +3057,8 @@ static ms_status run_sharded(ms_ctx *ctx, cudaStream_t s, const msk_sinkgd *o, i
     const int unit = o->iters == 0 ? FL_UNIT : 0;
     const bool spectral = o->mode != MS_SINKGD_BASE, sphere = o->mode == MS_SINKGD_SPHERE;
     const bool wide = any_wide(*a, WIDE_PASSES), pair = any_wide(*a, WIDE_PAIR);
+    const bool warp_folds = dim == MSK_SHARD_ROWS && warp_folds_for(*a);
+    const unsigned FW = warp_folds ? (F + FOLD_THREADS / 32 - 1) / (FOLD_THREADS / 32) : F;   /* their grid */
     bool rev = false;
     ms_status st = MS_OK;
     typedef void (*kernel_t)(const skargs<CAP> *, int);
@@ -3055,10 +3092,16 @@ static ms_status run_sharded(ms_ctx *ctx, cudaStream_t s, const msk_sinkgd *o, i
                    "sinkgd wide rows");
                 go(wide_kernel<CAP, K_SINK, WIDE_PASS_COLS>, fl | (rev ? FL_REV : 0), G, T_SWEEP, 0, "sinkgd wide columns");
             }
-            go(fold_kernel<CAP, K_SINK, FOLD_PART>, fl, F, FOLD_THREADS, 0, "sinkgd fold (part)");
+            go(warp_folds ? fold_warp_kernel<CAP, K_SINK, false, FOLD_PART> : fold_kernel<CAP, K_SINK, FOLD_PART>, fl, FW,
+               FOLD_THREADS, 0, "sinkgd fold (part)");
             xch(cols32, MS_DTYPE_F32);
-            go(fl & FL_LAST ? fold_kernel<CAP, K_SINK, FOLD_FINISH, true> : fold_kernel<CAP, K_SINK, FOLD_FINISH>, fl, F,
-               FOLD_THREADS, 0, "sinkgd fold (finish)");
+            if (warp_folds)
+                go(fl & FL_LAST ? fold_warp_kernel<CAP, K_SINK, true, FOLD_FINISH>
+                                : fold_warp_kernel<CAP, K_SINK, false, FOLD_FINISH>,
+                   fl, FW, FOLD_THREADS, 0, "sinkgd fold (finish)");
+            else
+                go(fl & FL_LAST ? fold_kernel<CAP, K_SINK, FOLD_FINISH, true> : fold_kernel<CAP, K_SINK, FOLD_FINISH>, fl,
+                   F, FOLD_THREADS, 0, "sinkgd fold (finish)");
             rev = !rev;
         }
         if (spectral) {
@@ -3077,7 +3120,8 @@ static ms_status run_sharded(ms_ctx *ctx, cudaStream_t s, const msk_sinkgd *o, i
                         go(wide_kernel<CAP, K_POWER, WIDE_PASS_ROWS>, fw, G, T_SWEEP, SWEEP_SMEM, "sinkgd power wide rows");
                         go(wide_kernel<CAP, K_POWER, WIDE_PASS_COLS>, fw, G, T_SWEEP, 0, "sinkgd power wide columns");
                     }
-                    go(fold_kernel<CAP, K_POWER, FOLD_PART>, f, F, FOLD_THREADS, 0, "sinkgd power fold (part)");
+                    go(warp_folds ? fold_warp_kernel<CAP, K_POWER, false, FOLD_PART> : fold_kernel<CAP, K_POWER, FOLD_PART>, f,
+                       FW, FOLD_THREADS, 0, "sinkgd power fold (part)");
                     xch(cols32 + 2 * (int64_t)cnt, MS_DTYPE_F64);
                     go(fold_kernel<CAP, K_POWER, FOLD_FINISH>, f, F, FOLD_THREADS, 0, "sinkgd power fold (finish)");
                 }

@@ -345,6 +345,29 @@ describe("cuda ms_sinkgd_step_sharded on one rank", function()
     end
   end)
 
+  -- 40 matrices of 512 columns and a 3 x 9000 one: 922 fold blocks of 1-4 bands, so both calls fold a warp a
+  -- fold block (kernels/sinkgd.cu, fold_warp_kernel), the sharded one in PART and FINISH launches
+  H.cuda_it("rows-sharded members of a chunk folded a warp a fold block give ms_sinkgd_step's bits", function()
+    local comm = one_rank_comm()
+    local specs = {}
+    for k = 1, 40 do specs[k] = { shape = { 64, 512 }, dt = k % 2 == 0 and "bf16" or "f32" } end
+    specs[41] = { shape = { 3, 9000 }, pdt = "bf16", gdt = "f32" }
+    for ci, c in ipairs(CASES) do
+      local A, B = pair(specs, c.mode, { "rows" }, 700 + 100 * ci)
+      for step = 1, 2 do
+        local o = opts_of(c, step)
+        K.ok(K.step(GPU, A, o), "ms_sinkgd_step")
+        K.ok(K.step_sharded(GPU, comm, B, o), "ms_sinkgd_step_sharded")
+        for k = 1, #A do
+          local what = ("rows %s %s step %d member %d"):format(c.mode, c.target or "", step, k)
+          K.assert_same(vals(B[k].p), vals(A[k].p), what .. " p")
+          if A[k].u then K.assert_same(vals(B[k].u), vals(A[k].u), what .. " u") end
+          if A[k].t then K.assert_same(vals(B[k].t), vals(A[k].t), what .. " t") end
+        end
+      end
+    end
+  end)
+
   H.cuda_it("cols-sharded members holding every column, and a call mixing unsharded, rows- and cols-sharded "
             .. "members, give the CPU's results; a zero u starts from its first value", function()
     local comm = one_rank_comm()
