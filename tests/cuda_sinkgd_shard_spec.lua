@@ -287,6 +287,16 @@ local function pair(specs, mode, dims, seed)
   return A, B, glob
 end
 
+-- members B have A's bits: params, u and t (what: the call, suffix: after the member's number)
+local function same_members(B, A, what, suffix)
+  for k = 1, #A do
+    local w = ("%s member %d%s"):format(what, k, suffix)
+    K.assert_same(vals(B[k].p), vals(A[k].p), w .. " p")
+    if A[k].u then K.assert_same(vals(B[k].u), vals(A[k].u), w .. " u") end
+    if A[k].t then K.assert_same(vals(B[k].t), vals(A[k].t), w .. " t") end
+  end
+end
+
 -- a communicator of one rank on the GPU (nil where this build has no NCCL: the core then takes comm NULL)
 local function one_rank_comm()
   local okc, comm = pcall(function()
@@ -333,13 +343,8 @@ describe("cuda ms_sinkgd_step_sharded on one rank", function()
           o.stochastic_round = step == 2
           K.ok(K.step(GPU, A, o, scales), "ms_sinkgd_step")
           K.ok(K.step_sharded(GPU, with_comm and comm or nil, B, o, scales), "ms_sinkgd_step_sharded")
-          for k = 1, #A do
-            local what = ("%s %s %s step %d member %d%s"):format(dim, c.mode, c.target or "", step, k,
-                                                                  with_comm and "" or " (comm NULL)")
-            K.assert_same(vals(B[k].p), vals(A[k].p), what .. " p")
-            if A[k].u then K.assert_same(vals(B[k].u), vals(A[k].u), what .. " u") end
-            if A[k].t then K.assert_same(vals(B[k].t), vals(A[k].t), what .. " t") end
-          end
+          same_members(B, A, ("%s %s %s step %d"):format(dim, c.mode, c.target or "", step),
+                       with_comm and "" or " (comm NULL)")
         end
       end
     end
@@ -358,12 +363,7 @@ describe("cuda ms_sinkgd_step_sharded on one rank", function()
         local o = opts_of(c, step)
         K.ok(K.step(GPU, A, o), "ms_sinkgd_step")
         K.ok(K.step_sharded(GPU, comm, B, o), "ms_sinkgd_step_sharded")
-        for k = 1, #A do
-          local what = ("rows %s %s step %d member %d"):format(c.mode, c.target or "", step, k)
-          K.assert_same(vals(B[k].p), vals(A[k].p), what .. " p")
-          if A[k].u then K.assert_same(vals(B[k].u), vals(A[k].u), what .. " u") end
-          if A[k].t then K.assert_same(vals(B[k].t), vals(A[k].t), what .. " t") end
-        end
+        same_members(B, A, ("rows %s %s step %d"):format(c.mode, c.target or "", step), "")
       end
     end
   end)
