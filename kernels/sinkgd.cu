@@ -7,7 +7,8 @@
 **           rows it computes the rows' sums of (G c)^2 (c of the previous iteration), the new r, and adds
 **           (r G)^2 into per-thread column accumulators, all from one read of the rows (staged in shared memory
 **           by cp.async, 2 groups ahead); at the end of its band it writes one row of column partials.
-**   fold    sums each column's band partials in a fixed order and updates c.
+**   fold    sums each column's band partials in a fixed order and updates c (a CTA a block of 32 columns; a warp
+**           a block when a chunk of many matrices has few bands each: fold_warp_kernel, the same bits).
 **   power   (spectral, sphere) one pass per power step: v = diag(r) G (c u) per row, and the column partials of
 **           G^T (r v) from the same rows; the fold makes w, sigma and the next u (the last CTA of a matrix, told
 **           by an integer ticket, does the O(n) vector work); a degenerate u restarts the step (a second pass
