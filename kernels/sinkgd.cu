@@ -1256,6 +1256,31 @@ __device__ __forceinline__ double power_column(const msk_sinkgd &o, const skmat 
     return (double)w * w;
 }
 
+/* The end of a power fold's last block or warp, once sigma = max(||w||, eps) is known.  power_defers_u: the
+** step's last power fold, unsharded and not a restart's, stores sigma only -- nothing in the step reads u again,
+** so the restart fold that follows (a no-op otherwise) stores it, 32 columns a block, instead of this block
+** walking all n on the step's path; true when it did (the scalars by `writer`).  power_done: the scalars after u
+** = w / sigma (uu = ||u||^2; w = 0 keeps u and its uu). */
+template <int CAP>
+__device__ __forceinline__ bool power_defers_u(const skargs<CAP> &A, const skscr &S, double sigma, double nw, bool writer)
+{
+    if ((A.flags & (FL_LAST | FL_REDO)) == FL_LAST && A.xch == NULL) {
+        if (writer) {
+            S.scal[SC_SIGMA] = sigma;
+            S.scal[SC_WZERO] = nw == 0 ? 1 : 0;
+            S.scal[SC_REDO] = 0;
+        }
+        return true;
+    }
+    return false;
+}
+__device__ __forceinline__ void power_done(const skscr &S, double sigma, double nw, double uu)
+{
+    S.scal[SC_SIGMA] = sigma;
+    if (nw != 0) S.scal[SC_UU] = uu;
+    S.scal[SC_REDO] = 0;
+}
+
 /* --- the folds: column partials summed in band order ------------------------------------------------------
 ** A block takes FOLD_COLS = 32 columns of one matrix: warp w adds the bands w, w + 8, ... of its lane's column,
 ** then the 8 warp sums are added in warp order.
@@ -1462,17 +1487,7 @@ __device__ __forceinline__ void fold_pass(const skargs<CAP> *__restrict__ tables
     for (int k = t; k < nf; k += FOLD_THREADS) w2 += __ldcg(S.fsc + k);
     w2 = block_sum<FOLD_THREADS>(w2, dred);
     const double nw = sqrt(w2), sigma = clampd(nw, A.o.eps);
-    if ((A.flags & (FL_LAST | FL_REDO)) == FL_LAST && A.xch == NULL) {
-        /* the step's last power fold, unsharded and not a restart's: nothing in the step reads u again, so the
-        ** restart fold that follows (a no-op otherwise) stores it, 32 columns a block, instead of this block
-        ** walking all n on the step's path */
-        if (t == 0) {
-            S.scal[SC_SIGMA] = sigma;
-            S.scal[SC_WZERO] = nw == 0 ? 1 : 0;
-            S.scal[SC_REDO] = 0;
-        }
-        return;
-    }
+    if (power_defers_u(A, S, sigma, nw, t == 0)) return;
     double uu = 0;
     float *const keep = (A.flags & FL_LAST) ? M.u : NULL;   /* the persisted u, stored as it is made */
     if (nw != 0) {   /* X^T v = 0 keeps u, so no later step starts from a zero vector */
@@ -1487,11 +1502,7 @@ __device__ __forceinline__ void fold_pass(const skargs<CAP> *__restrict__ tables
         vec_walk<FOLD_THREADS>(n, [&](int64_t jj) { return __ldcg(S.uv + jj); }, [&](int64_t jj, float u) { keep[jj] = u; });
     }
     uu = block_sum<FOLD_THREADS>(uu, dred);
-    if (t == 0) {
-        S.scal[SC_SIGMA] = sigma;
-        if (nw != 0) S.scal[SC_UU] = uu;
-        S.scal[SC_REDO] = 0;
-    }
+    if (t == 0) power_done(S, sigma, nw, uu);
 }
 
 template <int CAP, int KIND, int STAGE = FOLD_WHOLE, bool START = false>
@@ -1528,6 +1539,17 @@ __device__ __forceinline__ double sum256(const V &v)
 #pragma unroll 1
     for (int w = 0; w < FOLD_THREADS / 32; w++) s += warp_sum(v((int)(threadIdx.x & 31) + 32 * w));
     return s;
+}
+
+/* sum256 of the fold blocks' scalars x[0..nf): thread t's part is x[t], x[t + 256], ..., as fold_pass's last
+** block adds them */
+__device__ __forceinline__ double sum256_blocks(const double *x, int nf)
+{
+    return sum256([&](int t) {
+        double a = 0;
+        for (int k = t; k < nf; k += FOLD_THREADS) a += __ldcg(x + k);
+        return a;
+    });
 }
 
 /* A fold warp's ticket for its matrix's nf fold blocks: the warp's writes are made visible device-wide first; true
@@ -1633,20 +1655,9 @@ __global__ void __launch_bounds__(FOLD_THREADS) fold_warp_kernel(const skargs<CA
             S.scal[SC_REDO] = 1;
         }
         if (restart) return;
-        const double nw = sqrt(sum256([&](int t) {
-            double a = 0;
-            for (int k = t; k < nf; k += FOLD_THREADS) a += __ldcg(S.fsc + k);
-            return a;
-        }));
+        const double nw = sqrt(sum256_blocks(S.fsc, nf));
         const double sigma = clampd(nw, A.o.eps);
-        if ((A.flags & (FL_LAST | FL_REDO)) == FL_LAST && A.xch == NULL) {   /* the restart fold stores u */
-            if (lane == 0) {
-                S.scal[SC_SIGMA] = sigma;
-                S.scal[SC_WZERO] = nw == 0 ? 1 : 0;
-                S.scal[SC_REDO] = 0;
-            }
-            return;
-        }
+        if (power_defers_u(A, S, sigma, nw, lane == 0)) return;
         double uu = 0;
         float *const keep = (A.flags & FL_LAST) ? M.u : NULL;   /* the persisted u, stored as it is made */
         if (nw != 0) {   /* X^T v = 0 keeps u */
@@ -1664,11 +1675,7 @@ __global__ void __launch_bounds__(FOLD_THREADS) fold_warp_kernel(const skargs<CA
         } else if (keep != NULL) {
             for (int64_t jj = lane; jj < n; jj += 32) keep[jj] = __ldcg(S.uv + jj);
         }
-        if (lane == 0) {
-            S.scal[SC_SIGMA] = sigma;
-            if (nw != 0) S.scal[SC_UU] = uu;
-            S.scal[SC_REDO] = 0;
-        }
+        if (lane == 0) power_done(S, sigma, nw, uu);
         return;
     }
     double q = 0, uu = 0;
@@ -1694,16 +1701,8 @@ __global__ void __launch_bounds__(FOLD_THREADS) fold_warp_kernel(const skargs<CA
     }
     if (!last_warp(&A.tickets[i], nf)) return;
     /* the last warp: fold_pass's last block's sums and power_start, each thread t's part walked by lane t % 32 */
-    const double f2 = sum256([&](int t) {
-        double a = 0;
-        for (int k = t; k < nf; k += FOLD_THREADS) a += __ldcg(S.fsc + k);
-        return a;
-    });
-    double u2 = sum256([&](int t) {
-        double a = 0;
-        for (int k = t; k < nf; k += FOLD_THREADS) a += __ldcg(fuu + k);
-        return a;
-    });
+    const double f2 = sum256_blocks(S.fsc, nf);
+    double u2 = sum256_blocks(fuu, nf);
     const bool zero = u2 == 0;
     if (zero) {
         float *const uv = S.uv;
@@ -2823,17 +2822,27 @@ template <int CAP, int KIND> static void (*sweep_for(const skargs<CAP> &a))(cons
     return sweep_kernel<CAP, KIND>;
 }
 
-/* Whether a chunk's folds run a warp a fold block (fold_warp_kernel): more fold blocks than 4 an SM (the grid
-** many_folds also tests), none of its matrices with more than WARP_FOLD_BANDS bands, and MOONSTEP_SINKGD_WARP_FOLD
-** not 0. */
+/* More fold blocks than one wave of the START and POWER folds at 4 an SM (ctas_per_pass: the SMs, one sweep CTA
+** each): such a chunk's folds run a warp a fold block (warp_folds_for), or else those two folds' FOLD_PACKED
+** instances.  (The sharded FINISH of a POWER fold keeps one instance: not measured.) */
+template <int CAP> static bool many_folds_in(const skargs<CAP> &a)
+{
+    return (unsigned)a.nfold > 4u * (unsigned)ctas_per_pass();
+}
+
+/* Whether a chunk's folds run a warp a fold block (fold_warp_kernel): many fold blocks, none of its matrices with
+** more than WARP_FOLD_BANDS bands, and MOONSTEP_SINKGD_WARP_FOLD not 0. */
 template <int CAP> static bool warp_folds_for(const skargs<CAP> &a)
 {
-    if ((unsigned)a.nfold <= 4u * (unsigned)ctas_per_pass()) return false;
+    if (!many_folds_in(a)) return false;
     for (int k = 0; k < a.nmat; k++)
         if (a.m[k].nbands > WARP_FOLD_BANDS) return false;
     const char *v = getenv("MOONSTEP_SINKGD_WARP_FOLD");
     return !(v && v[0] == '0' && v[1] == 0);
 }
+
+/* fold_warp_kernel's grid for F fold blocks, a warp each */
+static unsigned warp_fold_grid(unsigned F) { return (F + FOLD_THREADS / 32 - 1) / (FOLD_THREADS / 32); }
 
 /* The launch sequence of one chunk (moonstep.h's step, pass by pass). */
 template <int CAP>
@@ -2860,10 +2869,7 @@ static ms_status run_chunk(ms_ctx *ctx, cudaStream_t s, const msk_sinkgd *o, int
     const unsigned G = (unsigned)a->grid, F = (unsigned)a->nfold;
     const int unit = o->iters == 0 ? FL_UNIT : 0;
     const bool wide = any_wide(*a, WIDE_PASSES), pair = any_wide(*a, WIDE_PAIR), narrow = any_wide(*a, WIDE_NO);
-    /* more fold blocks than one wave of the START and POWER folds at 4 an SM (ctas_per_pass: the SMs, one sweep
-    ** CTA each): their FOLD_PACKED instances, where the folds do not run a warp a block.  (The sharded FINISH of a
-    ** POWER fold keeps one instance: not measured.) */
-    const bool many_folds = F > 4u * (unsigned)ctas_per_pass();
+    const bool many_folds = many_folds_in(*a);
     const bool warp_folds = warp_folds_for(*a);
     bool rev = false;
     ms_status st = MS_OK;
@@ -2883,8 +2889,7 @@ static ms_status run_chunk(ms_ctx *ctx, cudaStream_t s, const msk_sinkgd *o, int
     ** keeps fold_pass's 256 threads for the walk; the restart fold walks only when a restart is pending. */
     auto power_fold_go = [&](int flags, const char *what) {
         if (warp_folds && (flags & (FL_LAST | FL_REDO)))
-            go(fold_warp_kernel<CAP, K_POWER, false>, flags, (F + FOLD_THREADS / 32 - 1) / (FOLD_THREADS / 32),
-               FOLD_THREADS, 0, what);
+            go(fold_warp_kernel<CAP, K_POWER, false>, flags, warp_fold_grid(F), FOLD_THREADS, 0, what);
         else
             go(power_fold, flags, F, FOLD_THREADS, 0, what);
     };
@@ -2908,7 +2913,7 @@ static ms_status run_chunk(ms_ctx *ctx, cudaStream_t s, const msk_sinkgd *o, int
             sweep(K_SINK, fl | (rev ? FL_REV : 0), "sinkgd sweep", "sinkgd wide passes");
             if (warp_folds)
                 go(!(fl & FL_LAST) ? fold_warp_kernel<CAP, K_SINK, false> : fold_warp_kernel<CAP, K_SINK, true>, fl,
-                   (F + FOLD_THREADS / 32 - 1) / (FOLD_THREADS / 32), FOLD_THREADS, 0, "sinkgd fold");
+                   warp_fold_grid(F), FOLD_THREADS, 0, "sinkgd fold");
             else
                 go(!(fl & FL_LAST) ? fold_kernel<CAP, K_SINK>
                    : many_folds ? fold_packed_kernel<CAP, K_SINK, true>
@@ -3059,7 +3064,7 @@ static ms_status run_sharded(ms_ctx *ctx, cudaStream_t s, const msk_sinkgd *o, i
     const bool spectral = o->mode != MS_SINKGD_BASE, sphere = o->mode == MS_SINKGD_SPHERE;
     const bool wide = any_wide(*a, WIDE_PASSES), pair = any_wide(*a, WIDE_PAIR);
     const bool warp_folds = dim == MSK_SHARD_ROWS && warp_folds_for(*a);
-    const unsigned FW = warp_folds ? (F + FOLD_THREADS / 32 - 1) / (FOLD_THREADS / 32) : F;   /* their grid */
+    const unsigned FW = warp_folds ? warp_fold_grid(F) : F;   /* their grid */
     bool rev = false;
     ms_status st = MS_OK;
     typedef void (*kernel_t)(const skargs<CAP> *, int);

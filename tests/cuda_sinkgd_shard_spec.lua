@@ -11,262 +11,9 @@
 local ms = require("moonstep")
 local graph = require("moonstep.graph")
 
--- ---------------------------------------------------------------------------------------------------
--- helpers shared with the rank script (one chunk, run here and by each rank)
--- ---------------------------------------------------------------------------------------------------
-local common = [=[
-local ms = require("moonstep")
-local T = require("moonstep.tensor")
-local core = require("moonstep.core")
-local ffi, C = core.ffi, core.C
-local abs, max = math.abs, math.max
-local unpack = table.unpack or unpack
-local K = {}
+-- the members and checks shared with the rank script
+local K = dofile("tests/sinkgd_shard_common.lua")
 
-function K.vals(t) return t:tolist_flat() end
-local vals = K.vals
-local function h(t) return t and T.handle(t) or nil end
-
-local MANT, EMIN = { f32 = 24, bf16 = 8, f16 = 11 }, { f32 = -126, bf16 = -126, f16 = -14 }
-local function ulp(x, dt)
-  local e = EMIN[dt]
-  if x ~= 0 then
-    local _, ex = math.frexp(abs(x))
-    e = max(ex - 1, EMIN[dt])
-  end
-  return 2 ^ (e - MANT[dt] + 1)
-end
-
--- |got - want| <= k ulp(want) + atol elementwise; NaN passes only against NaN
-function K.assert_ulps(got, want, dt, what, k, atol)
-  if #got ~= #want then error(("%s: %d values, expected %d"):format(what, #got, #want), 2) end
-  for i = 1, #want do
-    local w, g = want[i], got[i]
-    if w ~= w then
-      if g == g then error(("%s: element %d is %.9g, expected NaN"):format(what, i, g), 2) end
-    elseif not (abs(g - w) <= k * ulp(w, dt) + atol) then
-      error(("%s: element %d is %.9g, expected %.9g (error %.3g > %.3g)"):format(what, i, g, w, abs(g - w),
-            k * ulp(w, dt) + atol), 2)
-    end
-  end
-end
-
--- the same bits (NaN matches NaN, -0 does not match 0)
-function K.assert_same(got, want, what)
-  if #got ~= #want then error(("%s: %d values, expected %d"):format(what, #got, #want), 2) end
-  for i = 1, #want do
-    local x, y = got[i], want[i]
-    local same = x == y or (x ~= x and y ~= y)
-    if same and x == 0 and 1 / x ~= 1 / y then same = false end
-    if not same then error(("%s: element %d is %s, expected %s (the same bits)"):format(what, i, tostring(x),
-                           tostring(y)), 2) end
-  end
-end
-
--- |got - want| <= atol + rtol |want|, NaN failing
-function K.assert_close(got, want, rtol, atol, what)
-  if #got ~= #want then error(("%s: %d values, expected %d"):format(what, #got, #want), 2) end
-  for i = 1, #want do
-    local g, w = got[i], want[i]
-    if not (abs(g - w) <= atol + rtol * abs(w)) then
-      error(("%s: element %d is %.9g, expected %.9g"):format(what, i, g, w), 2)
-    end
-  end
-end
-
-local MODES = { base = C.MS_SINKGD_BASE, spectral = C.MS_SINKGD_SPECTRAL, sphere = C.MS_SINKGD_SPHERE }
-local TARGETS = { unit = C.MS_SINKGD_TARGET_UNIT, muon = C.MS_SINKGD_TARGET_MUON }
-local DIMS = { none = C.MS_SHARD_NONE, rows = C.MS_SHARD_ROWS, cols = C.MS_SHARD_COLS }
-
-local function options(o)
-  local c = ffi.new("ms_sinkgd_options")
-  c.lr, c.lr_t = o.lr or 0.05, h(o.lr_t)
-  c.step, c.step_t = o.step or 1, h(o.step_t)
-  c.mode = MODES[o.mode or "base"]
-  c.target = TARGETS[o.target or "unit"]
-  c.iters, c.sn_iters = o.iters or 5, o.sn_iters or 1
-  c.eps, c.weight_decay = o.eps or 1e-8, o.weight_decay or 0
-  c.stochastic_round = o.stochastic_round and 1 or 0
-  c.seed = o.seed or 0
-  c.skip_t = h(o.skip_t)
-  return c
-end
-
-local function handles(list, ro)
-  local a = ffi.new(ro and "const ms_tensor *[?]" or "ms_tensor *[?]", max(#list, 1))
-  for i = 1, #list do a[i - 1] = T.handle(list[i]) end
-  return a
-end
--- (the engine reads one scale a member: a shorter list would be read past its end)
-local function doubles(list, count)
-  if list == nil then return nil end
-  assert(#list == count, ("%d scales for %d members"):format(#list, count))
-  local a = ffi.new("double[?]", max(#list, 1))
-  for i = 1, #list do a[i - 1] = list[i] end
-  return a
-end
-function K.ok(st, what)
-  if st ~= 0 then
-    error(("%s: %s: %s"):format(what or "call", ffi.string(C.ms_status_name(st)), ffi.string(C.ms_last_error())), 2)
-  end
-end
-
-local function arrays(members, mode)
-  local P, G, U, Tt = {}, {}, {}, {}
-  for k, mb in ipairs(members) do P[k], G[k], U[k], Tt[k] = mb.p, mb.g, mb.u, mb.t end
-  return handles(P), handles(G, true), mode ~= "base" and handles(U) or nil, mode == "sphere" and handles(Tt) or nil
-end
-
--- ms_sinkgd_step on members {p=, g=, u=, t=}; returns the status
-function K.step(ctx, members, o, scales)
-  local P, G, U, Tt = arrays(members, o.mode or "base")
-  return C.ms_sinkgd_step(T.handle_ctx(ctx), #members, P, G, U, Tt, doubles(scales, #members), options(o))
-end
-
--- ms_sinkgd_step_sharded on members {p=, g=, u=, t=, shard = {dim =, offset =, global =}} (comm nil: NULL)
-function K.step_sharded(ctx, comm, members, o, scales)
-  local P, G, U, Tt = arrays(members, o.mode or "base")
-  local sh = ffi.new("ms_shard[?]", max(#members, 1))
-  for k, mb in ipairs(members) do
-    local s = mb.shard or { dim = "none" }
-    sh[k - 1].dim = DIMS[s.dim]
-    sh[k - 1].offset = s.offset or 0
-    sh[k - 1].global = s.global or 0
-  end
-  return C.ms_sinkgd_step_sharded(T.handle_ctx(ctx), comm and ms.comm.handle(comm) or nil, #members, P, G, U, Tt,
-                                  doubles(scales, #members), sh, options(o))
-end
-
-local function lead_of(shape)
-  local l = {}
-  for d = 1, #shape - 2 do l[d] = shape[d] end
-  return l
-end
-
--- a global member on the CPU from `seed` (the same values on every rank): p of pdt, g of gdt, u uniform in [-1, 1)
--- (zeros with spec.zero_u), t (sphere) -1 (captured this step) or spec.t
-function K.global_member(spec, mode, seed)
-  local shape, pdt, gdt = spec.shape, spec.pdt or spec.dt or "bf16", spec.gdt or spec.dt or "bf16"
-  local cpu = ms.device("cpu")
-  local mb = { spec = spec, dt = pdt, shape = shape,
-               p = ms.randn(shape, { dtype = pdt, seed = seed, ctx = cpu }),
-               g = ms.randn(shape, { dtype = gdt, seed = seed + 1, ctx = cpu }) }
-  if mode ~= "base" then
-    local us = lead_of(shape)
-    us[#us + 1] = shape[#shape]
-    mb.u = spec.zero_u and ms.zeros(us, { dtype = "f32", ctx = cpu })
-           or ms.rand(us, { seed = seed + 2, low = -1, high = 1, ctx = cpu })
-  end
-  if mode == "sphere" then mb.t = ms.full(lead_of(shape), spec.t or -1, { dtype = "f32", ctx = cpu }) end
-  return mb
-end
-
--- this rank's part [off, off + size) of the member's sharded dim ("rows": dim -2, "cols": dim -1) of a CPU tensor,
--- as a new contiguous tensor on ctx
-local function part(t, dim, off, size, ctx)
-  local d = t:dim() - (dim == "rows" and 2 or 1)
-  return t:slice(d, off, off + size):clone():to(ctx)
-end
-K.part = part
-
--- rank r's slice of a global member for a shard dim ("none": the whole of it) as a member on ctx
-function K.slice_member(mb, dim, off, size, ctx)
-  local s = { dt = mb.dt, shape = mb.shape, shard = { dim = dim, offset = off, global = 0 } }
-  if dim == "none" then
-    s.p, s.g = mb.p:clone():to(ctx), mb.g:clone():to(ctx)
-    s.u, s.t = mb.u and mb.u:clone():to(ctx), mb.t and mb.t:clone():to(ctx)
-    return s
-  end
-  s.shard.global = mb.shape[#mb.shape - (dim == "rows" and 1 or 0)]
-  s.p, s.g = part(mb.p, dim, off, size, ctx), part(mb.g, dim, off, size, ctx)
-  if mb.u then s.u = dim == "cols" and part(mb.u, "cols", off, size, ctx) or mb.u:clone():to(ctx) end
-  s.t = mb.t and mb.t:clone():to(ctx)
-  if mb.spec.grad == "transposed" then   -- the same values through a transposed view
-    local sh = s.g:shape()
-    local lead = #sh - 2
-    local perm = {}
-    for d = 0, lead - 1 do perm[#perm + 1] = d end
-    perm[#perm + 1], perm[#perm + 2] = lead + 1, lead
-    s.g = s.g:permute(unpack(perm)):clone():permute(unpack(perm))
-  end
-  return s
-end
-
--- the slice's state copied from the global member (the GPU starts each step from the reference's state: the two
--- may round a param an ulp apart, and carried into the next step an ulp of a large param is several of a small)
-function K.reset(s, mb)
-  local dim, off = s.shard.dim, s.shard.offset
-  local size = dim == "rows" and s.p:shape()[#s.shape - 1] or s.p:shape()[#s.shape]
-  local ctx = T.ctx_object(s.p)
-  if dim == "none" then
-    s.p:copy_(mb.p:clone():to(ctx))
-    if mb.u then s.u:copy_(mb.u:clone():to(ctx)) end
-  else
-    s.p:copy_(part(mb.p, dim, off, size, ctx))
-    if mb.u then s.u:copy_(dim == "cols" and part(mb.u, "cols", off, size, ctx) or mb.u:clone():to(ctx)) end
-  end
-  if mb.t then s.t:copy_(mb.t:clone():to(ctx)) end
-end
-
--- the slice's grad <- the global member's (a transposed view is written through)
-function K.set_grad(s, mb)
-  local dim, ctx = s.shard.dim, T.ctx_object(s.p)
-  if dim == "none" then s.g:copy_(mb.g:clone():to(ctx)) return end
-  local size = dim == "rows" and s.p:shape()[#s.shape - 1] or s.p:shape()[#s.shape]
-  s.g:copy_(part(mb.g, dim, s.shard.offset, size, ctx))
-end
-
--- the slice after a step against the global reference after it (`before`: the reference's p before the step)
-function K.compare(s, mb, before, what)
-  local dim, off = s.shard.dim, s.shard.offset
-  local cpu = ms.device("cpu")
-  local want, was
-  if dim == "none" then
-    want, was = vals(mb.p), vals(before)
-  else
-    local size = dim == "rows" and s.p:shape()[#s.shape - 1] or s.p:shape()[#s.shape]
-    want, was = vals(part(mb.p, dim, off, size, cpu)), vals(part(before, dim, off, size, cpu))
-  end
-  local maxupd = 0
-  for i = 1, #want do
-    local d = abs(want[i] - was[i])
-    if d == d then maxupd = max(maxupd, d) end
-  end
-  local got = vals(s.p)
-  for i = 1, #got do if got[i] ~= got[i] and want[i] == want[i] then error(what .. ": NaN at " .. i, 2) end end
-  K.assert_ulps(got, want, s.dt, what .. " p", 1, 1e-5 * maxupd)
-  if s.u then
-    local wu = dim == "cols" and vals(part(mb.u, "cols", off, s.p:shape()[#s.shape], cpu)) or vals(mb.u)
-    K.assert_close(vals(s.u), wu, 1e-4, 1e-5, what .. " u")
-  end
-  if s.t then K.assert_close(vals(s.t), vals(mb.t), 1e-6, 0, what .. " t") end
-end
-
--- rows [off, off + size) of `global` for rank r of `world`: "even" (the first ranks one more), "uneven" (rank 0
--- about two thirds), "empty0" / "empty1" (that rank none)
-function K.split(global, r, world, how)
-  local bounds = {}
-  if how == "uneven" then
-    local a = math.floor(global * 2 / 3 + 0.5)
-    bounds = { 0, a, global }
-  elseif how == "empty0" then bounds = { 0, 0, global }
-  elseif how == "empty1" then bounds = { 0, global, global }
-  else
-    local b, acc = { 0 }, 0
-    for k = 0, world - 1 do
-      acc = acc + math.floor(global / world) + (k < global % world and 1 or 0)
-      b[#b + 1] = acc
-    end
-    bounds = b
-  end
-  if world == 1 then bounds = { 0, global } end
-  return bounds[r + 1], bounds[r + 2] - bounds[r + 1]
-end
-
-return K
-]=]
-
-local K = assert(load(common, "=shard_common"))()
 local vals = K.vals
 local GPU = H.has_cuda and ms.device("cuda") or nil
 local CPU = ms.device("cpu")
@@ -291,9 +38,9 @@ end
 local function same_members(B, A, what, suffix)
   for k = 1, #A do
     local w = ("%s member %d%s"):format(what, k, suffix)
-    K.assert_same(vals(B[k].p), vals(A[k].p), w .. " p")
-    if A[k].u then K.assert_same(vals(B[k].u), vals(A[k].u), w .. " u") end
-    if A[k].t then K.assert_same(vals(B[k].t), vals(A[k].t), w .. " t") end
+    H.assert_same(vals(B[k].p), vals(A[k].p), w .. " p")
+    if A[k].u then H.assert_same(vals(B[k].u), vals(A[k].u), w .. " u") end
+    if A[k].t then H.assert_same(vals(B[k].t), vals(A[k].t), w .. " t") end
   end
 end
 
@@ -418,17 +165,17 @@ describe("cuda ms_sinkgd_step_sharded on one rank", function()
         restore(B)
         K.ok(K.step_sharded(GPU, nil, B, o), "direct again")
         for k, mb in ipairs(B) do
-          K.assert_same(vals(mb.p), first[k].p, dim .. " " .. mode .. " repeated p " .. k)
-          K.assert_same(vals(mb.u), first[k].u, dim .. " " .. mode .. " repeated u " .. k)
+          H.assert_same(vals(mb.p), first[k].p, dim .. " " .. mode .. " repeated p " .. k)
+          H.assert_same(vals(mb.u), first[k].u, dim .. " " .. mode .. " repeated u " .. k)
         end
         K.ok(K.step_sharded(GPU, nil, A, o), "warm-up")   -- counters and launch attributes, before the capture
         local gr = graph.capture(GPU, function() K.ok(K.step_sharded(GPU, nil, A, o), "captured") end)
         restore(A)
         gr:launch()
         for k, mb in ipairs(A) do
-          K.assert_same(vals(mb.p), first[k].p, dim .. " " .. mode .. " replayed p " .. k)
-          K.assert_same(vals(mb.u), first[k].u, dim .. " " .. mode .. " replayed u " .. k)
-          if mb.t then K.assert_same(vals(mb.t), first[k].t, dim .. " " .. mode .. " replayed t " .. k) end
+          H.assert_same(vals(mb.p), first[k].p, dim .. " " .. mode .. " replayed p " .. k)
+          H.assert_same(vals(mb.u), first[k].u, dim .. " " .. mode .. " replayed u " .. k)
+          if mb.t then H.assert_same(vals(mb.t), first[k].t, dim .. " " .. mode .. " replayed t " .. k) end
         end
         gr:free()
       end
@@ -443,7 +190,7 @@ local q, write_file = H.q, H.temp_file
 
 -- runs the script as 2 ranks (killed after `limit` s: a collective that never meets hangs) -> output, exit status
 local function launch2(script, limit, device)
-  local out, code = H.moonstep(("launch -n 2 %s %s %s"):format(q(script), q(write_file("shard_common.lua", common)),
+  local out, code = H.moonstep(("launch -n 2 %s %s %s"):format(q(script), q(H.root .. "/tests/sinkgd_shard_common.lua"),
                                                                  device or "cuda"), ("timeout -k 5 %d"):format(limit))
   return out, code
 end
@@ -590,9 +337,9 @@ for ci, dim in ipairs { "rows", "cols" } do
     restore()
     gr:launch()
     for k, s in ipairs(mine) do
-      K.assert_same(K.vals(s.p), want[k].p, dim .. " replay " .. rep .. " p " .. k)
-      K.assert_same(K.vals(s.u), want[k].u, dim .. " replay " .. rep .. " u " .. k)
-      K.assert_same(K.vals(s.t), want[k].t, dim .. " replay " .. rep .. " t " .. k)
+      H.assert_same(K.vals(s.p), want[k].p, dim .. " replay " .. rep .. " p " .. k)
+      H.assert_same(K.vals(s.u), want[k].u, dim .. " replay " .. rep .. " u " .. k)
+      H.assert_same(K.vals(s.t), want[k].t, dim .. " replay " .. rep .. " t " .. k)
     end
   end
   gr:free()

@@ -31,64 +31,16 @@ local function gpu(t) return t:to(GPU) end
 
 local assert_ulps, same_bits, assert_same = H.assert_ulps, H.same_bits, H.assert_same
 
-local function handles(list, ro)
-  local n = #list
-  local a = ffi.new(ro and "const ms_tensor *[?]" or "ms_tensor *[?]", n > 0 and n or 1)
-  for i = 1, n do a[i - 1] = T.handle(list[i]) end
-  return a
-end
--- (the engine reads one value a member: a shorter list would be read past its end)
-local function doubles(list, count)
-  if list == nil then return nil end
-  assert(#list == count, ("%d values for %d members"):format(#list, count))
-  local a = ffi.new("double[?]", max(#list, 1))
-  for i = 1, #list do a[i - 1] = list[i] end
-  return a
-end
-local function ok(st)
-  if st ~= 0 then error(ffi.string(C.ms_status_name(st)) .. ": " .. ffi.string(C.ms_last_error()), 2) end
-end
+local A = dofile("tests/sinkgd_abi.lua")
+local handles, doubles, ok, lead_of, ushape_of = A.handles, A.doubles, A.ok, A.lead_of, A.ushape_of
 local function launches(ctx) return ctx:mem_stats().launches end
-
-local MODES = { base = C.MS_SINKGD_BASE, spectral = C.MS_SINKGD_SPECTRAL, sphere = C.MS_SINKGD_SPHERE }
-local TARGETS = { unit = C.MS_SINKGD_TARGET_UNIT, muon = C.MS_SINKGD_TARGET_MUON }
-
-local function sinkgd_opts(o)
-  local c = ffi.new("ms_sinkgd_options")
-  c.lr, c.lr_t = o.lr or 0.05, h(o.lr_t)
-  c.step, c.step_t = o.step or 1, h(o.step_t)
-  c.mode = MODES[o.mode or "base"]
-  c.target = TARGETS[o.target or "unit"]
-  c.iters, c.sn_iters = o.iters or 5, o.sn_iters or 1
-  c.eps, c.weight_decay = o.eps or 1e-8, o.weight_decay or 0
-  c.stochastic_round = o.stochastic_round and 1 or 0
-  c.seed = o.seed or 0
-  c.skip_t = h(o.skip_t)
-  return c
-end
 
 -- one call on ctx with members {p=, g=, u=, t=}; returns the status and the launches the engine counted (not
 -- counted when `quiet`, e.g. while capturing)
 local function sinkgd_raw(ctx, members, o, scales, quiet)
-  local P, G, U, Tt = {}, {}, {}, {}
-  for k, mb in ipairs(members) do P[k], G[k], U[k], Tt[k] = mb.p, mb.g, mb.u, mb.t end
-  local mode = o.mode or "base"
-  local args = { handles(P), handles(G, true), mode ~= "base" and handles(U) or nil,
-                 mode == "sphere" and handles(Tt) or nil, doubles(scales, #members), sinkgd_opts(o) }
   local n0 = not quiet and launches(ctx) or 0
-  local st = C.ms_sinkgd_step(T.handle_ctx(ctx), #members, args[1], args[2], args[3], args[4], args[5], args[6])
+  local st = A.step(ctx, members, o, scales)
   return st, not quiet and launches(ctx) - n0 or 0
-end
-
-local function lead_of(shape)
-  local l = {}
-  for d = 1, #shape - 2 do l[d] = shape[d] end
-  return l
-end
-local function ushape_of(shape)
-  local l = lead_of(shape)
-  l[#l + 1] = shape[#shape]
-  return l
 end
 
 -- a CPU member and its GPU twin: p of pdt, g of gdt, u random (spectral/sphere), t -1 or a radius (sphere).

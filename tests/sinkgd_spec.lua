@@ -35,46 +35,17 @@ local ulp = H.ulp
 
 local same_bits, assert_same, assert_ulps = H.same_bits, H.assert_same, H.assert_ulps
 
-local function handles(list, n, ro)
-  n = n or #list
-  local a = ffi.new(ro and "const ms_tensor *[?]" or "ms_tensor *[?]", n > 0 and n or 1)
-  for i = 1, n do a[i - 1] = list[i] and T.handle(list[i]) or nil end
-  return a
-end
+local A = dofile("tests/sinkgd_abi.lua")
+local handles, doubles, ok, lead_of, ushape_of = A.handles, A.doubles, A.ok, A.lead_of, A.ushape_of
+local function sinkgd_opts(o) return A.options(o, 0.1) end
 local function h(t) return t and T.handle(t) or nil end
-local function doubles(list)
-  if list == nil then return nil end
-  local a = ffi.new("double[?]", max(#list, 1))
-  for i = 1, #list do a[i - 1] = list[i] end
-  return a
-end
-
-local MODES = { base = C.MS_SINKGD_BASE, spectral = C.MS_SINKGD_SPECTRAL, sphere = C.MS_SINKGD_SPHERE }
-local TARGETS = { unit = C.MS_SINKGD_TARGET_UNIT, muon = C.MS_SINKGD_TARGET_MUON }
-
-local function sinkgd_opts(o)
-  local c = ffi.new("ms_sinkgd_options")
-  c.lr, c.lr_t = o.lr or 0.1, h(o.lr_t)
-  c.step, c.step_t = o.step or 1, h(o.step_t)
-  c.mode = o.mode_code or MODES[o.mode or "base"]
-  c.target = o.target_code or TARGETS[o.target or "unit"]
-  c.iters, c.sn_iters = o.iters or 5, o.sn_iters or 1
-  c.eps, c.weight_decay = o.eps or 1e-8, o.weight_decay or 0
-  c.stochastic_round = o.stochastic_round and 1 or 0
-  c.seed = o.seed or 0
-  c.skip_t = h(o.skip_t)
-  return c
-end
 
 -- a = {params=, grads=, u=, t=, scales=}; the status of ms_sinkgd_step (a.ctx: the context handle)
 local function sinkgd_raw(a, o, n)
   n = n or #a.params
-  local args = { a.params and handles(a.params, n) or nil, a.grads and handles(a.grads, n, true) or nil, a.u and handles(a.u, n) or nil,
-                 a.t and handles(a.t, n) or nil, doubles(a.scales), sinkgd_opts(o) }
+  local args = { a.params and handles(a.params, nil, n) or nil, a.grads and handles(a.grads, true, n) or nil, a.u and handles(a.u, nil, n) or nil,
+                 a.t and handles(a.t, nil, n) or nil, doubles(a.scales), sinkgd_opts(o) }
   return C.ms_sinkgd_step(a.ctx or CTX, n, args[1], args[2], args[3], args[4], args[5], args[6])
-end
-local function ok(st)
-  if st ~= 0 then error(ffi.string(C.ms_status_name(st)) .. ": " .. ffi.string(C.ms_last_error()), 2) end
 end
 
 -- the B matrices [m][n] of a flat row-major [..., m, n] list
@@ -96,16 +67,6 @@ local function join(mats)
   local out = {}
   for _, M in ipairs(mats) do for _, row in ipairs(M) do for _, x in ipairs(row) do out[#out + 1] = x end end end
   return out
-end
-local function lead_of(shape)
-  local l = {}
-  for d = 1, #shape - 2 do l[d] = shape[d] end
-  return l
-end
-local function ushape_of(shape)
-  local l = lead_of(shape)
-  l[#l + 1] = shape[#shape]
-  return l
 end
 
 -- ---------------------------------------------------------------------------------------------------
@@ -696,9 +657,9 @@ describe("ms_sinkgd_step options", function()
 
     it("NULL opts, NULL ctx, negative n", function()
       local p, g = randn({ 3, 3 }), randn({ 3, 3 })
-      assert.equals("MS_E_ARG", ffi.string(C.ms_status_name(C.ms_sinkgd_step(CTX, 1, handles({ p }), handles({ g }, 1, true), nil, nil, nil, nil))))
+      assert.equals("MS_E_ARG", ffi.string(C.ms_status_name(C.ms_sinkgd_step(CTX, 1, handles({ p }), handles({ g }, true, 1), nil, nil, nil, nil))))
       assert.truthy(ffi.string(C.ms_last_error()):find("opts is NULL", 1, true))
-      assert.equals("MS_E_ARG", ffi.string(C.ms_status_name(C.ms_sinkgd_step(nil, 1, handles({ p }), handles({ g }, 1, true), nil, nil, nil, sinkgd_opts({})))))
+      assert.equals("MS_E_ARG", ffi.string(C.ms_status_name(C.ms_sinkgd_step(nil, 1, handles({ p }), handles({ g }, true, 1), nil, nil, nil, sinkgd_opts({})))))
       assert.equals("MS_E_ARG", ffi.string(C.ms_status_name(sinkgd_raw({ params = { p }, grads = { g } }, {}, -1))))
       ok(sinkgd_raw({ params = {}, grads = {} }, {}, 0))
     end)
@@ -778,8 +739,8 @@ local function adamw8_raw(a, o, n)
   w.seed = o.seed or 0
   w.skip_t = h(o.skip_t)
   c.block_size = o.block_size or 256
-  local args = { handles(a.params, n), handles(a.grads, n, true), handles(a.cm, n), handles(a.sm, n),
-                 handles(a.cv, n), handles(a.sv, n), doubles(a.scales) }
+  local args = { handles(a.params, nil, n), handles(a.grads, true, n), handles(a.cm, nil, n), handles(a.sm, nil, n),
+                 handles(a.cv, nil, n), handles(a.sv, nil, n), doubles(a.scales) }
   return C.ms_adamw8_step(a.ctx or CTX, n, args[1], args[2], args[3], args[4], args[5], args[6], args[7], c)
 end
 
@@ -962,7 +923,7 @@ describe("8-bit AdamW state", function()
         if args_sv == nil then
           local cc = ffi.new("ms_adamw8_options")
           cc.adamw.lr, cc.adamw.beta1, cc.adamw.beta2, cc.adamw.eps, cc.adamw.step, cc.block_size = 0.1, 0.9, 0.999, 1e-8, 1, 128
-          st = C.ms_adamw8_step(CTX, 1, handles(a.params), handles(a.grads, 1, true), handles(a.cm), handles(a.sm),
+          st = C.ms_adamw8_step(CTX, 1, handles(a.params), handles(a.grads, true, 1), handles(a.cm), handles(a.sm),
                                 handles(a.cv), nil, nil, cc)
         else
           st = adamw8_raw(a, o)
