@@ -24,14 +24,13 @@ local CPU = ms.device("cpu")
 -- helpers
 -- ---------------------------------------------------------------------------------------------------
 local function vals(t) return t:tolist_flat() end
-local function h(t) return t and T.handle(t) or nil end
 local function randn(shape, dt, ctx) return ms.randn(shape, { dtype = dt or "f32", seed = H.seed(), ctx = ctx }) end
 local function urand(shape, lo, hi) return ms.rand(shape, { seed = H.seed(), low = lo, high = hi }) end
 local function gpu(t) return t:to(GPU) end
 
 local assert_ulps, same_bits, assert_same = H.assert_ulps, H.same_bits, H.assert_same
 
-local A = dofile("tests/sinkgd_abi.lua")
+local A = dofile("tests/abi.lua")
 local handles, doubles, ok, lead_of, ushape_of = A.handles, A.doubles, A.ok, A.lead_of, A.ushape_of
 local function launches(ctx) return ctx:mem_stats().launches end
 
@@ -39,7 +38,7 @@ local function launches(ctx) return ctx:mem_stats().launches end
 -- counted when `quiet`, e.g. while capturing)
 local function sinkgd_raw(ctx, members, o, scales, quiet)
   local n0 = not quiet and launches(ctx) or 0
-  local st = A.step(ctx, members, o, scales)
+  local st = A.sinkgd_step(ctx, members, o, scales)
   return st, not quiet and launches(ctx) - n0 or 0
 end
 
@@ -571,16 +570,7 @@ end)
 local function adamw8_raw(ctx, members, o)
   local P, G, CM, SM, CV, SV = {}, {}, {}, {}, {}, {}
   for k, mb in ipairs(members) do P[k], G[k], CM[k], SM[k], CV[k], SV[k] = mb.p, mb.g, mb.cm, mb.sm, mb.cv, mb.sv end
-  local c = ffi.new("ms_adamw8_options")
-  local w = c.adamw
-  w.lr, w.lr_t = o.lr or 1e-3, h(o.lr_t)
-  w.beta1, w.beta2, w.eps, w.weight_decay = o.beta1 or 0.9, o.beta2 or 0.999, o.eps or 1e-8, o.weight_decay or 0
-  w.step, w.step_t = o.step or 1, h(o.step_t)
-  w.bias_correction = 1
-  w.stochastic_round = o.stochastic_round and 1 or 0
-  w.seed = o.seed or 0
-  w.skip_t = h(o.skip_t)
-  c.block_size = o.block_size or 256
+  local c = A.adamw8_options(o)
   local n0 = launches(ctx)
   local st = C.ms_adamw8_step(T.handle_ctx(ctx), #members, handles(P), handles(G, true), handles(CM), handles(SM),
                               handles(CV), handles(SV), doubles(o.scales, #members), c)

@@ -15,49 +15,11 @@ local STEPS = 6
 -- ---------------------------------------------------------------------------------------------------
 -- helpers
 -- ---------------------------------------------------------------------------------------------------
--- an array of n handles (NULL where list has nil); `ro` gives the const form the read-only arguments take
--- (LuaJIT, like C, does not turn ms_tensor ** into const ms_tensor *const *)
-local function tensors(list, n, ro)
-  n = n or #list
-  local a = ffi.new(ro and "const ms_tensor *[?]" or "ms_tensor *[?]", n > 0 and n or 1)
-  for i = 1, n do a[i - 1] = list[i] and T.handle(list[i]) or nil end
-  return a
-end
-local function sources(list, n) return tensors(list, n, true) end
-
-local function doubles(list)
-  if list == nil then return nil end
-  local a = ffi.new("double[?]", #list > 0 and #list or 1)
-  for i = 1, #list do a[i - 1] = list[i] end
-  return a
-end
-
-local function h(t) return t and T.handle(t) or nil end
-
-local function adamw_opts(o)
-  local c = ffi.new("ms_adamw_options")
-  c.lr, c.lr_t = o.lr or 0, h(o.lr_t)
-  c.beta1, c.beta2 = o.beta1 or 0.9, o.beta2 or 0.999
-  c.eps, c.weight_decay = o.eps or 1e-8, o.weight_decay or 0
-  c.step, c.step_t = o.step or 1, h(o.step_t)
-  c.bias_correction = o.bias_correction == false and 0 or 1
-  c.stochastic_round = o.stochastic_round and 1 or 0
-  c.seed = o.seed or 0
-  c.skip_t = h(o.skip_t)
-  return c
-end
-
-local function sgd_opts(o)
-  local c = ffi.new("ms_sgd_options")
-  c.lr, c.lr_t = o.lr or 0, h(o.lr_t)
-  c.momentum, c.dampening, c.weight_decay = o.momentum or 0, o.dampening or 0, o.weight_decay or 0
-  c.nesterov = o.nesterov and 1 or 0
-  c.step, c.step_t = o.step or 1, h(o.step_t)
-  c.stochastic_round = o.stochastic_round and 1 or 0
-  c.seed = o.seed or 0
-  c.skip_t = h(o.skip_t)
-  return c
-end
+local A = dofile("tests/abi.lua")
+local adamw_opts, sgd_opts = A.adamw_options, A.sgd_options
+local function tensors(list, n, ro) return A.handles(list, ro, n) end
+local function sources(list, n) return A.handles(list, true, n) end
+local function doubles(list) return A.doubles(list) end
 
 local function launches() return cpu:mem_stats().launches end
 
@@ -81,9 +43,7 @@ local function sgd_raw(g, o, n)
   last_launches = launches() - n0
   return st
 end
-local function ok(st)
-  if st ~= 0 then error(ffi.string(C.ms_status_name(st)) .. ": " .. ffi.string(C.ms_last_error()), 2) end
-end
+local ok = A.ok
 
 local function randn(shape, dt, std) return ms.randn(shape, { dtype = dt or "f32", seed = H.seed(), std = std or 1 }) end
 local function urand(shape, dt, lo, hi) return ms.rand(shape, { dtype = dt or "f32", seed = H.seed(), low = lo, high = hi }) end

@@ -6,10 +6,10 @@ values on every rank), a rank's slice of them, and the slice compared with the C
 local ms = require("moonstep")
 local T = require("moonstep.tensor")
 local H = rawget(_G, "H") or dofile("tests/helpers.lua")   -- (busted loads the helpers; a rank loads them here)
-local A = dofile("tests/sinkgd_abi.lua")
+local A = dofile("tests/abi.lua")
 local abs, max = math.abs, math.max
 local unpack = table.unpack or unpack
-local K = { ok = A.ok, step = A.step, step_sharded = A.step_sharded }
+local K = { ok = A.ok, step = A.sinkgd_step, step_sharded = A.sinkgd_step_sharded }
 
 function K.vals(t) return t:tolist_flat() end
 local vals = K.vals

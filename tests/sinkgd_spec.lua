@@ -35,10 +35,9 @@ local ulp = H.ulp
 
 local same_bits, assert_same, assert_ulps = H.same_bits, H.assert_same, H.assert_ulps
 
-local A = dofile("tests/sinkgd_abi.lua")
+local A = dofile("tests/abi.lua")
 local handles, doubles, ok, lead_of, ushape_of = A.handles, A.doubles, A.ok, A.lead_of, A.ushape_of
-local function sinkgd_opts(o) return A.options(o, 0.1) end
-local function h(t) return t and T.handle(t) or nil end
+local function sinkgd_opts(o) return A.sinkgd_options(o, 0.1) end
 
 -- a = {params=, grads=, u=, t=, scales=}; the status of ms_sinkgd_step (a.ctx: the context handle)
 local function sinkgd_raw(a, o, n)
@@ -729,16 +728,7 @@ end
 
 local function adamw8_raw(a, o, n)
   n = n or #a.params
-  local c = ffi.new("ms_adamw8_options")
-  local w = c.adamw
-  w.lr, w.lr_t = o.lr or 1e-3, h(o.lr_t)
-  w.beta1, w.beta2, w.eps, w.weight_decay = o.beta1 or 0.9, o.beta2 or 0.999, o.eps or 1e-8, o.weight_decay or 0
-  w.step, w.step_t = o.step or 1, h(o.step_t)
-  w.bias_correction = 1
-  w.stochastic_round = o.stochastic_round and 1 or 0
-  w.seed = o.seed or 0
-  w.skip_t = h(o.skip_t)
-  c.block_size = o.block_size or 256
+  local c = A.adamw8_options(o)
   local args = { handles(a.params, nil, n), handles(a.grads, true, n), handles(a.cm, nil, n), handles(a.sm, nil, n),
                  handles(a.cv, nil, n), handles(a.sv, nil, n), doubles(a.scales) }
   return C.ms_adamw8_step(a.ctx or CTX, n, args[1], args[2], args[3], args[4], args[5], args[6], args[7], c)

@@ -1,7 +1,8 @@
 --[[
-The C ABI of the SinkGD step as the specs call it (tests/sinkgd_spec.lua, tests/cuda_sinkgd_spec.lua and
-tests/cuda_sinkgd_shard_spec.lua with its rank script): handle arrays, per-member values, the options struct
-from a Lua table, and the status check.  Loaded with dofile from the project root, by busted and by the ranks.
+The optimizer steps' C ABI as the specs call it (the optim, SinkGD and sharded SinkGD specs, and the sharded
+specs' rank script): handle arrays, per-member values, the options structs of ms_adamw_step, ms_adamw8_step,
+ms_sgd_step and ms_sinkgd_step from Lua tables, the status check, and the SinkGD step on members.  Loaded with
+dofile from the project root, by busted and by the ranks.
 ]]
 local T = require("moonstep.tensor")
 local core = require("moonstep.core")
@@ -9,7 +10,8 @@ local ffi, C = core.ffi, core.C
 
 local A = {}
 
---- The handles of list[1..n] (n = #list unless given; a missing entry is NULL); ro: a const array (grads).
+--- The handles of list[1..n] (n = #list unless given; a missing entry is NULL); ro: the const form that read-only
+--- arguments (grads, sources) take (LuaJIT, like C, does not turn ms_tensor ** into const ms_tensor *const *).
 function A.handles(list, ro, n)
   n = n or #list
   local a = ffi.new(ro and "const ms_tensor *[?]" or "ms_tensor *[?]", math.max(n, 1))
@@ -39,12 +41,51 @@ local MODES = { base = C.MS_SINKGD_BASE, spectral = C.MS_SINKGD_SPECTRAL, sphere
 local TARGETS = { unit = C.MS_SINKGD_TARGET_UNIT, muon = C.MS_SINKGD_TARGET_MUON }
 local DIMS = { none = C.MS_SHARD_NONE, rows = C.MS_SHARD_ROWS, cols = C.MS_SHARD_COLS }
 
-local function h(t) return t and T.handle(t) or nil end
+--- A tensor's handle, or NULL for nil (the device scalars of the options).
+function A.h(t) return t and T.handle(t) or nil end
+local h = A.h
+
+--- ms_adamw_options from o = {lr, lr_t, beta1, beta2, eps, weight_decay, step, step_t, bias_correction,
+--- stochastic_round, seed, skip_t}.
+function A.adamw_options(o)
+  local c = ffi.new("ms_adamw_options")
+  c.lr, c.lr_t = o.lr or 0, h(o.lr_t)
+  c.beta1, c.beta2 = o.beta1 or 0.9, o.beta2 or 0.999
+  c.eps, c.weight_decay = o.eps or 1e-8, o.weight_decay or 0
+  c.step, c.step_t = o.step or 1, h(o.step_t)
+  c.bias_correction = o.bias_correction == false and 0 or 1
+  c.stochastic_round = o.stochastic_round and 1 or 0
+  c.seed = o.seed or 0
+  c.skip_t = h(o.skip_t)
+  return c
+end
+
+--- ms_adamw8_options: o's AdamW options (lr 1e-3 unless given) and block_size (256 unless given).
+function A.adamw8_options(o)
+  local c = ffi.new("ms_adamw8_options")
+  c.adamw = A.adamw_options(setmetatable({ lr = o.lr or 1e-3 }, { __index = o }))
+  c.block_size = o.block_size or 256
+  return c
+end
+
+--- ms_sgd_options from o = {lr, lr_t, momentum, dampening, weight_decay, nesterov, step, step_t,
+--- stochastic_round, seed, skip_t}.
+function A.sgd_options(o)
+  local c = ffi.new("ms_sgd_options")
+  c.lr, c.lr_t = o.lr or 0, h(o.lr_t)
+  c.momentum, c.dampening, c.weight_decay = o.momentum or 0, o.dampening or 0, o.weight_decay or 0
+  c.nesterov = o.nesterov and 1 or 0
+  c.step, c.step_t = o.step or 1, h(o.step_t)
+  c.stochastic_round = o.stochastic_round and 1 or 0
+  c.seed = o.seed or 0
+  c.skip_t = h(o.skip_t)
+  return c
+end
 
 --- ms_sinkgd_options from o = {lr, lr_t, step, step_t, mode, target, iters, sn_iters, eps, weight_decay,
 --- stochastic_round, seed, skip_t}, tensors for the *_t device scalars; mode_code and target_code put raw enum
 --- values (invalid ones, for the validation specs).  lr defaults to lr0, else 0.05.
-function A.options(o, lr0)
+function A.sinkgd_options(o, lr0)
   local c = ffi.new("ms_sinkgd_options")
   c.lr, c.lr_t = o.lr or lr0 or 0.05, h(o.lr_t)
   c.step, c.step_t = o.step or 1, h(o.step_t)
@@ -67,14 +108,14 @@ local function arrays(members, mode)
 end
 
 --- ms_sinkgd_step on ctx (a context object) for members {p=, g=, u=, t=}; returns the status.
-function A.step(ctx, members, o, scales)
+function A.sinkgd_step(ctx, members, o, scales)
   local P, G, U, Tt = arrays(members, o.mode or "base")
-  return C.ms_sinkgd_step(T.handle_ctx(ctx), #members, P, G, U, Tt, A.doubles(scales, #members), A.options(o))
+  return C.ms_sinkgd_step(T.handle_ctx(ctx), #members, P, G, U, Tt, A.doubles(scales, #members), A.sinkgd_options(o))
 end
 
 --- ms_sinkgd_step_sharded on members {p=, g=, u=, t=, shard = {dim =, offset =, global =}} (dim "none", "rows"
 --- or "cols"; comm nil: NULL); returns the status.
-function A.step_sharded(ctx, comm, members, o, scales)
+function A.sinkgd_step_sharded(ctx, comm, members, o, scales)
   local P, G, U, Tt = arrays(members, o.mode or "base")
   local sh = ffi.new("ms_shard[?]", math.max(#members, 1))
   for k, mb in ipairs(members) do
@@ -84,7 +125,7 @@ function A.step_sharded(ctx, comm, members, o, scales)
     sh[k - 1].global = s.global or 0
   end
   return C.ms_sinkgd_step_sharded(T.handle_ctx(ctx), comm and require("moonstep").comm.handle(comm) or nil, #members,
-                                  P, G, U, Tt, A.doubles(scales, #members), sh, A.options(o))
+                                  P, G, U, Tt, A.doubles(scales, #members), sh, A.sinkgd_options(o))
 end
 
 --- The leading (batch) dims of a [..., m, n] shape, and the shape of its u ([..., n]).
