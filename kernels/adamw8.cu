@@ -38,13 +38,7 @@ static_assert(sizeof(a8args<MSK_ADAMW8_CAP>) <= PARAM_LIMIT, "the AdamW8 table e
 template <int CAP>
 __device__ __forceinline__ int a8_member_of(const a8args<CAP> &A, int from, int64_t b)
 {
-    int lo = from, hi = A.n - 1;
-    while (lo < hi) {
-        const int mid = lo + (hi - lo + 1) / 2;
-        if (A.blk0[mid] <= b) lo = mid;
-        else hi = mid - 1;
-    }
-    return lo;
+    return msk_last_at_most(from, A.n - 1, b, [&](int k) { return A.blk0[k]; });
 }
 
 /* Element e (row-major) of a member's grad, in any layout, as f32 (as ms_cpu_load_f32 converts it). */

@@ -100,6 +100,19 @@ __device__ __forceinline__ double msk_scalar_value(const msk_scalar &s)
     return s.ptr ? msk_load<double>(s.ptr, 0, s.dtype) : s.value;
 }
 
+/* The last k in [lo, hi] with first(k) <= x, for first(k) ascending in k and first(lo) <= x: the member of a
+** launch table that a tile, a quantization block or a row group belongs to. */
+template <class F>
+__device__ __forceinline__ int msk_last_at_most(int lo, int hi, int64_t x, const F &first)
+{
+    while (lo < hi) {
+        const int mid = lo + (hi - lo + 1) / 2;
+        if (first(mid) <= x) lo = mid;
+        else hi = mid - 1;
+    }
+    return lo;
+}
+
 /* --- correctly rounded arithmetic (the CPU evaluates these without FMA) --------------------------- */
 
 __device__ __forceinline__ float msk_mul(float a, float b) { return __fmul_rn(a, b); }

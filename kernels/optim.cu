@@ -50,13 +50,22 @@ static_assert(sizeof(sumsq_args<MSK_OPTIM_CAP>) <= PARAM_LIMIT, "the sumsq table
 template <int CAP>
 __device__ __forceinline__ int member_of(const table<CAP> &tb, int from, int64_t t)
 {
-    int lo = from, hi = tb.n - 1;
-    while (lo < hi) {
-        const int mid = lo + (hi - lo + 1) / 2;
-        if (tb.tile0[mid] <= t) lo = mid;
-        else hi = mid - 1;
+    return msk_last_at_most(from, tb.n - 1, t, [&](int k) { return tb.tile0[k]; });
+}
+
+/* The table's tiles on this block's grid stride: f(member, e, cnt) for this thread's GROUP elements (cnt fewer at a
+** member's end) from element e of each tile's member; threads past a member's end take none. */
+template <int CAP, class F>
+__device__ __forceinline__ void for_tiles(const table<CAP> &tb, const F &f)
+{
+    int i = 0;
+    for (int64_t t = blockIdx.x; t < tb.ntiles; t += gridDim.x) {
+        i = member_of(tb, i, t);
+        const msk_member &m = tb.m[i];
+        const int64_t e = (t - tb.tile0[i]) * TILE + (int64_t)threadIdx.x * GROUP;
+        if (e >= m.numel) continue;
+        f(m, e, m.numel - e < GROUP ? (int)(m.numel - e) : GROUP);
     }
-    return lo;
 }
 
 /* --- element runs ---------------------------------------------------------------------------------
@@ -295,13 +304,7 @@ __global__ void __launch_bounds__(MSK_THREADS) adamw_kernel(const __grid_constan
         }
     }
     const rounding r = { o.stochastic != 0, (uint32_t)o.seed, (uint32_t)(o.seed >> 32), step_word(step) };
-    int i = 0;
-    for (int64_t t = blockIdx.x; t < A.t.ntiles; t += gridDim.x) {
-        i = member_of(A.t, i, t);
-        const msk_member &m = A.t.m[i];
-        const int64_t e = (t - A.t.tile0[i]) * TILE + (int64_t)threadIdx.x * GROUP;
-        if (e >= m.numel) continue;
-        const int cnt = m.numel - e < GROUP ? (int)(m.numel - e) : GROUP;
+    for_tiles(A.t, [&](const msk_member &m, int64_t e, int cnt) {
         const double lr_i = __dmul_rn(lr, m.scale);
         const double decay = __dsub_rn(1.0, __dmul_rn(lr_i, o.weight_decay)), step_size = __ddiv_rn(lr_i, bc1);
         if (m.xdt == MS_DTYPE_F64)
@@ -310,7 +313,7 @@ __global__ void __launch_bounds__(MSK_THREADS) adamw_kernel(const __grid_constan
             });
         else
             adamw_run<float>(o, m, r, e, cnt, decay, step_size, bc2_sqrt);
-    }
+    });
 }
 
 /* --- SGD ---------------------------------------------------------------------------------------------------
@@ -354,19 +357,13 @@ __global__ void __launch_bounds__(MSK_THREADS) sgd_kernel(const __grid_constant_
     const double lr = msk_scalar_value(o.lr), step = rint(msk_scalar_value(o.step));
     const bool first = step <= 1;
     const rounding r = { o.stochastic != 0, (uint32_t)o.seed, (uint32_t)(o.seed >> 32), step_word(step) };
-    int i = 0;
-    for (int64_t t = blockIdx.x; t < A.t.ntiles; t += gridDim.x) {
-        i = member_of(A.t, i, t);
-        const msk_member &m = A.t.m[i];
-        const int64_t e = (t - A.t.tile0[i]) * TILE + (int64_t)threadIdx.x * GROUP;
-        if (e >= m.numel) continue;
-        const int cnt = m.numel - e < GROUP ? (int)(m.numel - e) : GROUP;
+    for_tiles(A.t, [&](const msk_member &m, int64_t e, int cnt) {
         const double lr_i = __dmul_rn(lr, m.scale);
         if (m.xdt == MS_DTYPE_F64)
             in_runs<double>(e, cnt, [&](int64_t e1, int c1) { sgd_run<double>(o, m, r, e1, c1, lr_i, first); });
         else
             sgd_run<float>(o, m, r, e, cnt, lr_i, first);
-    }
+    });
 }
 
 /* --- scale: x <- x * v in place (f32 arithmetic, f64 for f64 members) -------------------------------------- */
@@ -389,16 +386,10 @@ template <int CAP>
 __global__ void __launch_bounds__(MSK_THREADS) scale_kernel(const __grid_constant__ scale_args<CAP> A)
 {
     const double v = msk_scalar_value(A.v);
-    int i = 0;
-    for (int64_t t = blockIdx.x; t < A.t.ntiles; t += gridDim.x) {
-        i = member_of(A.t, i, t);
-        const msk_member &m = A.t.m[i];
-        const int64_t e = (t - A.t.tile0[i]) * TILE + (int64_t)threadIdx.x * GROUP;
-        if (e >= m.numel) continue;
-        const int cnt = m.numel - e < GROUP ? (int)(m.numel - e) : GROUP;
+    for_tiles(A.t, [&](const msk_member &m, int64_t e, int cnt) {
         if (m.xdt == MS_DTYPE_F64) in_runs<double>(e, cnt, [&](int64_t e1, int c1) { scale_run<double>(m, e1, c1, v); });
         else scale_run<float>(m, e, cnt, (float)v);
-    }
+    });
 }
 
 /* --- sum of squares -------------------------------------------------------------------------------------

@@ -180,13 +180,7 @@ __host__ __device__ __forceinline__ int64_t range_start(int64_t b, int64_t gtot,
 template <int CAP, class F>
 __device__ __forceinline__ int mat_at(const skargs<CAP> &A, int64_t x, F first)
 {
-    int lo = 0, hi = A.nmat - 1;
-    while (lo < hi) {
-        const int mid = lo + (hi - lo + 1) / 2;
-        if (A.m[mid].*first <= x) lo = mid;
-        else hi = mid - 1;
-    }
-    return lo;
+    return msk_last_at_most(0, A.nmat - 1, x, [&](int k) { return A.m[k].*first; });
 }
 template <int CAP>
 __device__ __forceinline__ int mat_of_group(const skargs<CAP> &A, int64_t g) { return mat_at(A, g, &skmat::g0); }

@@ -74,6 +74,25 @@ static int plan_threads(const ms_ctx *ctx, const plan *pl, int64_t par_min)
     return ntask < nt ? (int)ntask : nt;
 }
 
+/* Runs block(call, i, e0, len) on every task of BLOCK elements [e0, e0 + len) of member i of ts, spread over the
+** context's threads when the members hold par_min elements or more. */
+typedef void (*block_fn)(const void *call, int i, int64_t e0, int64_t len);
+static ms_status for_blocks(ms_ctx *ctx, int n, const ms_tensor *const *ts, int64_t par_min, block_fn block,
+                            const void *call)
+{
+    plan pl;
+    MS_TRY(plan_new(ctx, n, ts, BLOCK, &pl));
+    int64_t ntask = pl.first[n];
+    #pragma omp parallel for schedule(dynamic, 4) num_threads(plan_threads(ctx, &pl, par_min))
+    for (int64_t t = 0; t < ntask; t++) {
+        int i = plan_member(&pl, t);
+        int64_t e0 = (t - pl.first[i]) * BLOCK, numel = ms_tensor_numel(ts[i]);
+        block(call, i, e0, numel - e0 < BLOCK ? numel - e0 : BLOCK);
+    }
+    plan_free(ctx, &pl);
+    return MS_OK;
+}
+
 /* [e0, e0 + n) of v as a writable run of T: v's own memory when it is a dense run of T, else converted into buf
 ** (and then the caller stores buf back). */
 static float *inplace_f32(const ms_cpu_view *v, int64_t e0, int64_t n, float *buf)
@@ -208,8 +227,9 @@ typedef struct adamw_call {
         }                                                                                              \
     } while (0)
 
-static void adamw_block(const adamw_call *c, int i, int64_t e0, int64_t len)
+static void adamw_block(const void *call, int i, int64_t e0, int64_t len)
 {
+    const adamw_call *c = call;
     double lr_i = c->lr * (c->scales ? c->scales[i] : 1.0);
     double decay = 1.0 - lr_i * c->wd, step_size = lr_i / c->bc1;
     ms_cpu_view pv, gv, mv, vv;
@@ -254,17 +274,7 @@ ms_status ms_cpu_adamw_step(ms_ctx *ctx, int n, ms_tensor *const *params, const 
         c.bc1 = 1.0 - pow(o->beta1, step);
         c.bc2_sqrt = sqrt(1.0 - pow(o->beta2, step));
     }
-    plan pl;
-    MS_TRY(plan_new(ctx, n, (const ms_tensor *const *)params, BLOCK, &pl));
-    int64_t ntask = pl.first[n];
-    #pragma omp parallel for schedule(dynamic, 4) num_threads(plan_threads(ctx, &pl, STEP_PAR_MIN))
-    for (int64_t t = 0; t < ntask; t++) {
-        int i = plan_member(&pl, t);
-        int64_t e0 = (t - pl.first[i]) * BLOCK, numel = ms_tensor_numel(params[i]);
-        adamw_block(&c, i, e0, numel - e0 < BLOCK ? numel - e0 : BLOCK);
-    }
-    plan_free(ctx, &pl);
-    return MS_OK;
+    return for_blocks(ctx, n, (const ms_tensor *const *)params, STEP_PAR_MIN, adamw_block, &c);
 }
 
 /* --- SGD -------------------------------------------------------------------------------------------
@@ -299,8 +309,9 @@ typedef struct sgd_call {
         }                                                                                              \
     } while (0)
 
-static void sgd_block(const sgd_call *c, int i, int64_t e0, int64_t len)
+static void sgd_block(const void *call, int i, int64_t e0, int64_t len)
 {
+    const sgd_call *c = call;
     double lr_i = c->lr * (c->scales ? c->scales[i] : 1.0);
     ms_cpu_view pv, gv, bv;
     ms_cpu_view_of(&pv, c->params[i]);
@@ -334,17 +345,7 @@ ms_status ms_cpu_sgd_step(ms_ctx *ctx, int n, ms_tensor *const *params, const ms
         .dampening = o->dampening, .wd = o->weight_decay, .nesterov = o->nesterov != 0, .first = step <= 1,
         .round = rounding_of(o->stochastic_round != 0, o->seed, step),
     };
-    plan pl;
-    MS_TRY(plan_new(ctx, n, (const ms_tensor *const *)params, BLOCK, &pl));
-    int64_t ntask = pl.first[n];
-    #pragma omp parallel for schedule(dynamic, 4) num_threads(plan_threads(ctx, &pl, STEP_PAR_MIN))
-    for (int64_t t = 0; t < ntask; t++) {
-        int i = plan_member(&pl, t);
-        int64_t e0 = (t - pl.first[i]) * BLOCK, numel = ms_tensor_numel(params[i]);
-        sgd_block(&c, i, e0, numel - e0 < BLOCK ? numel - e0 : BLOCK);
-    }
-    plan_free(ctx, &pl);
-    return MS_OK;
+    return for_blocks(ctx, n, (const ms_tensor *const *)params, STEP_PAR_MIN, sgd_block, &c);
 }
 
 /* --- foreach ---------------------------------------------------------------------------------------- */
@@ -415,31 +416,31 @@ ms_status ms_cpu_foreach_sumsq(ms_ctx *ctx, ms_tensor *dst, int n, const ms_tens
     return MS_OK;
 }
 
+typedef struct scale_call {
+    ms_tensor *const *tensors;
+    double            s;
+} scale_call;
+
+static void scale_block(const void *call, int i, int64_t e0, int64_t len)
+{
+    const scale_call *c = call;
+    ms_cpu_view v;
+    ms_cpu_view_of(&v, c->tensors[i]);
+    if (v.dtype == MS_DTYPE_F64) {
+        double buf[BLOCK], *d = inplace_f64(&v, e0, len, buf);
+        for (int64_t j = 0; j < len; j++) d[j] = d[j] * c->s;
+        if (d == buf) ms_cpu_store_f64(&v, e0, len, buf);
+    } else {
+        float buf[BLOCK], *d = inplace_f32(&v, e0, len, buf), fs = (float)c->s;
+        for (int64_t j = 0; j < len; j++) d[j] = d[j] * fs;
+        if (d == buf) ms_cpu_store_f32(&v, e0, len, buf);
+    }
+}
+
 ms_status ms_cpu_foreach_scale(ms_ctx *ctx, int n, ms_tensor *const *tensors, ms_scalar s)
 {
-    double sv = ms_cpu_read_scalar(&s);
-    plan pl;
-    MS_TRY(plan_new(ctx, n, (const ms_tensor *const *)tensors, BLOCK, &pl));
-    int64_t ntask = pl.first[n];
-    #pragma omp parallel for schedule(dynamic, 4) num_threads(plan_threads(ctx, &pl, MS_CPU_PAR_MIN))
-    for (int64_t t = 0; t < ntask; t++) {
-        int i = plan_member(&pl, t);
-        int64_t e0 = (t - pl.first[i]) * BLOCK, numel = ms_tensor_numel(tensors[i]);
-        int64_t len = numel - e0 < BLOCK ? numel - e0 : BLOCK;
-        ms_cpu_view v;
-        ms_cpu_view_of(&v, tensors[i]);
-        if (v.dtype == MS_DTYPE_F64) {
-            double buf[BLOCK], *d = inplace_f64(&v, e0, len, buf);
-            for (int64_t j = 0; j < len; j++) d[j] = d[j] * sv;
-            if (d == buf) ms_cpu_store_f64(&v, e0, len, buf);
-        } else {
-            float buf[BLOCK], *d = inplace_f32(&v, e0, len, buf), fs = (float)sv;
-            for (int64_t j = 0; j < len; j++) d[j] = d[j] * fs;
-            if (d == buf) ms_cpu_store_f32(&v, e0, len, buf);
-        }
-    }
-    plan_free(ctx, &pl);
-    return MS_OK;
+    scale_call c = { .tensors = tensors, .s = ms_cpu_read_scalar(&s) };
+    return for_blocks(ctx, n, (const ms_tensor *const *)tensors, MS_CPU_PAR_MIN, scale_block, &c);
 }
 
 /* --- the rounding of params, for the fused steps of other files (cpu.h) ------------------------------ */
