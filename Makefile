@@ -192,9 +192,9 @@ tests: all $(CTESTS) $(EXAMPLES)
 
 # the C host-overhead bench through the embedding API (bench/overhead_c.c), and with CUDA the survey of the
 # DASH solvers' batched GEMMs (bench/gemm_survey.cu, cuBLAS alone) and the SinkGD experiments (one warp a row:
-# bench/rowwarp_sweep.cu; a cluster per matrix with G on chip: bench/cluster_sinkhorn.cu; a bare read timed per SM:
-# bench/sm_balance.cu); run them on the GPU host
-bench-c: $(BUILD)/bench/overhead_c $(if $(filter 1,$(WITH_CUDA)),$(BUILD)/bench/gemm_survey $(BUILD)/bench/rowwarp_sweep $(BUILD)/bench/cluster_sinkhorn $(BUILD)/bench/sm_balance)
+# bench/rowwarp_sweep.cu; more warps an SM: bench/lane_sweep.cu; a cluster per matrix with G on chip:
+# bench/cluster_sinkhorn.cu; a bare read timed per SM: bench/sm_balance.cu); run them on the GPU host
+bench-c: $(BUILD)/bench/overhead_c $(if $(filter 1,$(WITH_CUDA)),$(BUILD)/bench/gemm_survey $(BUILD)/bench/rowwarp_sweep $(BUILD)/bench/lane_sweep $(BUILD)/bench/cluster_sinkhorn $(BUILD)/bench/sm_balance)
 $(BUILD)/bench/overhead_c: bench/overhead_c.c $(LIB)
 	$(E) CC $@
 	$(Q)mkdir -p $(dir $@)
@@ -204,7 +204,7 @@ $(BUILD)/bench/gemm_survey: bench/gemm_survey.cu
 	$(Q)mkdir -p $(dir $@)
 	$(Q)$(NVCC) -O2 -gencode arch=compute_90,code=[sm_90,compute_90] $< -o $@ -L$(CUDA_HOME)/lib64 \
 	    -Xlinker -rpath,$(CUDA_HOME)/lib64 -lcublasLt -lcublas
-$(BUILD)/bench/rowwarp_sweep $(BUILD)/bench/cluster_sinkhorn $(BUILD)/bench/sm_balance: $(BUILD)/bench/%: bench/%.cu bench/standalone.cuh
+$(BUILD)/bench/rowwarp_sweep $(BUILD)/bench/lane_sweep $(BUILD)/bench/cluster_sinkhorn $(BUILD)/bench/sm_balance: $(BUILD)/bench/%: bench/%.cu bench/standalone.cuh
 	$(E) NVCC $@
 	$(Q)mkdir -p $(dir $@)
 	$(Q)$(NVCC) -O3 -std=c++17 -gencode arch=compute_90,code=[sm_90,compute_90] $< -o $@
