@@ -179,23 +179,6 @@ template <class... P, class... A> static void launch_pdl(void (*k)(P...), int gr
     CK(cudaLaunchKernelEx(&lc, k, args...));
 }
 
-static float bf16_to_float(uint16_t h)
-{
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-static uint64_t rng_state = 0x9e3779b97f4a7c15ull;
-static double urand()
-{
-    rng_state ^= rng_state << 13;
-    rng_state ^= rng_state >> 7;
-    rng_state ^= rng_state << 17;
-    return (double)(rng_state >> 11) / 9007199254740992.0;
-}
-
 int main(int argc, char **argv)
 {
     const char *shapes = argc > 1 ? argv[1] : "14336x4096,4096x4096,11264x2048,2048x2048";
@@ -217,30 +200,7 @@ int main(int argc, char **argv)
             return 2;
         }
         const int64_t mn = (int64_t)m * n;
-        std::vector<uint16_t> hg(mn);
-        for (int64_t i = 0; i < mn; i++) {
-            float f = (float)((urand() * 2 - 1) * (0.5 + 2 * urand()));
-            uint32_t u;
-            memcpy(&u, &f, 4);
-            hg[i] = (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-        }
-        std::vector<float> hc2(n), hr(m);
-        for (int j = 0; j < n; j++) hc2[j] = (float)(0.25 + urand());
-        for (int i = 0; i < m; i++) hr[i] = (float)(0.5 + urand());
-        /* f64 reference of one sweep */
-        std::vector<double> rr(m), tt(n, 0.0);
-        for (int i = 0; i < m; i++) {
-            double s = 0;
-            for (int j = 0; j < n; j++) {
-                double x = bf16_to_float(hg[(int64_t)i * n + j]);
-                s += x * x * hc2[j];
-            }
-            rr[i] = s == 0 ? hr[i] : sqrt((double)n) / sqrt(s);
-            for (int j = 0; j < n; j++) {
-                double x = bf16_to_float(hg[(int64_t)i * n + j]);
-                tt[j] += rr[i] * rr[i] * x * x;
-            }
-        }
+        const sweep_problem pb(m, n);
         __nv_bfloat16 *dg;
         float *dc2, *dc2b, *dr, *dr2, *dpart;
         CK(cudaMalloc(&dg, mn * 2));
@@ -249,7 +209,7 @@ int main(int argc, char **argv)
         CK(cudaMalloc(&dr, m * 4));
         CK(cudaMalloc(&dr2, m * 4));
         CK(cudaMalloc(&dpart, (int64_t)nb * n * 4));
-        CK(cudaMemcpy(dg, hg.data(), mn * 2, cudaMemcpyHostToDevice));
+        CK(cudaMemcpy(dg, pb.g.data(), mn * 2, cudaMemcpyHostToDevice));
         cudaEvent_t e0, e1;
         CK(cudaEventCreate(&e0));
         CK(cudaEventCreate(&e1));
@@ -259,8 +219,8 @@ int main(int argc, char **argv)
             CK(cudaFuncSetAttribute(cf.kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
             cudaFuncAttributes fa;
             CK(cudaFuncGetAttributes(&fa, cf.kernel));
-            CK(cudaMemcpy(dc2, hc2.data(), n * 4, cudaMemcpyHostToDevice));
-            CK(cudaMemcpy(dr, hr.data(), m * 4, cudaMemcpyHostToDevice));
+            CK(cudaMemcpy(dc2, pb.c2.data(), n * 4, cudaMemcpyHostToDevice));
+            CK(cudaMemcpy(dr, pb.r.data(), m * 4, cudaMemcpyHostToDevice));
             CK(cudaMemset(dr2, 0xff, m * 4));
             cf.kernel<<<nb, cf.warps * 32, smem>>>(dg, m, n, dc2, dr, dr2, dpart, 1e-8f, 0);
             CK(cudaGetLastError());
@@ -268,18 +228,8 @@ int main(int argc, char **argv)
             std::vector<float> gr(m), gp((int64_t)nb * n);
             CK(cudaMemcpy(gr.data(), dr2, m * 4, cudaMemcpyDeviceToHost));
             CK(cudaMemcpy(gp.data(), dpart, (int64_t)nb * n * 4, cudaMemcpyDeviceToHost));
-            double er = 0, et = 0;
-            for (int i = 0; i < m; i++) {
-                double d = fabs(gr[i] - rr[i]) / rr[i];
-                er = d > er || d != d ? d : er;
-            }
-            for (int j = 0; j < n; j++) {
-                double s = 0;
-                for (int b = 0; b < nb; b++) s += gp[(int64_t)b * n + j];
-                double d = fabs(s - tt[j]) / tt[j];
-                et = d > et || d != d ? d : et;
-            }
-            const bool ok = er < 2e-5 && et < 2e-5;   /* NaN fails both */
+            double er, et;
+            const bool ok = pb.check(gr, gp, nb, er, et);
             failures += !ok;
             /* timed: iterations of sweep + fold, ping-ponging r, and sweeps alone */
             const int iters = 50;
