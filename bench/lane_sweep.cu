@@ -18,7 +18,8 @@
 ** shuffles and r 32.5-32.9; the whole sweep 35.1-35.6 (the engine's iteration, sweep and fold, is 38-40), without
 ** the exchange 34.3, without the column work 35; G^2 read again 37; 768 threads 34.5, with 2 stages 33.4-34.3; 1024
 ** threads 37; plain loads 2 groups ahead 34.6-35.1.  No part costs more than ~4 us: the sweep runs at ~70% of the
-** bare read's rate, spread over its pieces.
+** bare read's rate, spread over its pieces.  Twentieth session: more stages are slower, not faster (2 stages 34.7,
+** 3 35.2, 4 35.4, 5 35.7; 768 threads with 4 stages 34.6), so bytes in flight do not bound the sweep.
 **
 **   build/bench/lane_sweep [M]     (n = 4096 bf16; M rows, default 14336)
 */
@@ -317,6 +318,10 @@ int main(int argc, char **argv)
         make<512, true, 3, 5>("the ring alone"),
         make<512, true, 3, 4>("+ unpack, shuffles, r"),
         make<512, true, 3>("sweep (the engine's)"),
+        make<512, true, 2>("sweep, 2 stages"),
+        make<512, true, 4>("sweep, 4 stages"),
+        make<512, true, 5>("sweep, 5 stages"),
+        make<768, false, 4>("768 threads, 4 stages"),
         make<512, true, 3, 1>("no exchange"),
         make<512, true, 3, 2>("no column work"),
         make<512, true, 3, 3>("no row work"),
