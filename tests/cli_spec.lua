@@ -2,41 +2,9 @@
 -- status): help, train (progress, summary, options, checkpoints and resuming, recipe files sandboxed or
 -- trusted, failures mid-run), compare (table, CSV, plots with gnuplot and without), bench, info, and
 -- bad input everywhere.  The REPL, driven through a terminal, is in repl_spec.lua.
-local build = os.getenv("MOONSTEP_BUILD") or "build"
-local root = os.getenv("PWD")
-local host = (build:sub(1, 1) == "/" and build or (root .. "/" .. build)) .. "/moonstep"
-
-local function q(s) return "'" .. tostring(s):gsub("'", "'\\''") .. "'" end
-
--- runs `moonstep ARGS` (a shell fragment) and returns stdout+stderr and the exit status
-local function ms_run(args, env)
-  local p = io.popen(("cd %s && %s %s %s 2>&1; echo \"exit=$?\""):format(q(root), env or "", q(host), args))
-  local out = p:read("*a")
-  p:close()
-  local body, code = out:match("^(.-)exit=(%d+)\n$")
-  return body, tonumber(code)
-end
-
-local function tmpdir()
-  local p = io.popen("mktemp -d")
-  local d = p:read("*l")
-  p:close()
-  return d
-end
-
-local function write(path, text)
-  local f = assert(io.open(path, "w"))
-  f:write(text)
-  f:close()
-end
-
-local function read(path)
-  local f = io.open(path, "rb")
-  if not f then return nil end
-  local s = f:read("*a")
-  f:close()
-  return s
-end
+-- ms_run(ARGS, ENV): `moonstep ARGS` (a shell fragment) run from the project root; stdout+stderr and the exit status
+local q, ms_run = H.q, H.moonstep
+local tmpdir, write, read = H.tmpdir, H.write_file, H.read_file
 
 local function has(out, ...)
   for _, s in ipairs { ... } do

@@ -405,13 +405,9 @@ print("done " .. RANK)
 local results, output, exit_code
 local function run_ranks()
   if results then return results end
-  local p = io.popen("mktemp -d")
-  local dir = p:read("*l")
-  p:close()
+  local dir = H.tmpdir()
   local path = dir .. "/ranks.lua"
-  local f = assert(io.open(path, "w"))
-  f:write(rank_script)
-  f:close()
+  H.write_file(path, rank_script)
   -- passive OpenMP waits: two processes spinning on few cores would starve each other's collectives
   output, exit_code = H.moonstep(("launch -n 2 %s %s"):format(q(path), q(dir)), "OMP_WAIT_POLICY=passive timeout 120")
   os.execute("rm -rf " .. q(dir))

@@ -231,18 +231,36 @@ function H.moonstep(args, prefix)
   return out:match("^(.-)exit=%d+\n$") or out, code, require("moonstep.experiment").clock() - t0
 end
 
+--- A new empty folder (mktemp -d); the caller removes it.
+function H.tmpdir()
+  local p = io.popen("mktemp -d")
+  local d = p:read("*l")
+  p:close()
+  return d
+end
+
+--- Writes `bytes` to `path`, replacing what was there.
+function H.write_file(path, bytes)
+  local f = assert(io.open(path, "wb"))
+  f:write(bytes)
+  f:close()
+end
+
+--- The bytes of `path`, or nil when it cannot be opened.
+function H.read_file(path)
+  local f = io.open(path, "rb")
+  if not f then return nil end
+  local s = f:read("*a")
+  f:close()
+  return s
+end
+
 local temp_dir
 --- Writes text to `name` in a folder of this run's own (made once); returns the path.
 function H.temp_file(name, text)
-  if temp_dir == nil then
-    local p = io.popen("mktemp -d")
-    temp_dir = p:read("*l")
-    p:close()
-  end
+  if temp_dir == nil then temp_dir = H.tmpdir() end
   local path = temp_dir .. "/" .. name
-  local f = assert(io.open(path, "w"))
-  f:write(text)
-  f:close()
+  H.write_file(path, text)
   return path
 end
 

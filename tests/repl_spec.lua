@@ -2,11 +2,7 @@
 -- sent one line at a time, the screen read back.  Line editing, history (in the session and across
 -- sessions), printed results, errors that do not end the session, :reload of an edited recipe in place,
 -- and the live progress line of `moonstep train` on a terminal.
-local build = os.getenv("MOONSTEP_BUILD") or "build"
-local root = os.getenv("PWD")
-local host = (build:sub(1, 1) == "/" and build or (root .. "/" .. build)) .. "/moonstep"
-
-local function q(s) return "'" .. tostring(s):gsub("'", "'\\''") .. "'" end
+local q, root, host = H.q, H.root, H.host
 
 local function sh(cmd)
   local p = io.popen(cmd .. " 2>&1")
@@ -66,18 +62,7 @@ local function terminal(cmd, env)
   return term
 end
 
-local function tmpdir()
-  local p = io.popen("mktemp -d")
-  local d = p:read("*l")
-  p:close()
-  return d
-end
-
-local function write(path, text)
-  local f = assert(io.open(path, "w"))
-  f:write(text)
-  f:close()
-end
+local tmpdir, write = H.tmpdir, H.write_file
 
 local describe_tty = have_tmux and describe or function(name) pending(name .. " (tmux is not installed)") end
 

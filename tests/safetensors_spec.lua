@@ -9,19 +9,7 @@ os.execute("mkdir -p '" .. dir .. "'")
 
 local function path_of(name) return dir .. "/" .. name end
 
-local function write_file(path, bytes)
-  local f = assert(io.open(path, "wb"))
-  f:write(bytes)
-  f:close()
-end
-
-local function read_file(path)
-  local f = io.open(path, "rb")
-  if not f then return nil end
-  local s = f:read("*a")
-  f:close()
-  return s
-end
+local write_file, read_file = H.write_file, H.read_file
 
 -- little-endian u64 of an integer below 2^53
 local function u64le(n)
