@@ -115,33 +115,8 @@ flag, so a captured DASH step needs settings.nonfinite = "apply".
 local DEFAULT_ADAMW_NAMES = { "embed_tokens", "lm_head", "wte", "word_embeddings", "modules_to_save" }
 
 -- ---------------------------------------------------------------------------------------------------
--- options
+-- routing by name (the pattern options are checked as the "patterns" type: moonstep.recipe)
 -- ---------------------------------------------------------------------------------------------------
-local function list_option(o, name, what)
-  local v = o[name]
-  if type(v) == "string" then
-    local t = {}
-    for part in v:gmatch("[^,]+") do
-      local s = part:match("^%s*(.-)%s*$")
-      if s ~= "" then t[#t + 1] = s end
-    end
-    v = t
-  end
-  if type(v) ~= "table" then error(("dash: option '%s' must be a list of %s"):format(name, what), 0) end
-  for i, s in ipairs(v) do
-    if type(s) ~= "string" or s == "" then error(("dash: option '%s'[%d] must be a non-empty string"):format(name, i), 0) end
-  end
-  o[name] = v
-end
-
-local function patterns(o, name)
-  list_option(o, name, "name patterns")
-  for i, s in ipairs(o[name]) do
-    local ok, err = pcall(string.find, "", s)
-    if not ok then error(("dash: option '%s'[%d] = %q is not a valid Lua pattern: %s"):format(name, i, s, err), 0) end
-  end
-end
-
 local function matches(name, list)
   for _, pat in ipairs(list) do if name:find(pat) then return true end end
   return false
@@ -752,10 +727,11 @@ return {
     adamw_weight_decay = { default = 0.0, type = "number", min = 0, doc = "AdamW weight decay" },
     bf16_stochastic_round = { default = false, type = "boolean", doc = "stochastic rounding of bf16/f16 params" },
     seed = { default = 0, type = "integer", min = 0, doc = "Philox key" },
-    adamw_patterns = { default = {}, type = "any", doc = "name patterns routed to AdamW" },
-    dash_patterns = { default = {}, type = "any", doc = "name patterns routed to DASH" },
+    adamw_patterns = { default = {}, type = "patterns", doc = "name patterns routed to AdamW" },
+    dash_patterns = { default = {}, type = "patterns", doc = "name patterns routed to DASH" },
     adamw_dims = { default = {}, type = "numbers", min = 1, doc = "dim sizes routed to AdamW" },
-    auto_methods = { default = { "cn", "ndb" }, type = "any", doc = "auto: iterative methods" },
+    auto_methods = { default = { "cn", "ndb" }, type = "strings", values = { "cn", "ndb" }, nonempty = true,
+                     doc = "auto: iterative methods" },
     auto_tolerance = { default = 1e-3, type = "number", above = 0, below = 1, doc = "auto: accuracy of resolved roots" },
     auto_max_steps = { default = 20, type = "integer", min = 1, max = 100, doc = "auto: most steps of a class" },
     auto_margin = { default = 2, type = "number", min = 1, doc = "auto: y_min over the floor" },
@@ -767,15 +743,6 @@ return {
   },
 
   validate = function(o)
-    patterns(o, "adamw_patterns")
-    patterns(o, "dash_patterns")
-    list_option(o, "auto_methods", "methods")
-    if #o.auto_methods == 0 then error("dash: option 'auto_methods' needs at least one of cn, ndb", 0) end
-    for i, m in ipairs(o.auto_methods) do
-      if m ~= "cn" and m ~= "ndb" then
-        error(("dash: option 'auto_methods'[%d] = %q: the auto policy chooses among cn and ndb"):format(i, m), 0)
-      end
-    end
     if o.start_prec_step == 0 then
       error("dash: option 'start_prec_step' = 0: steps count from 1 (use -1 or 1 for Shampoo from the start)", 0)
     end

@@ -83,28 +83,6 @@ uses_8bit).
 
 local DEFAULT_ADAMW_NAMES = { "embed_tokens", "lm_head", "wte", "word_embeddings", "modules_to_save" }
 
--- a list of Lua patterns from a table of strings or a comma-separated string
-local function patterns(o, name)
-  local v = o[name]
-  if type(v) == "string" then
-    local t = {}
-    for part in v:gmatch("[^,]+") do
-      local s = part:match("^%s*(.-)%s*$")
-      if s ~= "" then t[#t + 1] = s end
-    end
-    v = t
-  end
-  if type(v) ~= "table" then error(("sinkgd: option '%s' must be a list of name patterns"):format(name), 0) end
-  for i, s in ipairs(v) do
-    if type(s) ~= "string" or s == "" then
-      error(("sinkgd: option '%s'[%d] must be a non-empty string"):format(name, i), 0)
-    end
-    local ok, err = pcall(string.find, "", s)
-    if not ok then error(("sinkgd: option '%s'[%d] = %q is not a valid Lua pattern: %s"):format(name, i, s, err), 0) end
-  end
-  o[name] = v
-end
-
 local function matches(name, list)
   for _, pat in ipairs(list) do
     if name:find(pat) then return true end
@@ -166,15 +144,13 @@ return {
     sinkgd_fused_kernel = { default = false, type = "boolean", doc = "axolotl's; no effect (always fused)" },
     sinkgd_fused_min_numel = { default = 33554432, type = "integer", min = 0, doc = "axolotl's; no effect" },
     adamw_state = { default = "8bit", type = "string", values = { "8bit", "f32", "bf16" }, doc = "AdamW moment format" },
-    adamw_patterns = { default = {}, type = "any", doc = "name patterns routed to AdamW" },
-    sinkgd_patterns = { default = {}, type = "any", doc = "name patterns routed to SinkGD" },
+    adamw_patterns = { default = {}, type = "patterns", doc = "name patterns routed to AdamW" },
+    sinkgd_patterns = { default = {}, type = "patterns", doc = "name patterns routed to SinkGD" },
     adamw_dims = { default = {}, type = "numbers", min = 1, doc = "dim sizes routed to AdamW" },
     seed = { default = 0, type = "integer", min = 0, doc = "stochastic rounding and power-iteration key" },
   },
 
   validate = function(o)
-    patterns(o, "adamw_patterns")
-    patterns(o, "sinkgd_patterns")
     if o.sinkgd_base_width ~= nil and o.sinkgd_spectral_norm and o.sinkgd_spectral_target == "muon" then
       error("sinkgd: option 'sinkgd_base_width' cannot be combined with sinkgd_spectral_norm and "
             .. "sinkgd_spectral_target = 'muon': both correct the step for the width, which would count twice", 0)

@@ -116,6 +116,35 @@ describe("option specs", function()
     H.expect_error(function() ms.recipe.options(sgd, { seed = 1.5 }) end, "option 'seed'", "integer")
     H.expect_error(function() ms.recipe.options(sgd, { nesterov = true }) end, "option 'nesterov' needs momentum > 0")
   end)
+
+  it("takes lists of strings and of name patterns as tables or comma-separated strings, item by item", function()
+    local r = {
+      name = "lists",
+      options = {
+        methods = { default = { "cn" }, type = "strings", values = { "cn", "ndb" }, nonempty = true },
+        tags = { default = {}, type = "strings" },
+        names = { default = {}, type = "patterns" },
+      },
+    }
+    local given = { "ndb", "cn" }
+    local o = ms.recipe.options(r, { methods = given, tags = " a , b,, c ", names = "^layer%.%d+, lm_head$" })
+    assert.same({ "ndb", "cn" }, o.methods)
+    assert.are_not.equal(given, o.methods)   -- a copy: the caller's table stays the caller's
+    assert.same({ "a", "b", "c" }, o.tags)
+    assert.same({ "^layer%.%d+", "lm_head$" }, o.names)
+    assert.same({ "cn" }, ms.recipe.options(r, {}).methods)
+    assert.same({}, ms.recipe.options(r, {}).names)
+    local function bad(opts, ...) H.expect_error(function() ms.recipe.options(r, opts) end, ...) end
+    bad({ methods = "cn,evd" }, "option 'methods'[2] = \"evd\"", "must be one of cn, ndb")
+    bad({ methods = {} }, "option 'methods' needs at least one item")
+    bad({ methods = "" }, "option 'methods' needs at least one item")
+    bad({ tags = 5 }, "option 'tags' = 5", "a list of strings is needed")
+    bad({ tags = { "a", 2 } }, "option 'tags' = {\"a\", 2}", "item 2 must be a non-empty string")
+    bad({ tags = { "a", "" } }, "option 'tags'", "item 2 must be a non-empty string")
+    bad({ tags = { x = "a" } }, "option 'tags'", "keys 1..n")
+    bad({ names = { "ok", "[oops" } }, "option 'names'", "item 2 = \"[oops\" is not a valid Lua pattern")
+    bad({ names = true }, "option 'names'", "a list of name patterns is needed")
+  end)
 end)
 
 describe("ms.optim.new", function()

@@ -508,6 +508,30 @@ end
 
 local booleans = { ["true"] = true, ["false"] = false, ["1"] = true, ["0"] = false, yes = true, no = false }
 
+-- the strings of a list option: a table that is a sequence of non-empty strings, or "a, b" (blanks around an
+-- item dropped, empty items skipped); returns a fresh table, or nil and why
+local function string_list(v, what)
+  if type(v) == "string" then
+    local t = {}
+    for part in v:gmatch("[^,]+") do
+      local item = part:match("^%s*(.-)%s*$")
+      if item ~= "" then t[#t + 1] = item end
+    end
+    return t
+  end
+  local needed = "a list of " .. what .. " is needed"
+  if type(v) ~= "table" then return nil, needed end
+  local count = 0
+  for _ in pairs(v) do count = count + 1 end
+  if count ~= #v then return nil, needed .. " (a table with keys 1..n)" end
+  local out = {}
+  for i = 1, #v do
+    if type(v[i]) ~= "string" or v[i] == "" then return nil, ("item %d must be a non-empty string"):format(i) end
+    out[i] = v[i]
+  end
+  return out
+end
+
 -- each type: convert(value) -> converted or nil, why
 M.types = {
   number = function(v)
@@ -551,12 +575,29 @@ M.types = {
     end
     return out
   end,
+  -- an array of non-empty strings (e.g. methods); "a,b" accepted, blanks around an item dropped
+  strings = function(v) return string_list(v, "strings") end,
+  -- strings that are each a valid Lua pattern (name routing: string.find)
+  patterns = function(v)
+    local t, why = string_list(v, "name patterns")
+    if t == nil then return nil, why end
+    for i, s in ipairs(t) do
+      local ok, err = pcall(string.find, "", s)
+      if not ok then return nil, ("item %d = %q is not a valid Lua pattern: %s"):format(i, s, err) end
+    end
+    return t
+  end,
   ["nil"] = nil,
 }
 M.types.any = function(v) return v end
 
 local function describe(v)
   if type(v) == "string" then return ("%q"):format(v) end
+  if type(v) == "table" and #v > 0 then   -- a list, as written in Lua
+    local items = {}
+    for i = 1, math.min(#v, 8) do items[i] = type(v[i]) == "table" and "{...}" or describe(v[i]) end
+    return "{" .. table.concat(items, ", ") .. (#v > 8 and ", ..." or "") .. "}"
+  end
   return tostring(v)
 end
 
@@ -565,12 +606,19 @@ function M.check_option(rname, name, spec, v)
   local conv = M.types[spec.type]
   local x, why = conv(v)
   if x == nil then error(("%s: option '%s' = %s: %s"):format(rname, name, describe(v), why), 0) end
-  if spec.values then
-    local ok = false
-    for _, a in ipairs(spec.values) do if a == x then ok = true end end
-    if not ok then
-      error(("%s: option '%s' = %s: must be one of %s"):format(rname, name, describe(v), table.concat(spec.values, ", ")), 0)
+  if spec.values then   -- of the value, or of each item of a list
+    local list = type(x) == "table"
+    for i, y in ipairs(list and x or { x }) do
+      local ok = false
+      for _, a in ipairs(spec.values) do if a == y then ok = true end end
+      if not ok then
+        error(("%s: option '%s'%s = %s: must be one of %s"):format(rname, name, list and "[" .. i .. "]" or "",
+          describe(list and y or v), table.concat(spec.values, ", ")), 0)
+      end
     end
+  end
+  if spec.nonempty and type(x) == "table" and #x == 0 then
+    error(("%s: option '%s' needs at least one item"):format(rname, name), 0)
   end
   local function range(y, label)
     if spec.min ~= nil and y < spec.min then error(("%s: option '%s'%s = %s is below its minimum %s"):format(rname, name, label, describe(y), tostring(spec.min)), 0) end
