@@ -119,6 +119,7 @@ template <int CAP> struct alignas(16) skcols { skcol c[CAP]; };
 template <int CAP> struct alignas(16) skargs {
     msk_sinkgd o;
     int        flags, nmat, grid, nfold;
+    int        flat_bpg;      /* flat_apply_kernel: blocks a row group */
     int64_t    gtot;          /* row groups in all */
     unsigned  *tickets;
     void      *xch;           /* sharded: the exchange buffer of the chunk (NULL otherwise) */
@@ -1800,6 +1801,61 @@ template <class T> __device__ __forceinline__ void unpack8(const raw8<T> &r, flo
     if constexpr (sizeof(T) == 4) unpack(r.w[1], x + 4, (const T *)0);
 }
 
+/* the 8 column scales of a chunk from c (two 16-byte loads through L1) */
+__device__ __forceinline__ void load_c8(const float *c, float (&cc)[8])
+{
+    const float4 c0 = __ldg(reinterpret_cast<const float4 *>(c));
+    const float4 c1 = __ldg(reinterpret_cast<const float4 *>(c + 4));
+    cc[0] = c0.x; cc[1] = c0.y; cc[2] = c0.z; cc[3] = c0.w;
+    cc[4] = c1.x; cc[5] = c1.y; cc[6] = c1.z; cc[7] = c1.w;
+}
+
+/* One chunk of 8 elements of p at e, from its G words gw and p words pw, the row's scale rr and the columns' cc:
+** with E_APPLY the new values stored, with E_SUMS the sphere's sums taken into a (the ring's arithmetic, and
+** flat_apply_kernel's, so both give the same bits) */
+template <class TG, class TP, int KIND>
+__device__ __forceinline__ void elem_chunk(const raw8<TG> &gw, const raw8<TP> &pw, float rr, const float (&cc)[8],
+                                           const coefs &cf, const skmat &M, TP *p, int64_t e, double (&a)[3])
+{
+    float gx[8], px[8], out[8];
+    unpack8(gw, gx);
+    unpack8(pw, px);
+#pragma unroll
+    for (int k = 0; k < 8; k++) out[k] = elem_op<KIND>(px[k], rr * gx[k] * cc[k], cf, a);
+    if constexpr (KIND == E_APPLY) {
+        if constexpr (sizeof(TP) == 4) {
+            *reinterpret_cast<float4 *>(p + e) = make_float4(out[0], out[1], out[2], out[3]);
+            *reinterpret_cast<float4 *>(p + e + 4) = make_float4(out[4], out[5], out[6], out[7]);
+        } else {
+            /* the 8 results packed in four registers and stored as one 16-byte word; no array is indexed by a
+            ** loop variable here (it would live in local memory, read back every chunk) */
+            if (cf.stochastic) {
+#pragma unroll 1
+                for (int k = 0; k < 8; k += 2) {   /* two at a time, each pair stored: few registers */
+                    float o0 = out[0], o1 = out[1];
+#pragma unroll
+                    for (int q = 2; q < 8; q += 2)
+                        if (k == q) { o0 = out[q]; o1 = out[q + 1]; }
+                    const uint16_t lo = msk_sr_16(o0, M.pdt == MS_DTYPE_BF16, (uint64_t)(M.e0 + e + k), cf.step,
+                                                  (uint32_t)M.member, cf.k0, cf.k1);
+                    const uint16_t hi = msk_sr_16(o1, M.pdt == MS_DTYPE_BF16, (uint64_t)(M.e0 + e + k + 1), cf.step,
+                                                  (uint32_t)M.member, cf.k0, cf.k1);
+                    reinterpret_cast<uint32_t *>(p + e)[k / 2] = (uint32_t)lo | ((uint32_t)hi << 16);
+                }
+            } else {
+                uint32_t hw[4];
+#pragma unroll
+                for (int k = 0; k < 8; k += 2) {
+                    const TP lo = msk_store_of<TP>::cvt(out[k]), hi = msk_store_of<TP>::cvt(out[k + 1]);
+                    hw[k / 2] = (uint32_t)*reinterpret_cast<const uint16_t *>(&lo) |
+                                ((uint32_t)*reinterpret_cast<const uint16_t *>(&hi) << 16);
+                }
+                *reinterpret_cast<uint4 *>(p + e) = make_uint4(hw[0], hw[1], hw[2], hw[3]);
+            }
+        }
+    }
+}
+
 /* A CTA's band is worked on by ESPLIT CTAs at once (virtual thread vt = sub * T_SWEEP + t); chunk q of the
 ** segment goes to vt = q mod (ESPLIT T_SWEEP).  The fast path stages CPS chunks of G and p per thread and stage
 ** in a ring of ESTAGES (each thread reads back only what it copied: no barrier). */
@@ -1893,10 +1949,7 @@ __device__ __forceinline__ void elem_segment(const skargs<CAP> &A, const skmat &
         for (int k = 0; k < 8; k++) cfix[k] = 1.f;
         if (ccol) {
             const uint32_t vc = (uint32_t)(vt % cpr), jc = (rev ? cpr - 1 - vc : vc) * 8;
-            const float4 c0 = __ldg(reinterpret_cast<const float4 *>(S.c + jc));
-            const float4 c1 = __ldg(reinterpret_cast<const float4 *>(S.c + jc + 4));
-            cfix[0] = c0.x; cfix[1] = c0.y; cfix[2] = c0.z; cfix[3] = c0.w;
-            cfix[4] = c1.x; cfix[5] = c1.y; cfix[6] = c1.z; cfix[7] = c1.w;
+            load_c8(S.c + jc, cfix);
         }
         int cstage = 0;
 #pragma unroll 1
@@ -1920,62 +1973,21 @@ __device__ __forceinline__ void elem_segment(const skargs<CAP> &A, const skmat &
             for (int u = 0; u < CPS; u++) {
                 const walker w0 = wu[u];
                 if (w0.q >= nch) continue;
-                const int64_t j = (int64_t)w0.col * 8, e = w0.e;
-                float gx[8], px[8], out[8], cc[8], rr = 1.f;
+                const int64_t j = (int64_t)w0.col * 8;
+                float cc[8], rr = 1.f;
                 raw8<TG> gw;
                 raw8<TP> pw;
 #pragma unroll
                 for (int w = 0; w < GW; w++) gw.w[w] = *(const uint4 *)(sb + (u * (GW + PW) + w) * T_SWEEP * 16);
 #pragma unroll
                 for (int w = 0; w < PW; w++) pw.w[w] = *(const uint4 *)(sb + (u * (GW + PW) + GW + w) * T_SWEEP * 16);
-                unpack8(gw, gx);
-                unpack8(pw, px);
 #pragma unroll
                 for (int k = 0; k < 8; k++) cc[k] = cfix[k];
                 if (!unit) {
                     rr = rrv[u];
-                    if (!ccol) {
-                        const float4 c0 = __ldg(reinterpret_cast<const float4 *>(S.c + j));
-                        const float4 c1 = __ldg(reinterpret_cast<const float4 *>(S.c + j + 4));
-                        cc[0] = c0.x; cc[1] = c0.y; cc[2] = c0.z; cc[3] = c0.w;
-                        cc[4] = c1.x; cc[5] = c1.y; cc[6] = c1.z; cc[7] = c1.w;
-                    }
+                    if (!ccol) load_c8(S.c + j, cc);
                 }
-#pragma unroll
-                for (int k = 0; k < 8; k++) out[k] = elem_op<KIND>(px[k], rr * gx[k] * cc[k], cf, a);
-                if constexpr (KIND == E_APPLY) {
-                    if constexpr (sizeof(TP) == 4) {
-                        *reinterpret_cast<float4 *>(p + e) = make_float4(out[0], out[1], out[2], out[3]);
-                        *reinterpret_cast<float4 *>(p + e + 4) = make_float4(out[4], out[5], out[6], out[7]);
-                    } else {
-                        /* the 8 results packed in four registers and stored as one 16-byte word; no array is
-                        ** indexed by a loop variable here (it would live in local memory, read back every chunk) */
-                        if (cf.stochastic) {
-#pragma unroll 1
-                            for (int k = 0; k < 8; k += 2) {   /* two at a time, each pair stored: few registers */
-                                float o0 = out[0], o1 = out[1];
-#pragma unroll
-                                for (int q = 2; q < 8; q += 2)
-                                    if (k == q) { o0 = out[q]; o1 = out[q + 1]; }
-                                const uint16_t lo = msk_sr_16(o0, M.pdt == MS_DTYPE_BF16, (uint64_t)(M.e0 + e + k),
-                                                              cf.step, (uint32_t)M.member, cf.k0, cf.k1);
-                                const uint16_t hi = msk_sr_16(o1, M.pdt == MS_DTYPE_BF16,
-                                                              (uint64_t)(M.e0 + e + k + 1), cf.step, (uint32_t)M.member,
-                                                              cf.k0, cf.k1);
-                                reinterpret_cast<uint32_t *>(p + e)[k / 2] = (uint32_t)lo | ((uint32_t)hi << 16);
-                            }
-                        } else {
-                            uint32_t hw[4];
-#pragma unroll
-                            for (int k = 0; k < 8; k += 2) {
-                                const TP lo = msk_store_of<TP>::cvt(out[k]), hi = msk_store_of<TP>::cvt(out[k + 1]);
-                                hw[k / 2] = (uint32_t)*reinterpret_cast<const uint16_t *>(&lo) |
-                                            ((uint32_t)*reinterpret_cast<const uint16_t *>(&hi) << 16);
-                            }
-                            *reinterpret_cast<uint4 *>(p + e) = make_uint4(hw[0], hw[1], hw[2], hw[3]);
-                        }
-                    }
-                }
+                elem_chunk<TG, TP, KIND>(gw, pw, rr, cc, cf, M, p, w0.e, a);
             }
         }
         cp_wait<0>();
@@ -2109,6 +2121,69 @@ __global__ void __launch_bounds__(T_SWEEP, 1) elem_kernel(const skargs<CAP> *__r
         }
     }
     if (wait) pdl_enter();
+}
+
+/* --- the flat apply ---------------------------------------------------------------------------------------
+** flat_apply_kernel: the base and spectral apply of a chunk of at most SMALL_CAP matrices, all dense and aligned
+** (pvec) and of one dtype pair, as a one-pass grid of FLAT_THREADS-thread blocks, each one batch of FLAT_CPT chunks
+** a thread of a row group.  The launch table is the kernel's parameter (the constant bank): its short blocks start
+** their loads without the chain of dependent table loads the ring's long-lived CTAs pay once each (with the table
+** in global memory the same blocks were 2-7% slower than the ring; as a parameter the apply is 9-13% faster:
+** bench/RESULTS.md, twenty-first session).  Block ((k G + b) bpg + s) takes part s of the k-th row group of sweep
+** range b, k counted from the end the last sweep finished at, so the first blocks meet the rows it left in L2.
+** The arithmetic is the ring's (elem_chunk): the same bits.  MOONSTEP_SINKGD_FLAT_APPLY = 0 keeps the ring. */
+#define FLAT_THREADS 256
+#define FLAT_CPT     2
+
+template <class TG, class TP>
+__global__ void __launch_bounds__(FLAT_THREADS, 4) flat_apply_kernel(const __grid_constant__ skargs<SMALL_CAP> A)
+{
+    const skargs<SMALL_CAP> &T = A;   /* (read in place: a reference keeps it in the parameter space) */
+    if (T.o.skip.ptr && msk_scalar_value(T.o.skip) != 0) return;
+    const unsigned bpg = (unsigned)T.flat_bpg, G = (unsigned)T.grid;
+    const unsigned part = blockIdx.x % bpg, kb = blockIdx.x / bpg, b = kb % G;
+    const int64_t k = kb / G, ga = range_start(b, T.gtot, G), gb = range_start(b + 1, T.gtot, G);
+    if (k >= gb - ga) {
+        pdl_enter();
+        return;
+    }
+    const int64_t grp = (T.flags & FL_REV) ? gb - 1 - k : ga + k;
+    const skmat &M = T.m[mat_of_group(T, grp)];
+    const int64_t r0 = (grp - M.g0) * M.GR, r1 = r0 + M.GR < M.m ? r0 + M.GR : M.m;
+    const uint32_t cpr = (uint32_t)(M.n / 8), q = part * (FLAT_CPT * FLAT_THREADS) + threadIdx.x;
+    const uint32_t nch = (uint32_t)((r1 - r0) * cpr);
+    const int64_t e0 = r0 * M.n;
+    TP *const p = (TP *)M.p;
+    raw8<TG> gw[FLAT_CPT];
+    raw8<TP> pw[FLAT_CPT];
+#pragma unroll
+    for (int u = 0; u < FLAT_CPT; u++)
+        if (q + u * FLAT_THREADS < nch) {
+            gw[u] = ld8((const TG *)M.g + e0 + (int64_t)(q + u * FLAT_THREADS) * 8);
+            pw[u] = ld8(p + e0 + (int64_t)(q + u * FLAT_THREADS) * 8);
+        }
+    /* G and p are the step's inputs; r, c and the coefficients are the earlier passes' */
+    pdl_enter();
+    skscr S;
+    scr_layout(M.scr, M.m, M.n, M.nbands, &S);
+    const coefs cf = coefs_of(T, M, S, false, NULL);
+    const bool unit = (T.flags & FL_UNIT) != 0;
+    double none[3] = { 0, 0, 0 };
+#pragma unroll
+    for (int u = 0; u < FLAT_CPT; u++) {
+        const uint32_t qu = q + u * FLAT_THREADS;
+        if (qu >= nch) continue;
+        const uint32_t row = qu / cpr, col = qu - row * cpr;
+        float cc[8], rr = 1.f;
+        if (unit) {
+#pragma unroll
+            for (int j = 0; j < 8; j++) cc[j] = 1.f;
+        } else {
+            rr = __ldg(S.r + r0 + row);
+            load_c8(S.c + (int64_t)col * 8, cc);
+        }
+        elem_chunk<TG, TP, E_APPLY>(gw[u], pw[u], rr, cc, cf, M, p, e0 + (int64_t)qu * 8, none);
+    }
 }
 
 /* --- sharded: the sphere sums' exchange -------------------------------------------------------------------
@@ -2846,6 +2921,74 @@ template <int CAP> static bool warp_folds_for(const skargs<CAP> &a)
     return !(v && v[0] == '0' && v[1] == 0);
 }
 
+/* flat_apply_kernel's instance for a chunk, or NULL where the ring applies: sphere mode (its apply is the ring's
+** with the sums' pass), a chunk past SMALL_CAP (its table does not fit the parameter space), a matrix not dense
+** and aligned, dtypes that differ between the matrices, or MOONSTEP_SINKGD_FLAT_APPLY = 0 (tests and
+** measurements) */
+typedef void (*flat_kernel_t)(skargs<SMALL_CAP>);
+template <int CAP> static flat_kernel_t flat_apply_for(const skargs<CAP> &a)
+{
+    if constexpr (CAP != SMALL_CAP) return NULL;
+    if (a.o.mode == MS_SINKGD_SPHERE) return NULL;
+    for (int k = 0; k < a.nmat; k++)
+        if (!a.m[k].pvec || a.m[k].gdt != a.m[0].gdt || a.m[k].pdt != a.m[0].pdt) return NULL;
+    const char *v = getenv("MOONSTEP_SINKGD_FLAT_APPLY");
+    if (v && v[0] == '0' && v[1] == 0) return NULL;
+    switch (a.m[0].gdt * 16 + a.m[0].pdt) {
+#define FLAT_CASE(GD, TG, PD, TP) \
+    case GD * 16 + PD: return flat_apply_kernel<TG, TP>;
+    FLAT_CASE(MS_DTYPE_BF16, __nv_bfloat16, MS_DTYPE_BF16, __nv_bfloat16)
+    FLAT_CASE(MS_DTYPE_BF16, __nv_bfloat16, MS_DTYPE_F16, __half)
+    FLAT_CASE(MS_DTYPE_BF16, __nv_bfloat16, MS_DTYPE_F32, float)
+    FLAT_CASE(MS_DTYPE_F16, __half, MS_DTYPE_BF16, __nv_bfloat16)
+    FLAT_CASE(MS_DTYPE_F16, __half, MS_DTYPE_F16, __half)
+    FLAT_CASE(MS_DTYPE_F16, __half, MS_DTYPE_F32, float)
+    FLAT_CASE(MS_DTYPE_F32, float, MS_DTYPE_BF16, __nv_bfloat16)
+    FLAT_CASE(MS_DTYPE_F32, float, MS_DTYPE_F16, __half)
+    FLAT_CASE(MS_DTYPE_F32, float, MS_DTYPE_F32, float)
+#undef FLAT_CASE
+    default: return NULL;
+    }
+}
+
+/* launches flat_apply_kernel K on a copy of the chunk's table with these flags (programmatic, as the passes are) */
+template <int CAP>
+static ms_status launch_flat(ms_ctx *ctx, cudaStream_t s, flat_kernel_t K, const skargs<CAP> &a, int flags,
+                             int *launches)
+{
+    if constexpr (CAP != SMALL_CAP) {
+        return ms_error_at(ctx, MS_E_BACKEND, __FILE__, __LINE__, "cuda sinkgd: a flat apply past %d matrices", SMALL_CAP);
+    } else {
+        skargs<SMALL_CAP> t = a;
+        t.flags = flags;
+        int64_t most = 1;   /* the most chunks of a row group */
+        for (int k = 0; k < t.nmat; k++) {
+            const int64_t c = (int64_t)t.m[k].GR * (t.m[k].n / 8);
+            most = c > most ? c : most;
+        }
+        t.flat_bpg = (int)((most + FLAT_CPT * FLAT_THREADS - 1) / (FLAT_CPT * FLAT_THREADS));
+        const int64_t kmax = (t.gtot + t.grid - 1) / t.grid;   /* the most row groups of a sweep range */
+        cudaLaunchAttribute at;
+        at.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+        at.val.programmaticStreamSerializationAllowed = 1;
+        cudaLaunchConfig_t cfg = {};
+        cfg.gridDim = dim3((unsigned)(kmax * t.grid * t.flat_bpg));
+        cfg.blockDim = dim3(FLAT_THREADS);
+        cfg.stream = s;
+        cfg.attrs = &at;
+        cfg.numAttrs = 1;
+        const cudaError_t e = cudaLaunchKernelEx(&cfg, K, t);
+        if (e != cudaSuccess) {
+            (void)cudaGetLastError();
+            return ms_error_at(ctx, MS_E_BACKEND, __FILE__, __LINE__, "cuda sinkgd apply: kernel launch failed: %s (%s)",
+                               cudaGetErrorName(e), cudaGetErrorString(e));
+        }
+        MSK_CHECK_LAUNCH(ctx, "sinkgd apply");
+        ++*launches;
+        return MS_OK;
+    }
+}
+
 /* fold_warp_kernel's grid for F fold blocks, a warp each */
 static unsigned warp_fold_grid(unsigned F) { return (F + FOLD_THREADS / 32 - 1) / (FOLD_THREADS / 32); }
 
@@ -2871,11 +3014,13 @@ static ms_status run_chunk(ms_ctx *ctx, cudaStream_t s, const msk_sinkgd *o, int
     skargs<CAP> *tables = reinterpret_cast<skargs<CAP> *>(scratch);
     plan_chunk(cnt, mm, ctas_per_pass(), scratch + table_bytes(), a->m, &a->gtot, &a->grid, &a->nfold);
     a->flags = 0;
+    a->flat_bpg = 0;   /* (launch_flat sets its own copy's) */
     const unsigned G = (unsigned)a->grid, F = (unsigned)a->nfold;
     const int unit = o->iters == 0 ? FL_UNIT : 0;
     const bool wide = any_wide(*a, WIDE_PASSES), pair = any_wide(*a, WIDE_PAIR), narrow = any_wide(*a, WIDE_NO);
     const bool many_folds = many_folds_in(*a);
     const bool warp_folds = warp_folds_for(*a);
+    const flat_kernel_t flat_apply = flat_apply_for(*a);
     bool rev = false;
     ms_status st = MS_OK;
     typedef void (*kernel_t)(const skargs<CAP> *, int);
@@ -2942,7 +3087,10 @@ static ms_status run_chunk(ms_ctx *ctx, cudaStream_t s, const msk_sinkgd *o, int
             go(elem_kernel<CAP, E_SUMS>, unit | (rev ? FL_REV : 0), G * ESPLIT, T_SWEEP, ELEM_SMEM, "sinkgd sphere sums");
             rev = !rev;
         }
-        go(elem_kernel<CAP, E_APPLY>, unit | (rev ? FL_REV : 0), G * ESPLIT, T_SWEEP, ELEM_SMEM, "sinkgd apply");
+        if (flat_apply == NULL)
+            go(elem_kernel<CAP, E_APPLY>, unit | (rev ? FL_REV : 0), G * ESPLIT, T_SWEEP, ELEM_SMEM, "sinkgd apply");
+        else if (!collect && st == MS_OK)
+            st = launch_flat<CAP>(ctx, s, flat_apply, *a, unit | (rev ? FL_REV : 0), launches);
     };
     sequence();
     table_kernel<CAP><<<TABLE_SLOTS, 256, 0, s>>>(*a, tables, used);
@@ -3049,6 +3197,7 @@ static ms_status run_sharded(ms_ctx *ctx, cudaStream_t s, const msk_sinkgd *o, i
     a->nmat = cnt;
     a->tickets = tickets;
     a->flags = 0;
+    a->flat_bpg = 0;   /* (launch_flat sets its own copy's) */
     skargs<CAP> *tables = reinterpret_cast<skargs<CAP> *>(scratch);
     char *side_dev = scratch + table_bytes(), *base = side_dev + side_bytes();
     const int64_t bytes = plan_chunk(cnt, mm, ctas_per_pass(), base, a->m, &a->gtot, &a->grid, &a->nfold, dim);

@@ -337,6 +337,46 @@ describe("cuda ms_sinkgd_step", function()
     end
   end)
 
+  -- a chunk of at most 16 dense matrices of one dtype pair is applied by flat_apply_kernel (kernels/sinkgd.cu, its
+  -- launch table a kernel parameter) in base and spectral mode: the CPU's results, and the ring's bits
+  -- (MOONSTEP_SINKGD_FLAT_APPLY = 0), for every dtype pair, iters 5 and 0 (no r or c), stochastic rounding, and row
+  -- groups of 1-32 rows split over several blocks (a 4 x 14336 row is 1792 chunks: 4 blocks of 512)
+  cuda_it("applies a chunk of at most 16 dense matrices of one dtype pair in one flat pass, with the ring's bits",
+          function()
+    pcall(ffi.cdef, "int setenv(const char *k, const char *v, int overwrite); int unsetenv(const char *k);")
+    local pairs_ = { { "bf16", "bf16" }, { "f32", "bf16" }, { "f16", "f16" }, { "f32", "f32" }, { "bf16", "f32" },
+                     { "f16", "f32" } }
+    for pi, dts in ipairs(pairs_) do
+      local gdt, pdt = dts[1], dts[2]
+      local specs = { { shape = { 300, 512 }, gdt = gdt, pdt = pdt }, { shape = { 3, 40, 1024 }, gdt = gdt, pdt = pdt },
+                      { shape = { 4, 14336 }, gdt = gdt, pdt = pdt }, { shape = { 17, 8 }, gdt = gdt, pdt = pdt } }
+      for _, mode in ipairs { "base", "spectral" } do
+        for _, iters in ipairs { 5, 0 } do
+          local cm, gm = group(specs, mode)
+          local o = { mode = mode, iters = iters, sn_iters = 1, lr = 0.03, weight_decay = 0.01, step = 2, seed = 5,
+                      stochastic_round = pdt ~= "f32" and pi % 2 == 1 }
+          local what = ("%s/%s %s iters %d"):format(gdt, pdt, mode, iters)
+          step_and_compare(cm, gm, o, nil, what)
+          local start, flat = {}, {}
+          for k, mb in ipairs(gm) do start[k] = { p = mb.p:clone(), u = mb.u and mb.u:clone() } end
+          ok(sinkgd_raw(GPU, gm, o))
+          for k, mb in ipairs(gm) do
+            flat[k] = vals(mb.p)
+            mb.p:copy_(start[k].p)
+            if mb.u then mb.u:copy_(start[k].u) end
+          end
+          ffi.C.setenv("MOONSTEP_SINKGD_FLAT_APPLY", "0", 1)
+          local good, err = pcall(function()
+            ok(sinkgd_raw(GPU, gm, o))
+            for k, mb in ipairs(gm) do assert_same(vals(mb.p), flat[k], what .. " p " .. k .. " with the ring") end
+          end)
+          ffi.C.unsetenv("MOONSTEP_SINKGD_FLAT_APPLY")
+          assert(good, err)
+        end
+      end
+    end
+  end)
+
   -- f32 rows of 2049-4096 chunks (8193-16384 elements: a Llama down projection with f32 grads) take the sweep with
   -- 8 chunks a thread, a row's sum finished over two ring stages (kernels/sinkgd.cu, fast_segment with K = 8):
   -- rows over many bands, lanes of 384 and 512 threads, beside a K = 4 matrix; one sweep an iteration

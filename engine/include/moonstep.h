@@ -634,6 +634,8 @@ typedef struct ms_sinkgd_options {
 ** of 16385-32768 elements are swept by pairs of CTAs; MOONSTEP_SINKGD_PAIR = 0 gives them two passes an
 ** iteration instead (results that may differ in the last bits).  Calls of many matrices with few CTA bands each
 ** fold their column sums a warp a block of 32 columns; MOONSTEP_SINKGD_WARP_FOLD = 0 folds them a CTA a block
+** instead (the same bits).  Base and spectral calls of at most 16 dense matrices of one dtype pair apply the
+** update in one flat pass of short blocks; MOONSTEP_SINKGD_FLAT_APPLY = 0 applies it with the CTAs of the sweeps
 ** instead (the same bits).
 ** Errors: MS_E_ARG (NULL arrays or members, options out of range), MS_E_SHAPE, MS_E_DTYPE, MS_E_LAYOUT,
 ** MS_E_DEVICE, MS_E_OOM (scratch: O(m + n) per matrix), MS_E_UNSUPPORTED (a backend without the op). */
