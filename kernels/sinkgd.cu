@@ -2847,19 +2847,20 @@ static size_t table_bytes() { return TABLE_SLOTS * sizeof(skargs<MSK_SINKGD_CAP>
 
 
 /* One launch of kernel K with the table of the given flags. */
-template <int CAP>
-static ms_status launch(ms_ctx *ctx, cudaStream_t s, void (*K)(const skargs<CAP> *, int), const skargs<CAP> *tables,
-                        int flags, unsigned grid, unsigned threads, size_t smem, const char *what, int *launches,
-                        bool pdl = false, bool pairs = false)
+/* a launch of K(args...) on s; with pdl, a programmatic dependent launch (pdl_enter): it overlaps the previous
+** pass's tail; with pairs, clusters of 2 CTAs (pair_kernel) */
+template <class... P, class... Args>
+static ms_status launch(ms_ctx *ctx, cudaStream_t s, void (*K)(P...), unsigned grid, unsigned threads, size_t smem,
+                        const char *what, int *launches, bool pdl, bool pairs, Args... args)
 {
     if (pdl || pairs) {
         cudaLaunchAttribute at[2];
         unsigned na = 0;
-        if (pdl) {   /* programmatic dependent launch (pdl_enter): overlaps this launch with the previous pass's tail */
+        if (pdl) {
             at[na].id = cudaLaunchAttributeProgrammaticStreamSerialization;
             at[na++].val.programmaticStreamSerializationAllowed = 1;
         }
-        if (pairs) {   /* clusters of 2 CTAs (pair_kernel) */
+        if (pairs) {
             at[na].id = cudaLaunchAttributeClusterDimension;
             at[na].val.clusterDim.x = 2;
             at[na].val.clusterDim.y = 1;
@@ -2872,14 +2873,14 @@ static ms_status launch(ms_ctx *ctx, cudaStream_t s, void (*K)(const skargs<CAP>
         cfg.stream = s;
         cfg.attrs = at;
         cfg.numAttrs = na;
-        const cudaError_t e = cudaLaunchKernelEx(&cfg, K, tables, flags);
+        const cudaError_t e = cudaLaunchKernelEx(&cfg, K, args...);
         if (e != cudaSuccess) {
             (void)cudaGetLastError();
             return ms_error_at(ctx, MS_E_BACKEND, __FILE__, __LINE__, "cuda %s: kernel launch failed: %s (%s)", what,
                                cudaGetErrorName(e), cudaGetErrorString(e));
         }
     } else {
-        K<<<grid, threads, smem, s>>>(tables, flags);
+        K<<<grid, threads, smem, s>>>(args...);
     }
     MSK_CHECK_LAUNCH(ctx, what);
     ++*launches;
@@ -2968,24 +2969,8 @@ static ms_status launch_flat(ms_ctx *ctx, cudaStream_t s, flat_kernel_t K, const
         }
         t.flat_bpg = (int)((most + FLAT_CPT * FLAT_THREADS - 1) / (FLAT_CPT * FLAT_THREADS));
         const int64_t kmax = (t.gtot + t.grid - 1) / t.grid;   /* the most row groups of a sweep range */
-        cudaLaunchAttribute at;
-        at.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-        at.val.programmaticStreamSerializationAllowed = 1;
-        cudaLaunchConfig_t cfg = {};
-        cfg.gridDim = dim3((unsigned)(kmax * t.grid * t.flat_bpg));
-        cfg.blockDim = dim3(FLAT_THREADS);
-        cfg.stream = s;
-        cfg.attrs = &at;
-        cfg.numAttrs = 1;
-        const cudaError_t e = cudaLaunchKernelEx(&cfg, K, t);
-        if (e != cudaSuccess) {
-            (void)cudaGetLastError();
-            return ms_error_at(ctx, MS_E_BACKEND, __FILE__, __LINE__, "cuda sinkgd apply: kernel launch failed: %s (%s)",
-                               cudaGetErrorName(e), cudaGetErrorString(e));
-        }
-        MSK_CHECK_LAUNCH(ctx, "sinkgd apply");
-        ++*launches;
-        return MS_OK;
+        return launch(ctx, s, K, (unsigned)(kmax * t.grid * t.flat_bpg), FLAT_THREADS, 0, "sinkgd apply", launches,
+                      true, false, t);
     }
 }
 
@@ -3033,7 +3018,7 @@ static ms_status run_chunk(ms_ctx *ctx, cudaStream_t s, const msk_sinkgd *o, int
     auto go = [&](kernel_t K, int flags, unsigned grid, unsigned threads, size_t smem, const char *what,
                   bool pairs = false) {
         if (collect) used |= 1u << flags;
-        else if (st == MS_OK) st = launch<CAP>(ctx, s, K, tables, flags, grid, threads, smem, what, launches, true, pairs);
+        else if (st == MS_OK) st = launch(ctx, s, K, grid, threads, smem, what, launches, true, pairs, tables, flags);
     };
     /* With warp folds, a power fold whose last warp walks u in every step (one not the step's last: sn_iters > 1)
     ** keeps fold_pass's 256 threads for the walk; the restart fold walks only when a restart is pending. */
@@ -3229,7 +3214,7 @@ static ms_status run_sharded(ms_ctx *ctx, cudaStream_t s, const msk_sinkgd *o, i
                   bool pairs = false) {
         if (grid == 0) return;
         if (collect) used |= 1u << flags;
-        else if (st == MS_OK) st = launch<CAP>(ctx, s, K, tables, flags, grid, threads, smem, what, launches, false, pairs);
+        else if (st == MS_OK) st = launch(ctx, s, K, grid, threads, smem, what, launches, false, pairs, tables, flags);
     };
     auto xch = [&](int64_t count, ms_dtype dt) {
         if (!collect && st == MS_OK) st = x->sum(x->user, xr, count, dt);
