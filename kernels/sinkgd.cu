@@ -119,7 +119,6 @@ template <int CAP> struct alignas(16) skcols { skcol c[CAP]; };
 template <int CAP> struct alignas(16) skargs {
     msk_sinkgd o;
     int        flags, nmat, grid, nfold;
-    int        flat_bpg;      /* flat_apply_kernel: blocks a row group */
     int64_t    gtot;          /* row groups in all */
     unsigned  *tickets;
     void      *xch;           /* sharded: the exchange buffer of the chunk (NULL otherwise) */
@@ -358,9 +357,10 @@ __device__ __forceinline__ void store_band_scalars(double vv, double ff, double 
 ** per row, 8 * T_SWEEP for f32).  A row is C = n / E chunks.  The threads form P = T_SWEEP / Cp row lanes of Cp
 ** threads (Cp a power of two up to 32, else a multiple of 32); thread kap of a lane takes chunks kap + Cp k, k < K,
 ** of R = 4 / K rows: K = 4 (Cp >= C / 4) whenever C >= 4, so a row's sum across its lane and its scale update are
-** paid once per 4 chunks; K = 2 (2 rows) instead when the call's G fits in L2 and C <= 2 T_SWEEP (plan_chunk says
-** why); K = 1 with R = 4 rows a lane for rows of fewer than 4 chunks; K = 8 (one row, one lane, in two stages)
-** for f32 rows of more than 4 T_SWEEP chunks, whose 32 elements a thread cost the registers bf16's K = 4 does.
+** paid once per 4 chunks; K = 2 (2 rows) instead when C <= 2 T_SWEEP and the call's G fits in L2 or it has at
+** most SMALL_CAP matrices (plan_chunk says why); K = 1 with R = 4 rows a lane for rows of fewer than 4 chunks;
+** K = 8 (one row, one lane, in two stages) for f32 rows of more than 4 T_SWEEP chunks, whose 32 elements a thread
+** cost the registers bf16's K = 4 does.
 ** A group is P R rows (about 32 KiB); lane rho takes rows rho + P r.  Each thread copies exactly the chunks it later reads (its 4 slots of a stage), so
 ** the ring needs no barrier; the only one per group is the row sums' exchange across warps.
 ** SINK:  S_i = sum_j G_ij^2 c_j^2, r_i <- sqrt(n) r_i / max(r_i sqrt(S_i), eps) (S_i = 0: r_i kept); column
@@ -524,26 +524,35 @@ __device__ __noinline__ void fast_segment(const skargs<CAP> &A, const skmat &M, 
     const int row0 = (int)(rev ? lb - 1 : la) * GR + rho;          /* the thread's first row in the walk's first group */
     const int kofs = (coff + kap) * E;
     int irow = row0;                                               /* ... in the group issued next */
+    /* ... and its first chunk there, a pointer stepped by a constant (rebuilt from irow each group, the addresses
+    ** cost ~60 of the K = 4 loop's ~300 instructions).  A copy that reads nothing still gets an address inside G:
+    ** its row's first chunk, or the matrix's first for a row past the end (or a thread without chunks). */
+    const T *gp = g + (int64_t)row0 * ni + kofs;
+    const int64_t gstep = (int64_t)rstep * ni, rowp = (int64_t)P * ni;
+    const int cpe = Cp * E;
+    const bool has = on && (kmask & 1u);
+    int64_t koff[KS];   /* (H = 1) chunk k's offset from the first, 0 for a chunk past the row */
+#pragma unroll
+    for (int k = 0; k < KS; k++) koff[k] = (kmask >> k) & 1u ? (int64_t)k * cpe : 0;
     const unsigned sbase = (unsigned)__cvta_generic_to_shared(smem) + (unsigned)t * 16u;
     const unsigned rbase = (unsigned)__cvta_generic_to_shared(smem + STAGES * STAGE_BYTES) + (unsigned)rho * 4u;
     /* stage h of a group (its chunks h KS .. h KS + KS - 1); the row scales with the first */
     auto issue = [&](int istage, int irslot, int h) {
         const unsigned sd = sbase + (unsigned)(istage * STAGE_BYTES);
-        const T *src = g + (int64_t)irow * ni + kofs;
-        if (H > 1) {   /* the half's chunks from one base: ptxas kept all 8 offsets live across the loop */
-            src += (int64_t)(h * KS) * Cp * E;
-            asm volatile("" : "+l"(src));
-        }
 #pragma unroll
         for (int r = 0; r < R; r++) {
-            const bool rv = on && irow + P * r < mi;
+            const bool rv = has && irow + P * r < mi;
+            const T *src = rv ? gp + rowp * r : g;
+            if (H > 1) {   /* the half's chunks from one base: ptxas kept all 8 offsets live across the loop */
+                src += rv && ((kmask >> (h * KS)) & 1u) ? h * KS * cpe : 0;
+                asm volatile("" : "+l"(src));
+            }
 #pragma unroll
             for (int k = 0; k < KS; k++) {
                 const int kk = h * KS + k;
                 const bool ok = rv && ((kmask >> kk) & 1u);
-                /* (a copy that reads nothing still gets a valid address) */
                 asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(sd + (unsigned)((r * KS + k) * T_SWEEP * 16)),
-                             "l"(ok ? src + (int64_t)(P * r) * ni + Cp * (H > 1 ? k : kk) * E : g), "r"(ok ? 16 : 0)
+                             "l"(src + (H > 1 ? (ok ? k * cpe : 0) : koff[k])), "r"(ok ? 16 : 0)
                              : "memory");
             }
             if (need_rs && kap == 0 && h == 0)   /* one copy a row, by its first lane */
@@ -551,7 +560,10 @@ __device__ __noinline__ void fast_segment(const skargs<CAP> &A, const skmat &M, 
                              "l"(rvec + (rv ? irow + P * r : 0)), "r"(rv ? 4 : 0)
                              : "memory");
         }
-        if (h == H - 1) irow += rstep;
+        if (h == H - 1) {
+            irow += rstep;
+            gp += gstep;
+        }
     };
 
     double vv = 0, ff = 0;
@@ -1278,7 +1290,11 @@ __device__ __forceinline__ void power_done(const skscr &S, double sigma, double 
 
 /* --- the folds: column partials summed in band order ------------------------------------------------------
 ** A block takes FOLD_COLS = 32 columns of one matrix: warp w adds the bands w, w + 8, ... of its lane's column,
-** then the 8 warp sums are added in warp order.
+** then the 8 warp sums are added in warp order.  A matrix of more than FOLD_QUAD_BANDS bands (n a multiple of 4)
+** is added in the quad order instead: thread (w, l) adds the bands p, p + 32, ... (p = 4 w + l / 8) of 4 columns
+** with 16-byte loads, all in flight at once (one round of L2 latency, not three for 132 bands: 14336x4096 -0.5%
+** a step, 4096x4096 -3.7%; with few bands most threads would idle: 8x1408x2048 +1.5%), then each column adds
+** its 32 sums in p order.  (fold_warp_kernel takes matrices of at most WARP_FOLD_BANDS bands: the band order.)
 ** SINK:  T_j = sum of the bands; c_j <- sqrt(m) c_j / max(c_j sqrt(T_j), eps) (T_j = 0: kept); with FL_LAST
 **        (START) the power step's start: ||X||_F^2 by columns (the sum of c_j^2 T_j, for the restart test), u
 **        from the state and ||u||^2 (power_start).
@@ -1291,6 +1307,16 @@ __device__ __forceinline__ void power_done(const skscr &S, double sigma, double 
 ** is the single-GPU one bit for bit), FOLD_FINISH reads the ranks' sums back and goes on as a whole fold, with
 ** the global m's root for c. */
 enum { FOLD_WHOLE = 0, FOLD_PART = 1, FOLD_FINISH = 2 };
+enum { FOLD_QUAD_BANDS = 32, FOLD_QUAD_LOADS = 5 };   /* (5 loads: the 132 bands of an H200 pass in one round) */
+static_assert(FOLD_THREADS == 256, "the quad order's 32 sums a column are 8 warps x 4 band lanes");
+
+__device__ __forceinline__ void add4(float4 &a, const float4 &v)
+{
+    a.x += v.x;
+    a.y += v.y;
+    a.z += v.z;
+    a.w += v.w;
+}
 
 /* fold_packed_kernel: the whole fold at FOLD_PACKED blocks an SM.  The START and POWER folds take 52-62
 ** registers, 4 blocks an SM, and a block's time is a chain of latencies (loads, barriers, the ticket), so a grid
@@ -1305,6 +1331,7 @@ __device__ __forceinline__ void fold_pass(const skargs<CAP> *__restrict__ tables
 {
     const skargs<CAP> &A = tables[flags];
     __shared__ float sm[FOLD_THREADS / 32][FOLD_COLS];
+    __shared__ float sq[32][FOLD_COLS + 1];   /* the quad order's 32 sums a column (+1: no bank conflicts) */
     __shared__ double dred[FOLD_THREADS / 32];
     __shared__ double scal_sh[4];   /* POWER: SC_REDO, SC_F2, SC_UU, SC_RESTARTED (thread 0's reads, below) */
     __shared__ int is_last;
@@ -1349,34 +1376,62 @@ __device__ __forceinline__ void fold_pass(const skargs<CAP> *__restrict__ tables
     if (STAGE == FOLD_FINISH) {
         if (jv) T2 = KIND == K_SINK ? __ldcg(xs + xcol) : (float)__ldcg(xd + xcol);
     } else {
-        /* warp w adds the bands w, w + 8, ... of its lane's column (a warp reads 128 contiguous bytes a band) */
-        float s1 = 0;
-        if (jl < n) {
-            const float *col = S.part + jl;
-            int bb = warp;
-            /* 8 loads in flight (a pass's 132 bands are ~17 a warp: 3 rounds of L2 latency, not 5), added in band
-            ** order as one at a time would */
-            for (; bb + 7 * (FOLD_THREADS / 32) < M.nbands; bb += 8 * (FOLD_THREADS / 32)) {
-                float v[8];
+        if (M.nbands > FOLD_QUAD_BANDS && (n & 3) == 0) {
+            /* (the quad order, above) */
+            const int bl = lane >> 3, cq = lane & 7, p0 = 4 * warp + bl;
+            const int64_t jq = j0 + 4 * cq;
+            float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+            if (jq < n) {
+                const float *col = S.part + jq;
+                float4 v[FOLD_QUAD_LOADS];
 #pragma unroll
-                for (int u = 0; u < 8; u++) v[u] = __ldcg(col + (int64_t)(bb + u * (FOLD_THREADS / 32)) * n);
+                for (int u = 0; u < FOLD_QUAD_LOADS; u++) {
+                    const int bb = p0 + 32 * u;
+                    v[u] = bb < M.nbands ? __ldcg(reinterpret_cast<const float4 *>(col + (int64_t)bb * n))
+                                         : make_float4(0.f, 0.f, 0.f, 0.f);
+                }
 #pragma unroll
-                for (int u = 0; u < 8; u++) s1 += v[u];
+                for (int u = 0; u < FOLD_QUAD_LOADS; u++) add4(acc, v[u]);
+                for (int bb = p0 + 32 * FOLD_QUAD_LOADS; bb < M.nbands; bb += 32)
+                    add4(acc, __ldcg(reinterpret_cast<const float4 *>(col + (int64_t)bb * n)));
             }
-            for (; bb + 3 * (FOLD_THREADS / 32) < M.nbands; bb += 4 * (FOLD_THREADS / 32)) {
-                float v[4];
+            sq[p0][4 * cq] = acc.x;
+            sq[p0][4 * cq + 1] = acc.y;
+            sq[p0][4 * cq + 2] = acc.z;
+            sq[p0][4 * cq + 3] = acc.w;
+            __syncthreads();
+            if (jv)
+                for (int q = 0; q < 32; q++) T2 += sq[q][t];
+        } else {
+            /* warp w adds the bands w, w + 8, ... of its lane's column (a warp reads 128 contiguous bytes a band) */
+            float s1 = 0;
+            if (jl < n) {
+                const float *col = S.part + jl;
+                int bb = warp;
+                /* 8 loads in flight (a pass's 132 bands are ~17 a warp: 3 rounds of L2 latency, not 5), added in band
+                ** order as one at a time would */
+                for (; bb + 7 * (FOLD_THREADS / 32) < M.nbands; bb += 8 * (FOLD_THREADS / 32)) {
+                    float v[8];
 #pragma unroll
-                for (int u = 0; u < 4; u++) v[u] = __ldcg(col + (int64_t)(bb + u * (FOLD_THREADS / 32)) * n);
+                    for (int u = 0; u < 8; u++) v[u] = __ldcg(col + (int64_t)(bb + u * (FOLD_THREADS / 32)) * n);
 #pragma unroll
-                for (int u = 0; u < 4; u++) s1 += v[u];
+                    for (int u = 0; u < 8; u++) s1 += v[u];
+                }
+                for (; bb + 3 * (FOLD_THREADS / 32) < M.nbands; bb += 4 * (FOLD_THREADS / 32)) {
+                    float v[4];
+#pragma unroll
+                    for (int u = 0; u < 4; u++) v[u] = __ldcg(col + (int64_t)(bb + u * (FOLD_THREADS / 32)) * n);
+#pragma unroll
+                    for (int u = 0; u < 4; u++) s1 += v[u];
+                }
+                for (; bb < M.nbands; bb += FOLD_THREADS / 32) s1 += __ldcg(col + (int64_t)bb * n);
             }
-            for (; bb < M.nbands; bb += FOLD_THREADS / 32) s1 += __ldcg(col + (int64_t)bb * n);
+            sm[warp][lane] = s1;
+            __syncthreads();
+            if (jv)
+#pragma unroll
+                for (int w = 0; w < FOLD_THREADS / 32; w++) T2 += sm[w][t];
         }
-        sm[warp][lane] = s1;
-        __syncthreads();
-        if (jv)
-#pragma unroll
-            for (int w = 0; w < FOLD_THREADS / 32; w++) T2 += sm[w][t];
         if (STAGE == FOLD_PART && t < FOLD_COLS) {   /* (zeros past n: the buffer is dense) */
             if (KIND == K_SINK) xs[xcol] = T2;
             else xd[xcol] = T2;
@@ -1524,6 +1579,7 @@ __global__ void __launch_bounds__(FOLD_THREADS, FOLD_PACKED)
 ** every step (one before the last of sn_iters > 1; a sharded FINISH) keeps fold_pass.  MOONSTEP_SINKGD_WARP_FOLD = 0
 ** turns them off (tests and measurements). */
 enum { WARP_FOLD_BANDS = 16 };
+static_assert((int)WARP_FOLD_BANDS <= (int)FOLD_QUAD_BANDS, "a warp fold adds in the band order: fold_pass's for its matrices");
 
 /* block_sum<FOLD_THREADS> of the values v(t) of the threads t = 0..255 of a block, on one warp: lane l holds
 ** t = l + 32 w for w = 0..7 (every lane gets the same bits) */
@@ -2129,20 +2185,26 @@ __global__ void __launch_bounds__(T_SWEEP, 1) elem_kernel(const skargs<CAP> *__r
 ** a thread of a row group.  The launch table is the kernel's parameter (the constant bank): its short blocks start
 ** their loads without the chain of dependent table loads the ring's long-lived CTAs pay once each (with the table
 ** in global memory the same blocks were 2-7% slower than the ring; as a parameter the apply is 9-13% faster:
-** bench/RESULTS.md, twenty-first session).  Block ((k G + b) bpg + s) takes part s of the k-th row group of sweep
-** range b, k counted from the end the last sweep finished at, so the first blocks meet the rows it left in L2.
+** bench/RESULTS.md, twenty-first session).  Block (s, b, k) takes part s of the k-th row group of sweep range b,
+** k counted from the end the last sweep finished at, so the first blocks meet the rows it left in L2.
 ** The arithmetic is the ring's (elem_chunk): the same bits.  MOONSTEP_SINKGD_FLAT_APPLY = 0 keeps the ring. */
 #define FLAT_THREADS 256
 #define FLAT_CPT     2
+#define FLAT_RANGES  1024   /* the most sweep ranges (CTAs of a pass) it takes */
+
+/* the sweep ranges' first row groups, range_start's (its 64-bit divisions were ~100 of the ~250 instructions a
+** block ran before its first load) */
+struct flatranges { int32_t start[FLAT_RANGES + 1]; };
 
 template <class TG, class TP>
-__global__ void __launch_bounds__(FLAT_THREADS, 4) flat_apply_kernel(const __grid_constant__ skargs<SMALL_CAP> A)
+__global__ void __launch_bounds__(FLAT_THREADS, 4) flat_apply_kernel(const __grid_constant__ skargs<SMALL_CAP> A,
+                                                                     const __grid_constant__ flatranges R)
 {
     const skargs<SMALL_CAP> &T = A;   /* (read in place: a reference keeps it in the parameter space) */
     if (T.o.skip.ptr && msk_scalar_value(T.o.skip) != 0) return;
-    const unsigned bpg = (unsigned)T.flat_bpg, G = (unsigned)T.grid;
-    const unsigned part = blockIdx.x % bpg, kb = blockIdx.x / bpg, b = kb % G;
-    const int64_t k = kb / G, ga = range_start(b, T.gtot, G), gb = range_start(b + 1, T.gtot, G);
+    /* (blocks start in x, then y, then z order) */
+    const unsigned part = blockIdx.x, b = blockIdx.y;
+    const int k = (int)blockIdx.z, ga = R.start[b], gb = R.start[b + 1];
     if (k >= gb - ga) {
         pdl_enter();
         return;
@@ -2699,7 +2761,10 @@ static int64_t plan_chunk(int cnt, const msk_sinkgd_mat *mm, int maxgrid, char *
     /* Measured on an H200: when the chunk's G fits in L2, its passes after the first read it from there and are
     ** bound by latency, and K = 2 (2 rows a group) was 7-20% faster; streamed from DRAM, K = 4 (fewer row
     ** reductions) won on the Llama-3-8B set by ~2% (31.2 against 31.8 ms), though K = 2 won on one 14336 x 4096
-    ** (5%).  (Measured when K = 4 kept packed words; both keep G^2 now.) */
+    ** (5%).  (Measured when K = 4 kept packed words; both keep G^2 now.)  Re-measured (twenty-second session): K = 2
+    ** still loses on the set (+3.7%) and wins in base steps of calls of a few streamed matrices (14336 x 4096 -1.4%,
+    ** 4 x 14336 x 4096 -1.0%, 16 x 1024 x 4096 -1.5%; their spectral steps within +-1.5%), so a chunk of at most
+    ** SMALL_CAP matrices takes K = 2 too. */
     int64_t gbytes = 0;
     for (int k = 0; k < cnt; k++) gbytes += mm[k].m * mm[k].n * dtype_size(mm[k].gdt);
     const bool in_l2 = gbytes <= l2_bytes();
@@ -2754,15 +2819,16 @@ static int64_t plan_chunk(int cnt, const msk_sinkgd_mat *mm, int maxgrid, char *
             x.GR = 1;
         } else if (x.fast) {
             /* 4 chunks (32 bf16 or 16 f32 elements) of a thread per group whenever the row has 4 chunks: the row's
-            ** reduction and scale update are paid once per 32 elements, not per 8.  When G fits in L2 (above),
-            ** rows of at most 2 T_SWEEP chunks take them as 2 chunks of 2 rows (K = 2): fewer registers. */
+            ** reduction and scale update are paid once per 32 elements, not per 8.  When G fits in L2 or the chunk
+            ** is small (above), rows of at most 2 T_SWEEP chunks take them as 2 chunks of 2 rows (K = 2). */
             const int C = (int)(a.n / E);
             if (C > 4 * T_SWEEP) {   /* f32 rows of 2049-4096 chunks: 8 a thread, over two stages */
                 const int cp = (C + 7) / 8;
                 x.K = 8;
                 x.Cp = (int16_t)((cp + 31) / 32 * 32);
             } else if (C >= 4) {
-                const int k = (kforce ? kforce == 2 : in_l2) && C <= 2 * T_SWEEP ? 2 : 4, cp = (C + k - 1) / k;
+                const int k = (kforce ? kforce == 2 : in_l2 || cnt <= SMALL_CAP) && C <= 2 * T_SWEEP ? 2 : 4,
+                          cp = (C + k - 1) / k;
                 x.K = (int8_t)k;
                 x.Cp = (int16_t)(cp <= 32 ? pow2ceil(cp) : (cp + 31) / 32 * 32);
             } else {
@@ -2850,7 +2916,7 @@ static size_t table_bytes() { return TABLE_SLOTS * sizeof(skargs<MSK_SINKGD_CAP>
 /* a launch of K(args...) on s; with pdl, a programmatic dependent launch (pdl_enter): it overlaps the previous
 ** pass's tail; with pairs, clusters of 2 CTAs (pair_kernel) */
 template <class... P, class... Args>
-static ms_status launch(ms_ctx *ctx, cudaStream_t s, void (*K)(P...), unsigned grid, unsigned threads, size_t smem,
+static ms_status launch(ms_ctx *ctx, cudaStream_t s, void (*K)(P...), dim3 grid, unsigned threads, size_t smem,
                         const char *what, int *launches, bool pdl, bool pairs, Args... args)
 {
     if (pdl || pairs) {
@@ -2867,7 +2933,7 @@ static ms_status launch(ms_ctx *ctx, cudaStream_t s, void (*K)(P...), unsigned g
             at[na++].val.clusterDim.z = 1;
         }
         cudaLaunchConfig_t cfg = {};
-        cfg.gridDim = dim3(grid);
+        cfg.gridDim = grid;
         cfg.blockDim = dim3(threads);
         cfg.dynamicSmemBytes = smem;
         cfg.stream = s;
@@ -2926,11 +2992,12 @@ template <int CAP> static bool warp_folds_for(const skargs<CAP> &a)
 ** with the sums' pass), a chunk past SMALL_CAP (its table does not fit the parameter space), a matrix not dense
 ** and aligned, dtypes that differ between the matrices, or MOONSTEP_SINKGD_FLAT_APPLY = 0 (tests and
 ** measurements) */
-typedef void (*flat_kernel_t)(skargs<SMALL_CAP>);
+typedef void (*flat_kernel_t)(skargs<SMALL_CAP>, flatranges);
 template <int CAP> static flat_kernel_t flat_apply_for(const skargs<CAP> &a)
 {
     if constexpr (CAP != SMALL_CAP) return NULL;
     if (a.o.mode == MS_SINKGD_SPHERE) return NULL;
+    if (a.grid > FLAT_RANGES || a.gtot >= INT32_MAX || (a.gtot + a.grid - 1) / a.grid > 65535) return NULL;   /* (grid z) */
     for (int k = 0; k < a.nmat; k++)
         if (!a.m[k].pvec || a.m[k].gdt != a.m[0].gdt || a.m[k].pdt != a.m[0].pdt) return NULL;
     const char *v = getenv("MOONSTEP_SINKGD_FLAT_APPLY");
@@ -2967,10 +3034,12 @@ static ms_status launch_flat(ms_ctx *ctx, cudaStream_t s, flat_kernel_t K, const
             const int64_t c = (int64_t)t.m[k].GR * (t.m[k].n / 8);
             most = c > most ? c : most;
         }
-        t.flat_bpg = (int)((most + FLAT_CPT * FLAT_THREADS - 1) / (FLAT_CPT * FLAT_THREADS));
+        const unsigned bpg = (unsigned)((most + FLAT_CPT * FLAT_THREADS - 1) / (FLAT_CPT * FLAT_THREADS));
         const int64_t kmax = (t.gtot + t.grid - 1) / t.grid;   /* the most row groups of a sweep range */
-        return launch(ctx, s, K, (unsigned)(kmax * t.grid * t.flat_bpg), FLAT_THREADS, 0, "sinkgd apply", launches,
-                      true, false, t);
+        flatranges r;
+        for (int b = 0; b <= t.grid; b++) r.start[b] = (int32_t)range_start(b, t.gtot, t.grid);
+        return launch(ctx, s, K, dim3(bpg, (unsigned)t.grid, (unsigned)kmax), FLAT_THREADS, 0, "sinkgd apply",
+                      launches, true, false, t, r);
     }
 }
 
@@ -2999,7 +3068,6 @@ static ms_status run_chunk(ms_ctx *ctx, cudaStream_t s, const msk_sinkgd *o, int
     skargs<CAP> *tables = reinterpret_cast<skargs<CAP> *>(scratch);
     plan_chunk(cnt, mm, ctas_per_pass(), scratch + table_bytes(), a->m, &a->gtot, &a->grid, &a->nfold);
     a->flags = 0;
-    a->flat_bpg = 0;   /* (launch_flat sets its own copy's) */
     const unsigned G = (unsigned)a->grid, F = (unsigned)a->nfold;
     const int unit = o->iters == 0 ? FL_UNIT : 0;
     const bool wide = any_wide(*a, WIDE_PASSES), pair = any_wide(*a, WIDE_PAIR), narrow = any_wide(*a, WIDE_NO);
@@ -3182,7 +3250,6 @@ static ms_status run_sharded(ms_ctx *ctx, cudaStream_t s, const msk_sinkgd *o, i
     a->nmat = cnt;
     a->tickets = tickets;
     a->flags = 0;
-    a->flat_bpg = 0;   /* (launch_flat sets its own copy's) */
     skargs<CAP> *tables = reinterpret_cast<skargs<CAP> *>(scratch);
     char *side_dev = scratch + table_bytes(), *base = side_dev + side_bytes();
     const int64_t bytes = plan_chunk(cnt, mm, ctas_per_pass(), base, a->m, &a->gtot, &a->grid, &a->nfold, dim);
