@@ -1408,8 +1408,8 @@ __device__ __forceinline__ void fold_pass(const skargs<CAP> *__restrict__ tables
             if (jl < n) {
                 const float *col = S.part + jl;
                 int bb = warp;
-                /* 8 loads in flight (a pass's 132 bands are ~17 a warp: 3 rounds of L2 latency, not 5), added in band
-                ** order as one at a time would */
+                /* 8 loads in flight (132 bands, n not a multiple of 4, are ~17 a warp: 3 rounds of L2 latency, not
+                ** 5), added in band order as one at a time would */
                 for (; bb + 7 * (FOLD_THREADS / 32) < M.nbands; bb += 8 * (FOLD_THREADS / 32)) {
                     float v[8];
 #pragma unroll
