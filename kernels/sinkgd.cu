@@ -358,7 +358,7 @@ __device__ __forceinline__ void store_band_scalars(double vv, double ff, double 
 ** threads (Cp a power of two up to 32, else a multiple of 32); thread kap of a lane takes chunks kap + Cp k, k < K,
 ** of R = 4 / K rows: K = 4 (Cp >= C / 4) whenever C >= 4, so a row's sum across its lane and its scale update are
 ** paid once per 4 chunks; K = 2 (2 rows) instead when C <= 2 T_SWEEP and the call's G fits in L2 or it has at
-** most SMALL_CAP matrices (plan_chunk says why); K = 1 with R = 4 rows a lane for rows of fewer than 4 chunks;
+** most SMALL_CAP matrices of 16-bit G (plan_chunk says why); K = 1 with R = 4 rows a lane for rows of fewer than 4 chunks;
 ** K = 8 (one row, one lane, in two stages) for f32 rows of more than 4 T_SWEEP chunks, whose 32 elements a thread
 ** cost the registers bf16's K = 4 does.
 ** A group is P R rows (about 32 KiB); lane rho takes rows rho + P r.  Each thread copies exactly the chunks it later reads (its 4 slots of a stage), so
@@ -2764,7 +2764,7 @@ static int64_t plan_chunk(int cnt, const msk_sinkgd_mat *mm, int maxgrid, char *
     ** (5%).  (Measured when K = 4 kept packed words; both keep G^2 now.)  Re-measured (twenty-second session): K = 2
     ** still loses on the set (+3.7%) and wins in base steps of calls of a few streamed matrices (14336 x 4096 -1.4%,
     ** 4 x 14336 x 4096 -1.0%, 16 x 1024 x 4096 -1.5%; their spectral steps within +-1.5%), so a chunk of at most
-    ** SMALL_CAP matrices takes K = 2 too. */
+    ** SMALL_CAP matrices of 16-bit G takes K = 2 too (f32 G, not measured, keeps K = 4). */
     int64_t gbytes = 0;
     for (int k = 0; k < cnt; k++) gbytes += mm[k].m * mm[k].n * dtype_size(mm[k].gdt);
     const bool in_l2 = gbytes <= l2_bytes();
@@ -2827,8 +2827,8 @@ static int64_t plan_chunk(int cnt, const msk_sinkgd_mat *mm, int maxgrid, char *
                 x.K = 8;
                 x.Cp = (int16_t)((cp + 31) / 32 * 32);
             } else if (C >= 4) {
-                const int k = (kforce ? kforce == 2 : in_l2 || cnt <= SMALL_CAP) && C <= 2 * T_SWEEP ? 2 : 4,
-                          cp = (C + k - 1) / k;
+                const bool k2 = in_l2 || (cnt <= SMALL_CAP && es == 2);
+                const int k = (kforce ? kforce == 2 : k2) && C <= 2 * T_SWEEP ? 2 : 4, cp = (C + k - 1) / k;
                 x.K = (int8_t)k;
                 x.Cp = (int16_t)(cp <= 32 ? pow2ceil(cp) : (cp + 31) / 32 * 32);
             } else {

@@ -629,8 +629,8 @@ typedef struct ms_sinkgd_options {
 ** NULL in base mode): f32 [..., n], contiguous.  md_target_norm (sphere; may be NULL otherwise): f32 [...]
 ** (for a 2-D param [] or [1]), contiguous.  With skip_t nonzero nothing changes, state included.  Results
 ** do not depend on the thread count or on the grads' layout.  On CUDA they are bitwise reproducible; the
-** thread map (2 or 4 16-byte chunks of a row per thread, chosen by whether the call's gradients fit in L2 and
-** by its number of matrices) may change the last bits: MOONSTEP_SINKGD_K = 2 or 4 forces it (for tests and measurements).  Dense bf16/f16 rows
+** thread map (2 or 4 16-byte chunks of a row per thread, chosen by whether the call's gradients fit in L2, by
+** their number and by their dtype) may change the last bits: MOONSTEP_SINKGD_K = 2 or 4 forces it (for tests and measurements).  Dense bf16/f16 rows
 ** of 16385-32768 elements are swept by pairs of CTAs; MOONSTEP_SINKGD_PAIR = 0 gives them two passes an
 ** iteration instead (results that may differ in the last bits).  Calls of many matrices with few CTA bands each
 ** fold their column sums a warp a block of 32 columns; MOONSTEP_SINKGD_WARP_FOLD = 0 folds them a CTA a block
