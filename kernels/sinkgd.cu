@@ -2820,7 +2820,7 @@ static int64_t plan_chunk(int cnt, const msk_sinkgd_mat *mm, int maxgrid, char *
         } else if (x.fast) {
             /* 4 chunks (32 bf16 or 16 f32 elements) of a thread per group whenever the row has 4 chunks: the row's
             ** reduction and scale update are paid once per 32 elements, not per 8.  When G fits in L2 or the chunk
-            ** is small (above), rows of at most 2 T_SWEEP chunks take them as 2 chunks of 2 rows (K = 2). */
+            ** is small and 16-bit (above), rows of at most 2 T_SWEEP chunks take them as 2 chunks of 2 rows (K = 2). */
             const int C = (int)(a.n / E);
             if (C > 4 * T_SWEEP) {   /* f32 rows of 2049-4096 chunks: 8 a thread, over two stages */
                 const int cp = (C + 7) / 8;
