@@ -555,7 +555,8 @@ __device__ __noinline__ void fast_segment(const skargs<CAP> &A, const skmat &M, 
                              "l"(src + (H > 1 ? (ok ? k * cpe : 0) : koff[k])), "r"(ok ? 16 : 0)
                              : "memory");
             }
-            if (need_rs && kap == 0 && h == 0)   /* one copy a row, by its first lane */
+            if (need_rs && on && kap == 0 && h == 0)   /* one copy a row, by its first lane (not by the idle threads
+                                                        ** past the last lane: their slot is lane 0's next row's) */
                 asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(rbase + (unsigned)(irslot * RSLOT + r * P * 4)),
                              "l"(rvec + (rv ? irow + P * r : 0)), "r"(rv ? 4 : 0)
                              : "memory");

@@ -134,6 +134,8 @@ local PATHS = {
   { shape = { 5, 4096 }, dt = "f32" },               -- f32 K = 2
   { shape = { 3, 8192 }, dt = "f32" },               -- f32 K = 4
   { shape = { 64, 300 }, dt = "f32" },               -- 96-thread row lanes (not a power of two)
+  { shape = { 40, 3072 }, dt = "f16" },              -- K = 2: 2 lanes of 192 threads (2 rows each), 128 idle threads
+  { shape = { 1400, 5120 }, dt = "bf16" },           -- K = 2: a lane of 320 threads, 192 idle ones, ~5 groups a CTA
   { shape = { 33, 12 }, dt = "bf16" },               -- width not a multiple of 8: generic path
   { shape = { 1, 8 }, dt = "f16" },                  -- one row
   { shape = { 7, 1 }, dt = "f32" },                  -- one column
