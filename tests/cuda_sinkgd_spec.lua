@@ -181,6 +181,41 @@ describe("cuda ms_sinkgd_step", function()
     end
   end)
 
+  -- a ladder of row widths across every boundary of plan_chunk's thread maps (K = 1, 2, 4, 8 chunks a thread; lanes
+  -- within a warp, of a power of two warps and of other counts with idle threads past the last lane; one lane; a
+  -- pair), each matrix ~400K elements so that its CTAs take several row groups each, under K = 2 and K = 4 forced,
+  -- every mode
+  cuda_it("the CPU's results on a ladder of row widths across the thread maps' boundaries, K = 2 and 4 forced",
+          function()
+    pcall(ffi.cdef, "int setenv(const char *k, const char *v, int overwrite); int unsetenv(const char *k);")
+    local function ladder(widths, pdt, gdt)
+      local specs = {}
+      for k, n in ipairs(widths) do specs[k] = { shape = { max(4, math.floor(400000 / n)), n }, pdt = pdt, gdt = gdt } end
+      return specs
+    end
+    local ladders = {
+      ladder({ 8, 24, 40, 264, 520, 776, 1544, 2056, 2568, 3080, 4104, 5128, 6152, 7176, 8200, 10248, 12296, 14344,
+               16392 }, "bf16", "bf16"),
+      ladder({ 1032, 3080, 6152, 9224 }, "f32", "f16"),
+      ladder({ 4, 12, 132, 1028, 1540, 2052, 3076, 4100, 6148, 8196, 12292 }, "f32", "f32"),
+    }
+    for _, specs in ipairs(ladders) do
+      for _, kforce in ipairs { "2", "4" } do
+        ffi.C.setenv("MOONSTEP_SINKGD_K", kforce, 1)
+        local good, err = pcall(function()
+          for _, mode in ipairs { "base", "spectral", "sphere" } do
+            local cm, gm = group(specs, mode)
+            local o = { mode = mode, iters = 5, sn_iters = 1, target = "unit", lr = 0.05,
+                        weight_decay = mode == "sphere" and 0 or 0.02, step = 1 }
+            step_and_compare(cm, gm, o, nil, ("%s %s K = %s"):format(specs[1].gdt, mode, kforce))
+          end
+        end)
+        ffi.C.unsetenv("MOONSTEP_SINKGD_K")
+        assert(good, err)
+      end
+    end
+  end)
+
   -- a class (one row width and grad dtype) of MOONSTEP_SINKGD_SPLIT bytes of G or more runs in launch sequences of
   -- its own (the default, 1 GiB, splits the Llama-3-8B set's down projections from the rest), the classes in the
   -- order of their first matrices, then the rest in the call's order
