@@ -40,6 +40,12 @@ __device__ __forceinline__ int64_t id_of(const msk_dash_pos &P, int64_t q) { ret
 /* e / n for an element of an n x n matrix: 32-bit, as n * n < 2^31 (engine/cuda/dash.c refuses n > 46340); a 64-bit
 ** division per element cost the per-position passes more than their memory traffic */
 __device__ __forceinline__ int64_t row_of(int64_t e, int64_t n) { return (int64_t)((uint32_t)e / (uint32_t)n); }
+/* e / c for an element of an r x c block of rc elements (gather, apply): row_of's 32-bit division where rc < 2^32
+** (e and c are then below it too), else a 64-bit one (a branch uniform across the grid) */
+__device__ __forceinline__ int64_t block_row(int64_t e, int64_t c, int64_t rc)
+{
+    return rc <= (int64_t)UINT32_MAX ? row_of(e, c) : e / c;
+}
 
 __device__ __forceinline__ float load_f(const void *p, int64_t i, int dt) { return msk_load<float>(p, i, dt); }
 __device__ __forceinline__ float bf16_round(float x) { return __bfloat162float(__float2bfloat16_rn(x)); }
@@ -102,7 +108,7 @@ __global__ void __launch_bounds__(T_ELEM) gather_kernel(const __grid_constant__ 
     for (int u = 0; u < PER_THREAD; u++) {
         const int64_t e = e0 + u * T_ELEM;
         if (e >= A.rc) break;
-        const int64_t i = row_of(e, A.c), j = e - i * A.c;
+        const int64_t i = block_row(e, A.c, A.rc), j = e - i * A.c;
         dst[e] = load_f(B.p, i * B.rs + j * B.cs, B.dt);
     }
 }
@@ -134,7 +140,7 @@ __global__ void __launch_bounds__(T_ELEM) apply_kernel(const __grid_constant__ b
     for (int u = 0; u < PER_THREAD; u++) {
         const int64_t e = e0 + u * T_ELEM;
         if (e >= A.rc) break;
-        const int64_t i = row_of(e, A.c), j = e - i * A.c, off = i * B.rs + j * B.cs;
+        const int64_t i = block_row(e, A.c, A.rc), j = e - i * A.c, off = i * B.rs + j * B.cs;
         const float s = src[e];
         const float x = o.update ? msk_sub(msk_mul(load_f(B.p, off, B.dt), dec), msk_mul(f, s)) : msk_mul(f, s);
         if (sr) ((uint16_t *)B.p)[off] = msk_sr_16(x, B.dt == MS_DTYPE_BF16, (uint64_t)(B.e0 + off), stepw, member,

@@ -482,7 +482,7 @@ __device__ __forceinline__ void pair_exchange(float &ps, float &pf, int side, bo
     pf += b;
 }
 
-template <class T, int K, int KIND, int CAP, bool PAIR = false>
+template <class T, int K, int KIND, int CAP, bool PAIR = false, bool FF = false>
 __device__ __noinline__ void fast_segment(const skargs<CAP> &A, const skmat &M, const skscr &S, int band, int64_t la,
                                           int64_t lb, bool rev, char *smem, bool wait)
 {
@@ -504,7 +504,9 @@ __device__ __noinline__ void fast_segment(const skargs<CAP> &A, const skmat &M, 
     const bool unit = (A.flags & FL_UNIT) != 0;
     const bool first = KIND == K_SINK && (A.flags & FL_FIRST);
     const bool need_rs = KIND == K_SINK ? !first : !unit;
-    const bool want_ff = KIND == K_POWER && unit;
+    /* FF: the unit power sweep's |G|^2 (iters = 0), its own instance -- as a run-time flag its predicated FMAs and
+    ** shuffles were issued on every power sweep */
+    constexpr bool want_ff = KIND == K_POWER && FF;
     const float eps = (float)A.o.eps, sqn = sqrtf((float)n);
     float *red = (float *)(smem + STAGES * STAGE_BYTES + RRING);
     const T *const g = (const T *)M.g;
@@ -722,7 +724,7 @@ __device__ __noinline__ void fast_segment(const skargs<CAP> &A, const skmat &M, 
                 co[r] = rv ? rs[r] * v : 0.f;
                 if (rv && kap == 0 && side == 0) {
                     vv += (double)v * v;
-                    ff += (double)pf[r];
+                    if (want_ff) ff += (double)pf[r];
                 }
             }
         }
@@ -1066,15 +1068,25 @@ __device__ __noinline__ void wide_cols_segment(const skmat &M, const skscr &S, i
     }
 }
 
+template <class T, int KIND, bool K8, bool FF, int CAP>
+__device__ __forceinline__ void fast_typed(const skargs<CAP> &A, const skmat &M, const skscr &S, int band, int64_t la,
+                                           int64_t lb, bool rev, char *smem, bool wait)
+{
+    if (M.K == 1) fast_segment<T, 1, KIND, CAP, false, FF>(A, M, S, band, la, lb, rev, smem, wait);
+    else if (M.K == 2) fast_segment<T, 2, KIND, CAP, false, FF>(A, M, S, band, la, lb, rev, smem, wait);
+    else if (K8 && sizeof(T) == 4 && M.K == 8) fast_segment<float, 8, KIND, CAP, false, FF>(A, M, S, band, la, lb, rev, smem, wait);
+    else fast_segment<T, 4, KIND, CAP, false, FF>(A, M, S, band, la, lb, rev, smem, wait);
+}
+
 template <class T, int KIND, bool K8, int CAP>
 __device__ __forceinline__ void sweep_typed(const skargs<CAP> &A, const skmat &M, const skscr &S, int band, int64_t la,
                                             int64_t lb, bool rev, char *smem, bool wait)
 {
     if (!M.fast) generic_segment<T, KIND>(A, M, S, band, la, lb, rev, smem, wait);
-    else if (M.K == 1) fast_segment<T, 1, KIND>(A, M, S, band, la, lb, rev, smem, wait);
-    else if (M.K == 2) fast_segment<T, 2, KIND>(A, M, S, band, la, lb, rev, smem, wait);
-    else if (K8 && sizeof(T) == 4 && M.K == 8) fast_segment<float, 8, KIND>(A, M, S, band, la, lb, rev, smem, wait);
-    else fast_segment<T, 4, KIND>(A, M, S, band, la, lb, rev, smem, wait);
+    else if constexpr (KIND == K_POWER) {
+        if (A.flags & FL_UNIT) fast_typed<T, KIND, K8, true>(A, M, S, band, la, lb, rev, smem, wait);
+        else fast_typed<T, KIND, K8, false>(A, M, S, band, la, lb, rev, smem, wait);
+    } else fast_typed<T, KIND, K8, false>(A, M, S, band, la, lb, rev, smem, wait);
 }
 
 /* K8: the call has f32 rows of K = 8 (plan_chunk).  Their map lives in a kernel of its own: in the same kernel,
@@ -1151,10 +1163,18 @@ __global__ void __launch_bounds__(T_SWEEP, 1) pair_kernel(const skargs<CAP> *__r
         const int band = (c2 > M.band0 ? c2 : M.band0) - M.band0;
         if (threadIdx.x == 0) w->zband = c2 >= M.band0 && c2 + 1 < M.band0 + M.nbands ? c2 + 1 - M.band0 : -1;
         __syncthreads();
-        if (M.gdt == MS_DTYPE_BF16)
-            fast_segment<__nv_bfloat16, 4, KIND, CAP, true>(A, M, S, band, sa, sb, rev, smem, wait);
-        else
-            fast_segment<__half, 4, KIND, CAP, true>(A, M, S, band, sa, sb, rev, smem, wait);
+        auto segment = [&](auto ff) {   /* (ff: the unit power sweep's instance, fast_segment's FF) */
+            if (M.gdt == MS_DTYPE_BF16)
+                fast_segment<__nv_bfloat16, 4, KIND, CAP, true, decltype(ff)::value>(A, M, S, band, sa, sb, rev, smem, wait);
+            else
+                fast_segment<__half, 4, KIND, CAP, true, decltype(ff)::value>(A, M, S, band, sa, sb, rev, smem, wait);
+        };
+        if constexpr (KIND == K_POWER) {
+            if (A.flags & FL_UNIT) segment(std::true_type());
+            else segment(std::false_type());
+        } else {
+            segment(std::false_type());
+        }
         if (threadIdx.x == 0) w->xq += (int)(sb - sa);   /* (read after the next segment's barrier above) */
         wait = false;
     }
@@ -2084,7 +2104,10 @@ __device__ __forceinline__ coefs coefs_of(const skargs<CAP> &A, const skmat &M, 
     double dec = 1.0 - eta * A.o.weight_decay, coef = eta, fac = 1.0;
     if (A.o.mode == MS_SINKGD_SPECTRAL) {
         const double tau = A.o.target == MS_SINKGD_TARGET_MUON ? M.tau : 1.0;   /* the global matrix's */
-        coef = eta * tau / __ldcg(S.scal + SC_SIGMA);
+        /* through L1 (written by the passes this one waited for, as r and c): every warp of every block of the
+        ** flat apply reads it, and from L2 (ld.cg) they queued on one line -- a 14336 x 4096 apply 8 us longer
+        ** than a base step's */
+        coef = eta * tau / __ldg(S.scal + SC_SIGMA);
     } else if (A.o.mode == MS_SINKGD_SPHERE) {
         const double s0 = __ldcg(S.scal + SC_S0), s1 = __ldcg(S.scal + SC_S1), s2 = __ldcg(S.scal + SC_S2);
         /* one read per CTA (thread 0's), so the whole CTA takes the same branch */
@@ -2804,9 +2827,11 @@ static int64_t plan_chunk(int cnt, const msk_sinkgd_mat *mm, int maxgrid, char *
         const bool streamable = dim != MSK_SHARD_COLS && dense && aligned16(a.g) && a.n % E == 0;
         /* the fast path's rows: 4 chunks a thread a row (32 elements of 16 bits), 8 for f32 (32 elements too) */
         const int64_t fast_chunks = (es == 4 ? 8 : 4) * (int64_t)T_SWEEP;
-        x.fast = streamable && a.n / E <= fast_chunks && a.m < INT32_MAX;   /* (32-bit rows) */
+        /* 32-bit rows: the walk's row indices reach m + GR - 2 (GR <= 4 T_SWEEP rows a group) */
+        const bool rows32 = a.m < INT32_MAX - 4 * T_SWEEP;
+        x.fast = streamable && a.n / E <= fast_chunks && rows32;
         x.wide = !streamable || a.n / E <= fast_chunks ? WIDE_NO
-                 : pairs && es == 2 && a.n / E <= 2 * fast_chunks && a.m < INT32_MAX ? WIDE_PAIR
+                 : pairs && es == 2 && a.n / E <= 2 * fast_chunks && rows32 ? WIDE_PAIR
                                                                                     : WIDE_PASSES;
         x.pvec = dense && aligned16(a.g) && aligned16(a.p) && a.n > 0 && a.n % 8 == 0 &&
                  a.m * a.n / 8 < ((int64_t)1 << 31);

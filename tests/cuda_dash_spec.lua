@@ -162,6 +162,30 @@ describe("CUDA DASH blocks", function()
     assert_same(vals(vg), vals(vc), "1-D blocks")
   end)
 
+  -- a block of 2^32 elements or more: its element indices and rows take 64 bits (kernels/dash.cu, block_row).  The
+  -- block is the last 2^31 + 8 columns of a [2, 2^31 + 16] bf16 tensor (row stride past its width: a wrong row
+  -- lands 8 elements off); the tail of its second row is marked, gathered into the stack and applied back
+  cuda_it("gathers and applies a block of more than 2^32 elements (64-bit indices)", function()
+    local c = 2 ^ 31 + 8
+    local p = ms.zeros({ 2, c + 8 }, { dtype = "bf16", ctx = GPU })
+    local marks = { 1, 2, 3, 4, 5, 6, 7, 8 }
+    p:slice(0, 1, 2):slice(1, c, c + 8):copy_(ms.tensor({ marks }, { dtype = "bf16" }):to(GPU))
+    local block = { { tensor = p, row0 = 0, col0 = 8 } }
+    local stack = ms.empty({ 1, 2, c }, { ctx = GPU })
+    ms.blocks_gather(stack, block)
+    assert_same(vals(stack:select(0, 0):slice(0, 1, 2):slice(1, c - 16, c)), { 0, 0, 0, 0, 0, 0, 0, 0, 1, 2, 3, 4, 5, 6, 7, 8 },
+                "the block's second row's tail")
+    assert_same(vals(stack:select(0, 0):slice(0, 0, 1):slice(1, c - 8, c)), { 0, 0, 0, 0, 0, 0, 0, 0 }, "its first row's tail")
+    -- p <- p - 1 * stack on the block: the marks become zeros, and nothing else changes
+    p:slice(0, 0, 1):slice(1, 0, 8):copy_(ms.tensor({ marks }, { dtype = "bf16" }):to(GPU))
+    ms.blocks_apply { blocks = block, stack = stack, lr = 1 }
+    assert_same(vals(p:slice(0, 1, 2):slice(1, c - 8, c + 8)), { 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0 },
+                "the second row's tail after the apply")
+    assert_same(vals(p:slice(0, 0, 1):slice(1, 0, 8)), marks, "the columns left of the block")
+    stack, p = nil, nil
+    collectgarbage()
+  end, true)
+
   cuda_it("applies decay, per-block scales, device scalars and stochastic rounding bit for bit as the CPU", function()
     for _, dt in ipairs { "f32", "bf16", "f16" } do
       for _, sr in ipairs { false, true } do
