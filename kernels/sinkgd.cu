@@ -992,7 +992,7 @@ __device__ __noinline__ void wide_rows_segment(const skargs<CAP> &A, const skmat
         for (int64_t q0 = 0; q0 < r1 - r0; q0 += WARPS) {
             const bool on = q0 + warp < r1 - r0;
             const int64_t row = on ? row_of(q0 + warp) : r0;
-            const float rold = rold_of(row);
+            const float rold = on ? rold_of(row) : 1.f;   /* (an idle warp reads no r: r0's warp may be writing it) */
             float ps = 0, pf = 0;
 #pragma unroll 1
             for (int64_t b = 0; b < nblk; b++) {
