@@ -1068,6 +1068,7 @@ __device__ __noinline__ void wide_cols_segment(const skmat &M, const skscr &S, i
     }
 }
 
+/* the fast path's map of M (its K chunks a thread), the unit power sweep's |G|^2 in it or not (FF) */
 template <class T, int KIND, bool K8, bool FF, int CAP>
 __device__ __forceinline__ void fast_typed(const skargs<CAP> &A, const skmat &M, const skscr &S, int band, int64_t la,
                                            int64_t lb, bool rev, char *smem, bool wait)
