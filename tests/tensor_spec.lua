@@ -141,6 +141,18 @@ describe("views", function()
     H.expect_error(function() t:expand({ 3, 3 }) end, "cannot expand")
   end)
 
+  it("refuses view shapes whose element count overflows int64", function()
+    -- [2^32, 2^32] "holds" 2^64 elements, which wrap to 0 in int64: it once passed as a view of an empty
+    -- tensor, and a select of it then pointed far past the storage (a fill there crashed the process)
+    H.expect_error(function() ms.zeros({ 0 }):view({ 2 ^ 32, 2 ^ 32 }) end, "too many elements")
+    H.expect_error(function() ms.zeros({ 0 }):reshape({ 2 ^ 33, 2 ^ 31 }) end, "too many elements")
+    H.expect_error(function() ms.ones({ 1 }):expand({ 2 ^ 32, 2 ^ 32 }) end, "too many elements")
+    H.expect_error(function() ms.ones({ 1, 1 }):expand({ 2 ^ 40, 2 ^ 40 }) end, "too many elements")
+    -- large but representable views stay allowed
+    assert.equals(2 ^ 62, ms.ones({ 1 }):expand({ 2 ^ 31, 2 ^ 31 }):numel())
+    assert.same({ 2 ^ 40, 0 }, ms.zeros({ 0 }):view({ 2 ^ 40, 0 }):shape())
+  end)
+
   it("unsqueeze and squeeze", function()
     local t = ms.zeros({ 3, 4 })
     assert.same({ 3, 1, 4 }, t:unsqueeze(1):shape())

@@ -274,6 +274,10 @@ MS_API ms_status ms_tensor_reshape(ms_ctx *ctx, const ms_tensor *src, int ndim, 
             infer = i;
         } else if (shape[i] < 0) {
             return MS_FAIL(ctx, MS_E_SHAPE, "%s: negative size in %s", fn, ms_shape_str(b1, sizeof b1, ndim, shape));
+        } else if (shape[i] != 0 && known > INT64_MAX / shape[i]) {
+            /* a product that wraps could equal numel (2^64 wraps to 0): the view would reach past the storage */
+            return MS_FAIL(ctx, MS_E_SHAPE, "%s: shape %s has too many elements", fn,
+                           ms_shape_str(b1, sizeof b1, ndim, shape));
         } else known *= shape[i];
     }
     if (infer >= 0) {
@@ -426,6 +430,9 @@ MS_API ms_status ms_tensor_expand(ms_ctx *ctx, const ms_tensor *src, int ndim, c
         else if (have == 1 && want >= 0) { nshape[i] = want; nstr[i] = 0; }
         else goto bad;
     }
+    if (shape_numel(ndim, nshape) < 0)   /* stride 0 needs no memory, but numel must still be an int64 */
+        return MS_FAIL(ctx, MS_E_SHAPE, "%s: cannot expand %s to %s: too many elements", fn, ms_tshape(src),
+                       ms_shape_str(b1, sizeof b1, ndim, shape));
     ms_tensor *t;
     MS_TRY(view_of(ctx, fn, src, &t));
     t->ndim = ndim;
