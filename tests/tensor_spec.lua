@@ -153,6 +153,14 @@ describe("views", function()
     assert.same({ 2 ^ 40, 0 }, ms.zeros({ 0 }):view({ 2 ^ 40, 0 }):shape())
   end)
 
+  it("slices with a step far larger than the dim", function()
+    -- (stop - start + step - 1) overflowed int64 for steps near 2^63, giving a view of shape [-1]
+    local t = ms.zeros({ 2048 })
+    assert.same({ 1 }, t:slice(0, 0, 2048, 2 ^ 63 - 1024):shape())
+    assert.same({ 1 }, t:slice(0, 5, 2048, 2 ^ 62):shape())
+    assert.same({ 2 }, t:slice(0, 0, 2048, 2047):shape())
+  end)
+
   it("unsqueeze and squeeze", function()
     local t = ms.zeros({ 3, 4 })
     assert.same({ 3, 1, 4 }, t:unsqueeze(1):shape())

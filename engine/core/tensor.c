@@ -341,7 +341,7 @@ MS_API ms_status ms_tensor_slice(ms_ctx *ctx, const ms_tensor *src, int dim, int
     int64_t n = src->shape[dim];
     start = clamp_index(start, n);
     stop = clamp_index(stop, n);
-    int64_t len = stop > start ? (stop - start + step - 1) / step : 0;
+    int64_t len = stop > start ? (stop - start - 1) / step + 1 : 0;   /* ceil without overflow for any step */
     ms_tensor *t;
     MS_TRY(view_of(ctx, fn, src, &t));
     if (len > 0) t->offset += start * src->strides[dim];
