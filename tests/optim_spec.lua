@@ -117,6 +117,22 @@ describe("option specs", function()
     H.expect_error(function() ms.recipe.options(sgd, { nesterov = true }) end, "option 'nesterov' needs momentum > 0")
   end)
 
+  it("refuses infinite and NaN numbers, which a min/max range lets through", function()
+    -- the lr reaches the step as a device scalar (lr_t), which the engine cannot check: an infinite lr once
+    -- passed and the first step wrote -inf into every parameter; a NaN beta turned them all to NaN
+    local lion = ms.recipe.get("lion")
+    H.expect_error(function() ms.recipe.options(adamw, { lr = "1e999" }) end, "option 'lr'", "finite")
+    H.expect_error(function() ms.recipe.options(adamw, { lr = math.huge }) end, "option 'lr'", "finite")
+    H.expect_error(function() ms.recipe.options(sgd, { momentum = -math.huge, lr = 0.1 }) end, "option 'momentum'")
+    H.expect_error(function() ms.recipe.options(lion, { betas = { 0 / 0, 0.99 } }) end, "option 'betas'")
+    H.expect_error(function() ms.recipe.options(lion, { betas = "0.9, 1e999" }) end, "option 'betas'")
+    local p = { name = "w", param = ms.ones({ 2, 2 }), grad = ms.ones({ 2, 2 }) }
+    local opt = ms.optim.new("sgd", { p }, { lr = 0.1 })
+    H.expect_error(function() opt:set_lr(math.huge) end, "set_lr")
+    opt:step()
+    H.assert_close(p.param:totable(), { { 0.9, 0.9 }, { 0.9, 0.9 } })
+  end)
+
   it("takes lists of strings and of name patterns as tables or comma-separated strings, item by item", function()
     local r = {
       name = "lists",

@@ -534,9 +534,12 @@ end
 
 -- each type: convert(value) -> converted or nil, why
 M.types = {
+  -- finite only: a min/max range lets inf through ("1e999" reads as inf) and NaN too, and values such as the lr
+  -- reach the engine as device scalars it cannot check
   number = function(v)
     if type(v) == "string" then v = strict_number(v) end
     if type(v) ~= "number" or v ~= v then return nil, "a number is needed" end
+    if v == math.huge or v == -math.huge then return nil, "a finite number is needed" end
     return v
   end,
   integer = function(v)
@@ -570,8 +573,10 @@ M.types = {
     if type(v) ~= "table" then return nil, "a list of numbers is needed" end
     local out = {}
     for i = 1, #v do
-      if type(v[i]) ~= "number" then return nil, "a list of numbers is needed" end
-      out[i] = v[i]
+      local x = v[i]
+      if type(x) ~= "number" then return nil, "a list of numbers is needed" end
+      if x ~= x or x == math.huge or x == -math.huge then return nil, ("item %d is not a finite number"):format(i) end
+      out[i] = x
     end
     return out
   end,
