@@ -514,6 +514,36 @@ describe("checkpoints", function()
     assert.equals(2, opt2.step_count)
   end)
 
+  it("refuses corrupt checkpoint metadata before changing anything, the global generator included", function()
+    local path, bad = os.tmpname(), os.tmpname()
+    local opt = ms.optim.new("sgd", { param("a", { 3 }) }, { momentum = 0.9 })
+    opt:step()
+    opt:save(path)
+    local tensors, filemeta = ms.load(path)
+    ms.manual_seed(5)
+    local rng = ms.rng_state()
+    for _, case in ipairs {
+      { "rng", 5 }, { "rng", { seed = "x", offset = 0 } }, { "rng", { seed = -1, offset = 1.5 } },
+      { "step", -3 }, { "step", 2.5 }, { "skipped", "many" }, { "lr_override", "fast" }, { "lr_override", -1 },
+    } do
+      local meta = ms.json.decode(filemeta.moonstep)
+      meta[case[1]] = case[2]
+      ms.save(bad, tensors, { moonstep = ms.json.encode(meta) })
+      local fresh = ms.optim.new("sgd", { param("a", { 3 }) }, { momentum = 0.9 })
+      local buf = fresh.members[1].state.momentum_buffer
+      buf:fill_(7)
+      H.expect_error(function() fresh:load(bad) end, bad, case[1])
+      assert.equals(0, fresh.step_count)
+      assert.same({ 7, 7, 7 }, buf:totable())
+      assert.same(rng, ms.rng_state())
+      assert.is_nil(fresh.lr_override)
+    end
+    H.expect_error(function() ms.set_rng_state({ seed = "x", offset = 0 }) end, "set_rng_state")
+    assert.same(rng, ms.rng_state())
+    os.remove(path)
+    os.remove(bad)
+  end)
+
   it("refuses another recipe's checkpoint unless forced, and names mismatched tensors", function()
     local path = os.tmpname()
     local a = param("a", { 3 })

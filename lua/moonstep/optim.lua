@@ -1727,7 +1727,25 @@ function Optimizer:load(path, opts)
     error(("%s: checkpoint of recipe '%s' (hash %s), this optimizer runs '%s' (hash %s); pass {force = true} to load it anyway")
           :format(path, tostring(rec.name), tostring(rec.hash), self.recipe.name, self.recipe_hash), 2)
   end
-  if type(meta.step) ~= "number" then error(path .. ": checkpoint has no step", 2) end
+  -- the metadata that load() writes into the optimizer (and the global generator) after the copies: checked
+  -- here, with everything else, so that a corrupt file changes nothing
+  if not (is_integer(meta.step) and meta.step >= 0) then
+    error(("%s: checkpoint step %s is not a non-negative integer"):format(path, tostring(meta.step)), 2)
+  end
+  if meta.skipped ~= nil and not (is_integer(meta.skipped) and meta.skipped >= 0) then
+    error(("%s: checkpoint skipped = %s is not a non-negative integer"):format(path, tostring(meta.skipped)), 2)
+  end
+  local lo = meta.lr_override
+  if lo ~= nil and not (type(lo) == "number" and lo >= 0 and lo < math.huge) then
+    error(("%s: checkpoint lr_override = %s is not a finite number >= 0"):format(path, tostring(meta.lr_override)), 2)
+  end
+  local rng = meta.rng
+  for _, f in ipairs(files) do
+    if f.meta.world == self.world.size and f.meta.rank == self.world.rank and f.meta.rng then rng = f.meta.rng end
+  end
+  if rng ~= nil and not tensor.valid_rng_state(rng) then
+    error(("%s: checkpoint rng state is not {seed =, offset =} of non-negative integers"):format(path), 2)
+  end
   local tensors, scalars = self:_state_entries()
   local splits, slots = self:_layout()
   -- check everything before changing anything
@@ -1760,10 +1778,6 @@ function Optimizer:load(path, opts)
   self.skipped = meta.skipped or 0
   if self.skipped_t then self.skipped_t:fill_(0) end
   self.lr_override = meta.lr_override
-  local rng = meta.rng
-  for _, f in ipairs(files) do
-    if f.meta.world == self.world.size and f.meta.rank == self.world.rank and f.meta.rng then rng = f.meta.rng end
-  end
   if rng then ms.set_rng_state(rng) end
   return { step = meta.step, recipe = rec.name }
 end

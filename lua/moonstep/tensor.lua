@@ -268,7 +268,14 @@ function M.manual_seed(n)
   rng.seed, rng.offset = n, 0
 end
 function M.rng_state() return { seed = rng.seed, offset = rng.offset } end
-function M.set_rng_state(s) rng.seed, rng.offset = s.seed, s.offset end
+-- a generator state: non-negative integers below 2^64 (what the engine's uint64 seed and offset hold)
+local function rng_count(v) return type(v) == "number" and v >= 0 and v < 2 ^ 64 and v == math.floor(v) end
+function M.valid_rng_state(s) return type(s) == "table" and rng_count(s.seed) and rng_count(s.offset) end
+function M.set_rng_state(s)
+  -- checked first: a bad value would only fail at the next draw, in every later caller's hands
+  if not M.valid_rng_state(s) then error("set_rng_state: {seed =, offset =} of non-negative integers is needed", 2) end
+  rng.seed, rng.offset = s.seed, s.offset
+end
 
 local function draw(shape, opts, dist, a, b)
   local t = M.empty(shape, opts)
