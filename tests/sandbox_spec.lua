@@ -208,6 +208,19 @@ describe("the recipe sandbox", function()
     fails(function() run { step = "while true do end" } end, "instruction limit of 100000000", 2)
   end)
 
+  it("stops library calls whose work the recipe's arguments set, not its data", function()
+    -- table.insert(t, pos, v) shifts t[pos .. #t] up one in C, where the hook never runs: a negative pos made
+    -- one call loop 2^31 times (about 20 s here) under an instruction limit that stops a loop in 0.05 s
+    fails(function() run({ step = "table.insert({}, -2^31 + 2, 1)" }, { sandbox = { instructions = 2e7 } }) end,
+          "table.insert", 2)
+    fails(function() run({ step = "table.insert({}, '-2147483646', 1)" }) end, "table.insert", 2)
+    local o = run { step = [[
+      local t = {1, 3}
+      table.insert(t, 2, 2) table.insert(t, 4) table.insert(t, 5, 5) table.insert(t, 1, 0)
+      ctx.report('t', table.concat(t, ','))]] }
+    assert.equals("0,1,2,3,4,5", o:stats().last.reports.t)
+  end)
+
   it("stops memory bombs", function()
     local bombs = {
       { "return string.rep('x', 2^30)", "string.rep" },

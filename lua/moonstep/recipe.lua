@@ -106,7 +106,7 @@ local string_mt = getmetatable("")
 local real_string_index = string_mt.__index
 local real_tostring, real_pcall, real_xpcall = tostring, pcall, xpcall
 local str_rep, str_gsub, str_format, str_find = string.rep, string.gsub, string.format, string.find
-local str_match, str_gmatch, tbl_concat = string.match, string.gmatch, table.concat
+local str_match, str_gmatch, tbl_concat, tbl_insert = string.match, string.gmatch, table.concat, table.insert
 
 local function memory_cap() return active and active.memory or M.limits.memory end
 
@@ -192,7 +192,16 @@ local safe_string = {
 }
 
 local safe_table = {
-  insert = table.insert, remove = table.remove, sort = table.sort, maxn = table.maxn,
+  remove = table.remove, sort = table.sort, maxn = table.maxn,
+  -- insert(t, pos, v) shifts t[pos .. #t] in one C loop: a position below 1 (down to -2^31) makes that loop as
+  -- long as the recipe likes, out of the hook's reach.  Positions 1 .. #t + 1 keep it bounded by the table.
+  insert = function(t, ...)
+    if select("#", ...) == 2 and type(t) == "table" then
+      local pos = tonumber((...))
+      if pos and pos < 1 then error(("table.insert: position %.0f out of bounds"):format(pos), 2) end
+    end
+    return tbl_insert(t, ...)
+  end,
   concat = function(t, sep, i, j)
     if type(t) == "table" then
       local n, seplen = 0, type(sep) == "string" and #sep or 0
