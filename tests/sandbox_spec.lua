@@ -221,6 +221,20 @@ describe("the recipe sandbox", function()
     assert.equals("0,1,2,3,4,5", o:stats().last.reports.t)
   end)
 
+  it("stops trusted helpers whose loops the recipe's numbers size (ms.block_plan)", function()
+    -- the plan's loops run once per block; compiled, they ran out of the hook's reach: this plan of 2^21
+    -- blocks once finished (3.6 s, 1.1 GB) under an instruction limit of 1e6, and {2^40, 1} grew the heap to
+    -- 13 GB under the default 256 MB limit before the hook ran again
+    fails(function()
+      run({ step = "ms.block_plan({ { name = 'w', shape = { 2^21, 1 } } }, { block_size = 1 })" },
+          { sandbox = { instructions = 1e6, memory = 2 ^ 30 } })
+    end, "instruction limit", 1)
+    local o = run { step = [[
+      local p = ms.block_plan({ { name = 'w', shape = { 300, 70 } }, { name = 'b', shape = { 300 } } }, { block_size = 64 })
+      ctx.report('stacks', #p.stacks)]] }
+    assert.equals(6, o:stats().last.reports.stacks)
+  end)
+
   it("stops memory bombs", function()
     local bombs = {
       { "return string.rep('x', 2^30)", "string.rep" },

@@ -146,4 +146,13 @@ function M.plan(params, opts)
   return plan
 end
 
+-- The loops above run as many times as the shapes and block_size say, numbers an untrusted recipe chooses
+-- (ms.block_plan is in its sandbox): compiled, they would run out of reach of its instruction and memory hook
+-- ({2^40, 1} in blocks of 1 grew the heap to 13 GB under a 256 MB limit).  A plan is made once per group, so
+-- the interpreter costs nothing that matters.
+if jit then
+  jit.off(pieces)
+  jit.off(M.plan, true)
+end
+
 return M

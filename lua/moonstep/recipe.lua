@@ -82,7 +82,8 @@ Limits, enforced while untrusted code runs (M.call):
                 than this many.  The recipe's functions are never compiled (jit.off on its chunk, which
                 covers every function defined in it), because LuaJIT does not run hooks inside traces.
                 Trusted code reachable from the sandbox only loops over bounded data (no walk of a
-                possibly cyclic table), so compiled trusted traces end on their own.
+                possibly cyclic table), so compiled trusted traces end on their own; trusted code whose loop
+                counts come from the recipe's numbers (ms.block_plan) is never compiled.
   memory        the Lua heap may grow by at most this many bytes during one call (checked in the hook;
                 a full collection first, so garbage does not count).  String functions that can build a
                 large result in one C call (rep, gsub, format, table.concat) check its size beforehand,
