@@ -235,6 +235,16 @@ describe("the recipe sandbox", function()
     assert.equals(6, o:stats().last.reports.stacks)
   end)
 
+  it("bounds what reading a tensor back into Lua may build, expanded views included", function()
+    -- an expanded view costs no engine memory, so no quota: reading 2^26 elements of one back built a 512 MB
+    -- Lua table (in compiled code, out of the hook's reach) under the 256 MB memory limit, and the call succeeded
+    for _, use in ipairs { "t:tolist_flat()", "t:totable()", "tostring(t)" } do
+      fails(function() run { step = "local t = ms.zeros({1}):expand({2^26}); local x = " .. use } end, "memory limit", 5)
+    end
+    local o = run { step = "ctx.report('n', #ms.ones({1}):expand({1000}):tolist_flat())" }
+    assert.equals(1000, o:stats().last.reports.n)
+  end)
+
   it("stops memory bombs", function()
     local bombs = {
       { "return string.rep('x', 2^30)", "string.rep" },

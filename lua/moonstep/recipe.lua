@@ -336,6 +336,14 @@ new_guard = function(name, limits, params)
             :format(g.name, g.held, bytes, g.quota), 0)
     end
   end
+  -- host memory one trusted call is about to build for the recipe (tensor data read back into Lua): checked
+  -- beforehand against the memory limit, like string.rep's result, since it is built where the hook never runs
+  g.host = function(what, bytes)
+    if bytes > g.memory then
+      error(("%s: %s of %.0f bytes exceeds the recipe's memory limit of %.0f bytes"):format(g.name, what, bytes,
+            g.memory), 0)
+    end
+  end
   g.charge = function(t, bytes)
     local token = newproxy(true)
     getmetatable(token).__gc = function() g.held = g.held - bytes end

@@ -460,6 +460,9 @@ function Tensor:tolist_flat()
   local n = self:numel()
   local out = {}
   if n == 0 then return out end
+  -- a Lua table of n numbers plus a transfer buffer: under a recipe's limits, checked first (an expanded view
+  -- holds no quota, yet reads back as n elements)
+  if alloc_guard then alloc_guard.host("reading a tensor into Lua", n * 16) end
   local dt = self:dtype()
   if dt == "f32" or dt == "f64" then     -- a plain transfer: no conversion op on the tensor's device
     local buf = ffi.new(dt == "f32" and "float[?]" or "double[?]", n)
