@@ -56,6 +56,13 @@ describe("moonstep command line", function()
     local o, rc = ms_run("train " .. LSQ .. " --recipe adamw --steps many")
     assert.equals(2, rc)
     has(o, "--steps", "not an integer")
+    -- tonumber reads "inf" and "nan": --steps inf once trained forever, --clip nan trained without clipping
+    for _, c in ipairs { { "--steps inf --until 2", "--steps", "not an integer" }, { "--steps 3 --clip nan", "--clip", "not a number" },
+                         { "--steps 3 --clip 1e999", "--clip", "not a number" }, { "--steps 3 --threads inf", "--threads" } } do
+      o, rc = ms_run("train " .. LSQ .. " --recipe sgd " .. c[1])
+      assert.equals(2, rc, c[1])
+      has(o, unpack(c, 2))
+    end
     o, rc = ms_run("train --problem lsq --recipe adamw --steps")
     assert.equals(2, rc)
     has(o, "--steps needs a value")
