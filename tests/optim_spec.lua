@@ -199,6 +199,25 @@ describe("ms.optim.new", function()
     assert.truthy(text:find("total", 1, true))
   end)
 
+  it("refuses what the engine would refuse mid-step (aliased grads, strided params) before any route steps", function()
+    -- muon steps the matrix in one route and the bias in another: the bias route's engine call refused the
+    -- aliasing or the strides, but only after the matrix had been updated (and the step count had not moved)
+    local w = { name = "w", param = ms.ones({ 4, 4 }), grad = ms.ones({ 4, 4 }) }
+    local bias = ms.ones({ 4 })
+    H.expect_error(function() ms.optim.new("muon", { w, { name = "bias", param = bias, grad = bias } }) end,
+                   "parameter 'bias'", "shares memory")
+    local big = ms.ones({ 6 })
+    H.expect_error(function()
+      ms.optim.new("sgd", { w, { name = "half", param = big:slice(0, 0, 4), grad = big:slice(0, 2, 6) } })
+    end, "parameter 'half'", "shares memory")
+    local opt = ms.optim.new("muon", { w, { name = "bias", param = bias, grad = ms.ones({ 4 }) } })
+    H.expect_error(function() opt:set_grad("bias", bias) end, "parameter 'bias'", "shares memory")
+    H.expect_error(function()
+      ms.optim.new("muon", { w, { name = "bias", param = ms.ones({ 8 }):slice(0, 0, 8, 2), grad = ms.ones({ 4 }) } })
+    end, "parameter 'bias'", "contiguous")
+    assert.same(ms.ones({ 4, 4 }):totable(), w.param:totable())
+  end)
+
   it("needs a recipe with a number option 'lr'", function()
     local r = { name = "nolr", options = {}, route = function() return "r" end, routes = { r = { step = function() end } } }
     H.expect_error(function() ms.optim.new(r, { param("w", { 2 }) }) end, "recipe nolr has no number option 'lr'")

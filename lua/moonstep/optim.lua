@@ -477,6 +477,11 @@ function M.new(recipe, params, options, settings)
     if p.param:device() ~= ctx:name() then
       error(("parameter '%s' is on %s but the optimizer runs on %s"):format(p.name, p.param:device(), ctx:name()), 2)
     end
+    -- what the fused steps would refuse only when the param's route runs, after earlier routes have stepped
+    if not p.param:is_contiguous() then
+      error(("parameter '%s': param must be contiguous (it is updated in place; strides %s)"):format(p.name,
+            "[" .. table.concat(p.param:strides(), ",") .. "]"), 2)
+    end
     if p.grad ~= nil then self:_check_grad(p.name, p.param, p.grad, 3) end
     if p.tags ~= nil and type(p.tags) ~= "table" then error(("parameter '%s': tags must be an array of strings"):format(p.name), 2) end
     local key = data_key(p.param)
@@ -558,6 +563,10 @@ function Optimizer:_check_grad(name, param, grad, level)
   local dt = grad:dtype()
   if dt ~= "f32" and dt ~= "f64" and dt ~= "bf16" and dt ~= "f16" then
     error(("parameter '%s': grad dtype %s is not a float dtype"):format(name, dt), level)
+  end
+  -- the fused steps refuse it too, but only when its route runs: after the routes before it have stepped
+  if core.C.ms_tensor_overlaps(tensor.handle(param), tensor.handle(grad)) ~= 0 then
+    error(("parameter '%s': grad shares memory with the param (it is updated in place)"):format(name), level)
   end
 end
 
