@@ -803,13 +803,17 @@ extern "C" ms_status msk_dash_cheb_init(ms_ctx *ctx, cudaStream_t s, const msk_d
 ** early exit
 ** ===================================================================================================== */
 
-__global__ void freeze_kernel(msk_dash_pos P, int *live, unsigned *dev, float factor, float tol, int *iters, int k)
+__global__ void freeze_kernel(msk_dash_pos P, int *live, unsigned *dev, float factor, float tol, float limit, int *iters,
+                              int k)
 {
     const int64_t p = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (p >= P.batch) return;
     int l = live[p];
     if (l < 0) l = 0;
-    if (l > 0 && factor * __uint_as_float(dev[p]) < tol) {   /* NaN (as +inf) never passes */
+    /* converged, or left the region of convergence (engine/cpu/dash.c's !(dev <= limit); NaN, kept as +inf, too):
+    ** a diverging block iterated on overflows to Inf and NaN within a few steps */
+    const float d = factor * __uint_as_float(dev[p]);
+    if (l > 0 && (d < tol || !(d <= limit))) {
         l = -1;
         iters[orig_of(P, p)] += k;
     }
@@ -818,10 +822,10 @@ __global__ void freeze_kernel(msk_dash_pos P, int *live, unsigned *dev, float fa
 }
 
 extern "C" ms_status msk_dash_freeze(ms_ctx *ctx, cudaStream_t s, const msk_dash_pos *pos, int *live, unsigned *dev,
-                                     float factor, float tol, int *iters, int k)
+                                     float factor, float tol, float limit, int *iters, int k)
 {
     if (pos->batch <= 0) return MS_OK;
-    freeze_kernel<<<(unsigned)cdiv(pos->batch, 256), 256, 0, s>>>(*pos, live, dev, factor, tol, iters, k);
+    freeze_kernel<<<(unsigned)cdiv(pos->batch, 256), 256, 0, s>>>(*pos, live, dev, factor, tol, limit, iters, k);
     LAUNCH_CHECK("inv_root (freeze)");
     return MS_OK;
 }

@@ -369,9 +369,10 @@ ms_status msk_dash_cheb_init(ms_ctx *ctx, cudaStream_t s, const msk_dash_pos *po
                              void *tm16, void *b116, int dt16);
 
 /* Early exit.  live[p] > 0: iterating; -1: frozen at this check; 0: frozen before.  freeze: -1 becomes 0; a live
-** position with factor * dev[p] < tol becomes -1 and iters[q] += k; dev[p] <- 0. */
+** position with d = factor * dev[p] < tol (converged) or not <= limit (diverged, NaN included: moonstep.h's
+** divergence stop) becomes -1 and iters[q] += k; dev[p] <- 0. */
 ms_status msk_dash_freeze(ms_ctx *ctx, cudaStream_t s, const msk_dash_pos *pos, int *live, unsigned *dev,
-                          float factor, float tol, int *iters, int k);
+                          float factor, float tol, float limit, int *iters, int k);
 /* dst <- src * f + c0 f I for each position with live[p] == -1 (final: live NULL or live[p] > 0), f =
 ** (float)pow(scale[q], fexp) (scale NULL: f = 1, no multiply); dst addressed by block id (dst_by_id) or q. */
 ms_status msk_dash_save(ms_ctx *ctx, cudaStream_t s, const msk_dash_pos *pos, const int *live, int final,

@@ -529,6 +529,34 @@ describe("CUDA ms.inv_root", function()
     end
   end)
 
+  -- moonstep.h: with a tolerance, a block whose iterate leaves the region of convergence (A_reg with a negative
+  -- eigenvalue; NDB: max |Z Y - I| > 2, CN: max |M - I| > p + 1) stops as a converged one does, on the CUDA backend
+  -- too.  Iterated on, its negative eigenvalue grows cubically once near -1: Inf and NaN within ~7 more steps.
+  cuda_it("stops a diverging block (A_reg indefinite) as the CPU does when a tolerance is given: finite, same iterations", function()
+    local b = 32
+    local healthy, bad1, bad2 = spread(10, b), spread(10, b), spread(3, b)
+    bad1[b] = -0.3   -- one negative eigenvalue, a tenth of the largest's size
+    bad2[b] = -0.6
+    local a = spd_stack({ healthy, bad1, bad2 }, 7350)
+    for _, m in ipairs { "ndb", "cn" } do
+      for _, p in ipairs { 2, 4 } do
+        local opts = { method = m, root = p, steps = 16, scaling = "fro", eps = 0, tolerance = 1e-4, iters = true }
+        local cpu, gpu = both(a, opts)
+        local what = ("%s p=%d"):format(m, p)
+        local ic = vals(cpu.it)
+        local full = m == "ndb" and p == 4 and 32 or 16
+        assert(ic[2] < full and ic[3] < full, what .. ": the reference ran the diverging blocks to the end")
+        assert(finite(vals(gpu.x)), what .. ": non-finite root")
+        assert.are.same(ic, vals(gpu.it))
+        for k = 0, 2 do
+          -- f32 noise, amplified by the few unstable steps before the stop
+          local e = normalized_error(gpu.x:select(0, k):to("f64"), cpu.x:select(0, k):to("f64"))
+          assert(e <= 1e-3, ("%s block %d: GPU differs from the CPU by %.3g"):format(what, k, e))
+        end
+      end
+    end
+  end)
+
   cuda_it("works only on the blocks of `index` (any order), leaving the others and their outputs as they were", function()
     local a = spd_stack({ spread(3, 40), spread(8, 40), clustered(5, 40), spread(20, 40), spread(2, 40),
                           clustered(3, 40), spread(6, 40), spread(4, 40) }, 7400)

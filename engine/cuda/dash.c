@@ -58,6 +58,7 @@
 #define NSLOTS_MAX 8
 #define LT_CACHE 16                         /* product shapes whose cuBLASLt algorithm is kept */
 #define LT_CANDIDATES 16                    /* the heuristic's candidates looked through for a preferred tile */
+#define NDB_DIVERGED 2.0f                   /* engine/cpu/dash.c: max |Z Y - I| past it, an NDB block stops */
 
 /* the options' rng_ids as the kernels read them (on the device: no host copy, so captures replay new ids) */
 static const int *rng_ids_of(const ms_tensor *rng_ids) { return rng_ids ? (const int *)ms_tensor_ptr(rng_ids) : NULL; }
@@ -717,12 +718,13 @@ static ms_status pass_begin(solver *S)
     return MS_OK;
 }
 
-/* After the check of iteration k (distance factor * dev): freeze the converged positions and save their
-** roots (src slot) into out. */
-static ms_status freeze_and_save(solver *S, float factor, int k, const float *src, float *out, bool out_by_id)
+/* After the check of iteration k (distance factor * dev): freeze the converged positions, and those past `limit`
+** (moonstep.h's divergence stop: NDB 2, CN p + 1), and save their roots (src slot) into out. */
+static ms_status freeze_and_save(solver *S, float factor, float limit, int k, const float *src, float *out,
+                                 bool out_by_id)
 {
     MS_CUDA_LAUNCH(S->ctx, msk_dash_freeze(S->ctx, S->st, &S->pos, S->live, S->dev, factor, (float)S->o->tolerance,
-                                           S->acc, k));
+                                           limit, S->acc, k));
     MS_CUDA_LAUNCH(S->ctx, msk_dash_save(S->ctx, S->st, &S->pos, S->live, 0, src, out, out_by_id, NULL, 0, 0));
     S->launches += 2;
     return MS_OK;
@@ -900,7 +902,7 @@ static ms_status ndb_chain(solver *S, msk_dash_src src, double se, double we, bo
         const void *Y = mm16 ? shadow(S, y) : (const void *)slot(S, y), *Z = mm16 ? shadow(S, z) : (const void *)slot(S, z);
         /* E = 1.5 I - 0.5 Z Y; the check is on Z Y (= 3 I - 2 E: distance 2 |E - I|) */
         MS_TRY(product(S, slot(S, e), MS_DTYPE_F32, Z, Y, it, -0.5f, 0.0f, 1.5f, S->early, shadow(S, e)));
-        if (S->early) MS_TRY(freeze_and_save(S, 2.0f, k, slot(S, want_y ? y : z), out, out_by_id));
+        if (S->early) MS_TRY(freeze_and_save(S, 2.0f, NDB_DIVERGED, k, slot(S, want_y ? y : z), out, out_by_id));
         const void *E = mm16 ? shadow(S, e) : (const void *)slot(S, e);
         if (!last || want_y) {
             float *dst = last && direct ? out : slot(S, f[1]);
@@ -994,7 +996,7 @@ static ms_status cn_solve(solver *S)
             MS_CUDA_LAUNCH(S->ctx, msk_dash_finish_run(S->ctx, S->st, &S->sym, &f));
             S->launches++;
         }
-        if (S->early) MS_TRY(freeze_and_save(S, mm16 ? 1.0f : (float)p, i, slot(S, xs), S->x, true));
+        if (S->early) MS_TRY(freeze_and_save(S, mm16 ? 1.0f : (float)p, (float)(p + 1), i, slot(S, xs), S->x, true));
         float *dst = last && direct ? S->x : slot(S, x2);
         MS_TRY(product(S, dst, MS_DTYPE_F32, slot(S, xs), slot(S, ns), MS_DTYPE_F32, 1, 0, 0, false, NULL));
         written = last && direct;
