@@ -388,13 +388,14 @@ __global__ void graft_fold_kernel(const msk_dash_graft o, float *norm, int64_t N
     norm[k] = (float)sqrt(s);
 }
 
-/* Contract: N >= 1, rc >= 1, all stacks dense [N, rc] f32 (pgraft may be NULL), partials msk_dash_graft_scratch. */
+/* Contract: N >= 1, rc >= 0, all stacks dense [N, rc] f32 (pgraft may be NULL), partials msk_dash_graft_scratch.
+** rc == 0: the fold alone (norm <- 0 unless skipped). */
 extern "C" ms_status msk_dash_graft_run(ms_ctx *ctx, cudaStream_t s, const msk_dash_graft *o, float *m, float *v,
                                         float *norm, float *pgraft, const float *g, int64_t N, int64_t rc,
                                         double *partials)
 {
     const int64_t chunks = cdiv(rc, GRAFT_CHUNK);
-    for (int64_t y0 = 0; y0 < N; y0 += MAX_GRID_Y) {
+    for (int64_t y0 = 0; y0 < N && chunks > 0; y0 += MAX_GRID_Y) {
         const int64_t cnt = N - y0 < MAX_GRID_Y ? N - y0 : MAX_GRID_Y;
         graft_kernel<<<dim3((unsigned)chunks, (unsigned)cnt), T_ELEM, 0, s>>>(*o, m, v, pgraft, g, rc, chunks,
                                                                               partials, y0);

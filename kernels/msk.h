@@ -276,7 +276,8 @@ ms_status msk_dash_apply_run(ms_ctx *ctx, cudaStream_t s, const msk_dash_apply *
 
 
 /* ms_dash_graft on N blocks of rc elements (f32 stacks, pgraft may be NULL); `partials` holds
-** msk_dash_graft_scratch bytes.  Two launches: the pass over the stacks and the fold of the norms. */
+** msk_dash_graft_scratch bytes.  Two launches: the pass over the stacks (none when rc is 0) and the fold of the
+** norms. */
 typedef struct msk_dash_graft {
     msk_scalar step, skip;
     double     beta_grad, beta_graft, eps;

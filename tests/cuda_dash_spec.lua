@@ -272,6 +272,23 @@ describe("CUDA DASH blocks", function()
       end
     end
   end)
+
+  -- empty blocks ([N, 0, c]): nothing to update, the norms become 0 -- unless skip_t (read on the device) says
+  -- skip, which leaves them as they were, as engine/cpu/dash.c checks skip first
+  cuda_it("grafts empty blocks as the CPU: norms 0, or left as they were when skip_t is set", function()
+    for _, skip in ipairs { 0, 1 } do
+      local got = {}
+      for _, ctx in ipairs { CPU, GPU } do
+        local m, v = ms.zeros({ 3, 0, 4 }, { ctx = ctx }), ms.zeros({ 3, 0, 4 }, { ctx = ctx })
+        local norm = ms.full({ 3 }, 7, { ctx = ctx })
+        ms.dash_graft { grad = ms.zeros({ 3, 0, 4 }, { ctx = ctx }), grad_ema = m, adam_v = v, norm = norm,
+                        beta_grad = 0.9, beta_graft = 0.95, step = 2, skip = ms.full({ 1 }, skip, { ctx = ctx }) }
+        got[#got + 1] = vals(norm)
+      end
+      assert_same(got[1], skip == 1 and { 7, 7, 7 } or { 0, 0, 0 }, "CPU norms, skip " .. skip)
+      assert_same(got[2], got[1], "norms, skip " .. skip)
+    end
+  end)
 end)
 
 -- ---------------------------------------------------------------------------------------------------

@@ -306,7 +306,7 @@ ms_status ms_cuda_dash_graft(ms_ctx *ctx, ms_tensor *grad_ema, ms_tensor *adam_v
     MS_TRY(ms_cuda_enter(ctx));
     const int64_t N = grad->shape[0], rc = grad->shape[1] * grad->shape[2];
     if (N == 0) return MS_OK;
-    if (rc == 0) return ms_cuda_fill_tensor(ctx, norm, 0.0);
+    /* rc == 0 still runs the fold (norm <- 0): it honours skip_t, read on the device, as the CPU does */
     msk_dash_graft k_o = {
         .step = ms_cuda_scalar(o->step, o->step_t), .skip = ms_cuda_scalar(0, o->skip_t), .beta_grad = o->beta_grad,
         .beta_graft = o->beta_graft, .eps = o->eps, .bias_correction = o->bias_correction != 0,
@@ -327,7 +327,7 @@ ms_status ms_cuda_dash_graft(ms_ctx *ctx, ms_tensor *grad_ema, ms_tensor *adam_v
     ms_cuda_track_tensor(ctx, grad);
     ms_cuda_track_tensor(ctx, o->step_t);
     ms_cuda_track_tensor(ctx, o->skip_t);
-    ctx->launches += 1;   /* the fold */
+    ctx->launches += rc > 0 ? 1 : 0;   /* the fold */
     return MS_OK;
 }
 
