@@ -126,7 +126,9 @@ __global__ void __launch_bounds__(T_ELEM) apply_kernel(const __grid_constant__ b
     uint32_t stepw = 0;
     if (o.update) {
         const double lr = msk_scalar_value(o.lr);
-        dec = (float)(1.0 - lr * o.weight_decay);
+        /* rounded as the CPU rounds it, product then difference: nvcc would contract 1 - lr wd into one FMA, whose
+        ** f64 result may round to the next f32 (e.g. lr 0.0012550690257394218, wd 0.10004006285267383) */
+        dec = (float)__dsub_rn(1.0, __dmul_rn(lr, o.weight_decay));
         f = (float)(lr * sk);
         if (o.stochastic) stepw = msk_step_word(rint(msk_scalar_value(o.step)));
     } else {

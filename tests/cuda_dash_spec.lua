@@ -221,6 +221,22 @@ describe("CUDA DASH blocks", function()
     end
   end)
 
+  -- the decay (float)(1 - lr wd) in f64 as the CPU rounds it, the product then the difference: for these pairs one
+  -- FMA (what nvcc makes of the expression unless told otherwise) rounds to the next f32 below the CPU's
+  cuda_it("rounds the decay 1 - lr wd as the CPU does (no FMA contraction), bit for bit", function()
+    for _, c in ipairs { { 0.0012550690257394218, 0.10004006285267383 }, { 0.03521924889825151, 0.10000068607327894 },
+                         { 0.004773460305003912, 0.09999953224359748 } } do
+      local got = {}
+      for _, ctx in ipairs { CPU, GPU } do
+        local p = ms.full({ 4, 6 }, 1, { ctx = ctx })
+        ms.blocks_apply { blocks = { { tensor = p, row0 = 0, col0 = 0 } }, stack = ms.zeros({ 1, 4, 6 }, { ctx = ctx }),
+                          lr = c[1], weight_decay = c[2] }
+        got[#got + 1] = vals(p)
+      end
+      assert_same(got[2], got[1], ("lr %.17g, weight_decay %.17g"):format(c[1], c[2]))
+    end
+  end)
+
   cuda_it("scatters with a scale (opts NULL) and applies to a transposed f32 view as the CPU", function()
     local seed = H.seed()
     local w0 = ms.randn({ 20, 12 }, { seed = seed })
