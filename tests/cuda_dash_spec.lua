@@ -994,6 +994,42 @@ describe("CUDA ms.blocks_gather_factors", function()
     end
   end)
 
+  -- a stack or factor may be a contiguous view at any element offset into a larger buffer; cuBLASLt's heuristic takes
+  -- operands to be 256-byte aligned unless told, and on the H200 the TF32 algorithm it picks for aligned 64 x 64
+  -- operands answers CUBLAS_STATUS_NOT_SUPPORTED for an A 4, 8 or 12 bytes off
+  cuda_it("takes a stack and factors at any element offset on the cuBLASLt path (f32 and TF32), as the CPU", function()
+    local seed = H.seed()
+    local n, r, c = 6, 64, 64
+    local src = ms.randn({ n * r, c }, { seed = seed })
+    local l0, r0 = ms.randn({ n, r, r }, { seed = seed + 1 }), ms.randn({ n, c, c }, { seed = seed + 2 })
+    local function blocks(t)
+      local b = {}
+      for k = 0, n - 1 do b[#b + 1] = { tensor = t, row0 = r * k, col0 = 0 } end
+      return b
+    end
+    local Gc, Lc, Rc = ms.empty({ n, r, c }), l0:clone(), r0:clone()
+    ms.blocks_gather_factors { stack = Gc, blocks = blocks(src), left = Lc, right = Rc, alpha = 0.05, beta = 0.95 }
+    local bg = ms.block_list(blocks(dev(src)))
+    -- a contiguous view `off` elements into a buffer of its own, holding init (when given)
+    local function at(off, shape, init)
+      local len = shape[1] * shape[2] * shape[3]
+      local v = ms.empty({ len + off }, { ctx = GPU }):slice(0, off, off + len):view(shape)
+      if init then v:copy_(dev(init)) end
+      return v
+    end
+    for _, off in ipairs { 0, 1, 2, 3 } do
+      for _, tf32 in ipairs { false, true } do
+        local what = ("offset %d%s"):format(off, tf32 and " tf32" or "")
+        local G, L, R = at(off, { n, r, c }), at(off, { n, r, r }, l0), at(off, { n, c, c }, r0)
+        ms.blocks_gather_factors { stack = G, blocks = bg, left = L, right = R, alpha = 0.05, beta = 0.95, tf32 = tf32 }
+        assert_same(vals(G), vals(Gc), what .. ": stack")
+        local tol = tf32 and 3e-3 or 2e-6
+        local el, er = worst(L, Lc), worst(R, Rc)
+        assert(el <= tol and er <= tol, ("%s: left %.3g, right %.3g off the CPU (tolerance %g)"):format(what, el, er, tol))
+      end
+    end
+  end)
+
   cuda_it("grafts bit for bit as the CPU, in its own pass and fused into the gather (norms to 1e-6; EMA, beta_grad 0, pgraft, step_t, skip; with and without G^T)", function()
     local seed = H.seed()
     local bc, bg = problem(CPU, seed), problem(GPU, seed)

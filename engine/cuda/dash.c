@@ -104,11 +104,17 @@ struct ms_cuda_dash {
     int                pin_next;
     int64_t            batched_refused;     /* a size cusolverDnXsyevBatched refused (0: none): streams for it */
     /* the factor products (ms_blocks_gather_factors): a cuBLASLt handle and the heuristic's first algorithm
-    ** per shape, asked once (the heuristic is deterministic for fixed descriptors; kept so that no call
-    ** depends on anything but its shapes) */
+    ** per shape and operand alignment, asked once (the heuristic is deterministic for fixed descriptors; kept so
+    ** that no call depends on anything but its shapes and alignment) */
     cublasLtHandle_t   lt;
     int                nlt;
-    struct lt_entry { int64_t m, k, batch; bool tf32; int tile; cublasLtMatmulAlgo_t algo; } lt_algo[LT_CACHE];
+    struct lt_entry {
+        int64_t m, k, batch;
+        bool tf32;
+        int tile;
+        uint32_t align;
+        cublasLtMatmulAlgo_t algo;
+    } lt_algo[LT_CACHE];
 };
 
 void ms_cuda_dash_release(ms_cuda_ctx *c)
@@ -344,17 +350,27 @@ static factor_path factor_path_of(void)
     return FACTOR_LT;
 }
 
-/* The heuristic's first algorithm for C [m, m] = alpha A B^T + beta C over `batch` row-major A, B [m, k] -- or, with
-** tile set (a cublasLtMatmulTile_t), the first of its candidates with that tile, else its first -- asked once per
-** shape and kept; NULL: none (the caller falls back to cublasGemmStridedBatchedEx). */
+/* The largest power of two up to 256 dividing every address: the operands' alignment, which cuBLASLt's heuristic
+** takes to be 256 bytes unless told.  On the H200 the TF32 algorithm it picks for aligned 64 x 64 operands answers
+** CUBLAS_STATUS_NOT_SUPPORTED for an A 4, 8 or 12 bytes off (a stack or factor at an element offset in its buffer). */
+static uint32_t lt_alignment(const void *a, const void *b, const void *c)
+{
+    const uintptr_t x = (uintptr_t)a | (uintptr_t)b | (uintptr_t)c | 256;
+    return (uint32_t)(x & (~x + 1));
+}
+
+/* The heuristic's first algorithm for C [m, m] = alpha A B^T + beta C over `batch` row-major A, B [m, k] whose
+** addresses are `align`-byte aligned -- or, with tile set (a cublasLtMatmulTile_t), the first of its candidates with
+** that tile, else its first -- asked once per shape and alignment and kept; NULL: none (the caller falls back to
+** cublasGemmStridedBatchedEx). */
 static ms_status lt_algo(ms_ctx *ctx, struct ms_cuda_dash *d, cublasLtMatmulDesc_t desc, cublasLtMatrixLayout_t la,
                          cublasLtMatrixLayout_t lc, int64_t m, int64_t k, int64_t batch, bool tf32, int tile,
-                         const cublasLtMatmulAlgo_t **out)
+                         uint32_t align, const cublasLtMatmulAlgo_t **out)
 {
     *out = NULL;
     for (int i = 0; i < d->nlt; i++) {
         const struct lt_entry *e = &d->lt_algo[i];
-        if (e->m == m && e->k == k && e->batch == batch && e->tf32 == tf32 && e->tile == tile) {
+        if (e->m == m && e->k == k && e->batch == batch && e->tf32 == tf32 && e->tile == tile && e->align == align) {
             *out = &e->algo;
             return MS_OK;
         }
@@ -369,6 +385,12 @@ static ms_status lt_algo(ms_ctx *ctx, struct ms_cuda_dash *d, cublasLtMatmulDesc
     if (s == CUBLAS_STATUS_SUCCESS)
         s = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, &no_split_k,
                                                  sizeof no_split_k);
+    const cublasLtMatmulPreferenceAttributes_t aligns[4] = {
+        CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
+        CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES,
+    };
+    for (int i = 0; i < 4 && s == CUBLAS_STATUS_SUCCESS; i++)
+        s = cublasLtMatmulPreferenceSetAttribute(pref, aligns[i], &align, sizeof align);
     if (s == CUBLAS_STATUS_SUCCESS)
         s = cublasLtMatmulAlgoGetHeuristic(d->lt, desc, la, la, lc, lc, pref, tile ? LT_CANDIDATES : 1, res, &found);
     cublasLtMatmulPreferenceDestroy(pref);
@@ -387,7 +409,7 @@ static ms_status lt_algo(ms_ctx *ctx, struct ms_cuda_dash *d, cublasLtMatmulDesc
     if (s == CUBLAS_STATUS_NOT_SUPPORTED || (s == CUBLAS_STATUS_SUCCESS && pick < 0)) return MS_OK;
     if (s != CUBLAS_STATUS_SUCCESS) return ms_cublas_fail(ctx, s, "cublasLtMatmulAlgoGetHeuristic", __FILE__, __LINE__);
     if (d->nlt == LT_CACHE) d->nlt = 0;   /* more shapes than kept: start over (each is asked again, same answer) */
-    d->lt_algo[d->nlt] = (struct lt_entry){ m, k, batch, tf32, tile, res[pick].algo };
+    d->lt_algo[d->nlt] = (struct lt_entry){ m, k, batch, tf32, tile, align, res[pick].algo };
     *out = &d->lt_algo[d->nlt++].algo;
     return MS_OK;
 }
@@ -417,7 +439,8 @@ static ms_status lt_tn(ms_ctx *ctx, struct ms_cuda_dash *d, cudaStream_t stream,
         s = cublasLtMatrixLayoutSetAttribute(lc, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, &sc, sizeof sc);
     const cublasLtMatmulAlgo_t *algo = NULL;
     ms_status st = MS_OK;
-    if (s == CUBLAS_STATUS_SUCCESS) st = lt_algo(ctx, d, desc, la, lc, m, k, batch, tf32, tile, &algo);
+    if (s == CUBLAS_STATUS_SUCCESS)
+        st = lt_algo(ctx, d, desc, la, lc, m, k, batch, tf32, tile, lt_alignment(A, B, C), &algo);
     if (s == CUBLAS_STATUS_SUCCESS && st == MS_OK && algo != NULL)
         s = cublasLtMatmul(d->lt, desc, &alpha, A, la, B, la, &beta, C, lc, C, lc, algo, ms_cuda(ctx)->blas_workspace,
                            MS_CUDA_BLAS_WORKSPACE, stream);
