@@ -50,7 +50,7 @@
 #define WARPS       (T_SWEEP / 32)
 #define SLOTS       4                                     /* 16-byte chunks of G per thread per group */
 #ifndef STAGES
-#define STAGES      3                                     /* groups in the cp.async ring (4 leave no room for c^2) */
+#define STAGES      3                                     /* groups in the cp.async ring (4 leave no room for c) */
 #endif
 #define STAGE_DATA  (SLOTS * T_SWEEP * 16)                /* 32 KiB of G */
 #define RSLOT       (SLOTS * T_SWEEP * 4)                 /* a group's row scales (at most one per slot row) */
@@ -60,7 +60,7 @@
 #define STAGE_BYTES STAGE_DATA
 #define RRING       ((STAGES + 1) * RSLOT)
 #define RED_FLOATS  (2 * 2 * SLOTS * WARPS)               /* row sums: 2 parities x 2 kinds */
-/* a thread's columns' c^2 (or c u) live in shared memory, in its own slots: its registers hold the group's G^2 */
+/* a thread's columns' c (or c u) live in shared memory, in its own slots: its registers hold the group's G */
 #define CVS_OFF     (STAGES * STAGE_BYTES + RRING + RED_FLOATS * 4 + WARPS * 8)
 #define SWEEP_SMEM  (CVS_OFF + SLOTS * T_SWEEP * 32)
 #define GROUP_BYTES 32768                                 /* rows per group of the generic path: ~this many */
@@ -363,8 +363,10 @@ __device__ __forceinline__ void store_band_scalars(double vv, double ff, double 
 ** cost the registers bf16's K = 4 does.
 ** A group is P R rows (about 32 KiB); lane rho takes rows rho + P r.  Each thread copies exactly the chunks it later reads (its 4 slots of a stage), so
 ** the ring needs no barrier; the only one per group is the row sums' exchange across warps.
-** SINK:  S_i = sum_j G_ij^2 c_j^2, r_i <- sqrt(n) r_i / max(r_i sqrt(S_i), eps) (S_i = 0: r_i kept); column
-**        partials of r_i^2 G_ij^2 (G^2 computed once for both).
+** SINK:  S_i = sum_j (G_ij c_j)^2, r_i <- sqrt(n) r_i / max(r_i sqrt(S_i), eps) (S_i = 0: r_i kept); column
+**        partials of (r_i G_ij)^2.  Each factor scales G before the square, as the CPU and the generic path do:
+**        G^2 c^2 and r^2 G^2 overflowed f32 (r or c past 1.8e19, a row or column of G ~1e-19 of the rest, which
+**        the eps clamp lets r and c reach) and made the whole matrix NaN.
 ** POWER: v_i = r_i sum_j G_ij c_j u_j; column partials of r_i v_i G_ij; band scalars sum v_i^2 and (iters = 0:
 **        r = c = 1) sum G_ij^2. */
 
@@ -489,7 +491,7 @@ __device__ __noinline__ void fast_segment(const skargs<CAP> &A, const skmat &M, 
     /* PAIR (pair_kernel): this CTA takes half of each row's chunks, its cluster partner the other half, and the
     ** two add their row sums through distributed shared memory (pair_exchange) */
     /* K = 8 (f32 rows of 2049-4096 chunks): a group is one row a lane in H = 2 stages of 4 chunks a thread, its
-    ** row sum finished after the second; G (or G^2) of the first stays in registers, since its slot is refilled
+    ** row sum finished after the second; G of the first stays in registers, since its slot is refilled
     ** while the second is worked on */
     constexpr int E = elems16<T>::n, H = K > SLOTS ? K / SLOTS : 1, KS = K / H, R = K > SLOTS ? 1 : SLOTS / K;
     const int t = threadIdx.x;
@@ -576,7 +578,7 @@ __device__ __noinline__ void fast_segment(const skargs<CAP> &A, const skmat &M, 
         cp_commit();
     }
     if (wait) pdl_enter();   /* (the first groups and their r were written before the previous pass; c and u by it) */
-    /* the thread's columns: c^2 (SINK) or c u (POWER), and their accumulators (loaded while the first groups are
+    /* the thread's columns: c (SINK) or c u (POWER), and their accumulators (loaded while the first groups are
     ** on their way: at a pass's start the copies wait on nothing but the table) */
     float acc[K][E];
     /* 16-byte loads, all issued before the first use (one at a time, waiting for each, they cost a few us), by
@@ -604,8 +606,7 @@ __device__ __noinline__ void fast_segment(const skargs<CAP> &A, const skmat &M, 
 #pragma unroll
         for (int f = 0; f < E / 4; f++) {
             const float4 c = cl[k][f], u = ul[k][f];
-            cvs[(k * (E / 4) + f) * T_SWEEP + t] = KIND == K_SINK ? make_float4(c.x * c.x, c.y * c.y, c.z * c.z, c.w * c.w)
-                                                                  : make_float4(c.x * u.x, c.y * u.y, c.z * u.z, c.w * u.w);
+            cvs[(k * (E / 4) + f) * T_SWEEP + t] = KIND == K_SINK ? c : make_float4(c.x * u.x, c.y * u.y, c.z * u.z, c.w * u.w);
         }
 #pragma unroll
         for (int e = 0; e < E; e++) acc[k][e] = 0;
@@ -613,8 +614,8 @@ __device__ __noinline__ void fast_segment(const skargs<CAP> &A, const skmat &M, 
 
     int crow = row0;   /* the thread's first row in the group consumed */
     int cstage = 0, crslot = 0;
-    /* Between the row sums and the column accumulators the group's G^2 (SINK: one square an element) or G (POWER)
-    ** stays in registers; c^2 or c u comes from shared memory to make room for it.  (POWER re-read its chunks
+    /* Between the row sums and the column accumulators the group's G stays in registers; c or c u comes from
+    ** shared memory to make room for it.  (POWER re-read its chunks
     ** from shared memory until ptxas fit G without spills: -1% at most; bench/RESULTS.md, fifteenth session) */
 #pragma unroll 1
     for (int q = 0; q < ng; q++) {
@@ -652,29 +653,13 @@ __device__ __noinline__ void fast_segment(const skargs<CAP> &A, const skmat &M, 
                     unpack(w, x, (const T *)0);
                     pk[r][k] = 0;
                     fk[r][k] = 0;
-                    float sq[E];
-                    if constexpr (KIND == K_SINK && std::is_same<T, __nv_bfloat16>::value) {
-                        /* bf16: the squares straight from the packed words in one asm block -- written as x * x,
-                        ** ptxas recomputed them from the words in the column pass (two unpacks and squares an
-                        ** element) */
-                        const uint32_t wd[4] = { w.x, w.y, w.z, w.w };
-#pragma unroll
-                        for (int hw = 0; hw < 4; hw++)
-                            asm("{\n\t.reg .b32 lo, hi;\n\tshl.b32 lo, %2, 16;\n\tand.b32 hi, %2, 0xffff0000;\n\t"
-                                "mul.f32 %0, lo, lo;\n\tmul.f32 %1, hi, hi;\n}\n"
-                                : "=f"(sq[2 * hw]), "=f"(sq[2 * hw + 1])
-                                : "r"(wd[hw]));
-                    } else {
-#pragma unroll
-                        for (int e = 0; e < E; e++) sq[e] = x[e] * x[e];
-                    }
 #pragma unroll
                     for (int e = 0; e < E; e++) {
-                        if constexpr (KIND == K_SINK) {   /* (G c)^2 = G^2 c^2, (r G)^2 = r^2 G^2 */
-                            z[r][k][e] = sq[e];
-                            pk[r][k] = fmaf(sq[e], cv[e], pk[r][k]);
+                        z[r][k][e] = x[e];
+                        if constexpr (KIND == K_SINK) {   /* (G c)^2: scaled, then squared (the SINK comment) */
+                            const float y = x[e] * cv[e];
+                            pk[r][k] = fmaf(y, y, pk[r][k]);
                         } else {
-                            z[r][k][e] = x[e];
                             pk[r][k] = fmaf(x[e], cv[e], pk[r][k]);
                             if (want_ff) fk[r][k] = fmaf(x[e], x[e], fk[r][k]);
                         }
@@ -718,7 +703,7 @@ __device__ __noinline__ void fast_segment(const skargs<CAP> &A, const skmat &M, 
                                  : q2 >= eps * eps ? sqn * rsqrtf(ps[r])
                                                     : sqn * rs[r] / clampf(rs[r] * sqrtf(ps[r]), eps);
                 if (rv && kap == 0 && side == 0) rvec[row] = rn;
-                co[r] = rv ? rn * rn : 0.f;
+                co[r] = rv ? rn : 0.f;
             } else {
                 const float v = rs[r] * ps[r];
                 co[r] = rv ? rs[r] * v : 0.f;
@@ -733,7 +718,14 @@ __device__ __noinline__ void fast_segment(const skargs<CAP> &A, const skmat &M, 
 #pragma unroll
             for (int k = 0; k < K; k++)
 #pragma unroll
-                for (int e = 0; e < E; e++) acc[k][e] = fmaf(co[r], z[r][k][e], acc[k][e]);   /* r^2 G^2 or (r v) G */
+                for (int e = 0; e < E; e++) {
+                    if constexpr (KIND == K_SINK) {   /* (r G)^2 */
+                        const float y = co[r] * z[r][k][e];
+                        acc[k][e] = fmaf(y, y, acc[k][e]);
+                    } else {                          /* (r v) G */
+                        acc[k][e] = fmaf(co[r], z[r][k][e], acc[k][e]);
+                    }
+                }
         crow += rstep;
         cstage = H == 1 ? (cstage + 1 == STAGES ? 0 : cstage + 1) : cstage + H >= STAGES ? cstage + H - STAGES : cstage + H;
         crslot = crslot + 1 == STAGES + 1 ? 0 : crslot + 1;
@@ -874,11 +866,11 @@ __device__ __noinline__ void generic_segment(const skargs<CAP> &A, const skmat &
 ** row's column accumulators in registers, 32 elements a thread, and so cannot hold these rows; the generic path
 ** read-modify-writes the partials in global memory a row at a time (~0.6 TB/s: a 2048 x 28672 bf16 step took 1.53 ms, 0.54 here; bench/RESULTS.md, thirteenth session).  Here
 ** an iteration is two passes over G, each streamed at full width:
-**   rows (wide_rows_segment): a warp takes a row's sum, with the column factors (c^2, or c u) cached in shared
+**   rows (wide_rows_segment): a warp takes a row's sum, with the column factors (c, or c u) cached in shared
 **        memory -- rows of more than WIDE_RED / 4 columns in blocks, the CTA's 16 rows at a time -- and sets r
 **        (SINK) or v, r v and the band scalars (POWER), as the fast path does for its rows;
 **   columns (wide_cols_segment, the pass after the rows): every thread owns WIDE_KC chunks of a tile of
-**        WIDE_KC T_SWEEP chunks and adds r^2 G^2 (SINK) or (r v) G (POWER) over the band's rows into registers,
+**        WIDE_KC T_SWEEP chunks and adds (r G)^2 (SINK) or (r v) G (POWER) over the band's rows into registers,
 **        WIDE_NR rows a step, then stores the band's partials for the fold.  It walks the band against the rows
 **        pass, so it starts on the rows that pass read last (still in L2).
 ** Sums keep a fixed order (deterministic); the fold and everything after it are the fast path's.  The cache of
@@ -904,14 +896,13 @@ __device__ __noinline__ void wide_rows_segment(const skargs<CAP> &A, const skmat
     float *cvs = (float *)smem;
     double *dred = (double *)(smem + WIDE_RED);
     const T *g = (const T *)M.g;
-    /* the column factors of block b into the cache: c^2 (SINK; 1 on the first sweep) or (iters = 0 ? 1 : c) u */
+    /* the column factors of block b into the cache: c (SINK; 1 on the first sweep) or (iters = 0 ? 1 : c) u */
     auto fill = [&](int64_t b) {
         const int64_t j0 = b * CB, j1 = j0 + CB < n ? j0 + CB : n;
         for (int64_t j = j0 + t; j < j1; j += T_SWEEP) {
             float f;
             if (KIND == K_SINK) {
-                const float c = first ? 1.f : __ldcg(S.c + j);
-                f = c * c;
+                f = first ? 1.f : __ldcg(S.c + j);
             } else {
                 f = (unit ? 1.f : __ldcg(S.c + j)) * __ldcg(S.uv + j);
             }
@@ -953,7 +944,8 @@ __device__ __noinline__ void wide_rows_segment(const skargs<CAP> &A, const skmat
 #pragma unroll
                 for (int e = 0; e < E; e++) {
                     if (KIND == K_SINK) {
-                        ps = fmaf(x[e] * x[e], cf[e], ps);   /* (G c)^2 = G^2 c^2 */
+                        const float y = x[e] * cf[e];   /* (G c)^2, scaled before the square (fast_segment) */
+                        ps = fmaf(y, y, ps);
                     } else {
                         ps = fmaf(x[e], cf[e], ps);
                         if (want_ff) pf = fmaf(x[e], x[e], pf);
@@ -1041,7 +1033,7 @@ __device__ __noinline__ void wide_cols_segment(const skmat &M, const skscr &S, i
                 const bool ok = q + u < r1 - r0;
                 const int64_t row = rev ? r1 - 1 - (q + u) : r0 + q + u;
                 const float f = ok ? __ldcg(rf + row) : 0.f;
-                co[u] = KIND == K_SINK ? f * f : f;
+                co[u] = f;
 #pragma unroll
                 for (int k = 0; k < KC; k++)
                     w[u][k] = ok && okc[k] ? __ldg(reinterpret_cast<const uint4 *>(g + row * n + ch[k] * E))
@@ -1054,8 +1046,14 @@ __device__ __noinline__ void wide_cols_segment(const skmat &M, const skscr &S, i
                     float x[E];
                     unpack(w[u][k], x, (const T *)0);
 #pragma unroll
-                    for (int e = 0; e < E; e++)
-                        acc[k][e] = fmaf(co[u], KIND == K_SINK ? x[e] * x[e] : x[e], acc[k][e]);   /* r^2 G^2, (r v) G */
+                    for (int e = 0; e < E; e++) {
+                        if (KIND == K_SINK) {   /* (r G)^2 */
+                            const float y = co[u] * x[e];
+                            acc[k][e] = fmaf(y, y, acc[k][e]);
+                        } else {                /* (r v) G */
+                            acc[k][e] = fmaf(co[u], x[e], acc[k][e]);
+                        }
+                    }
                 }
         }
 #pragma unroll
