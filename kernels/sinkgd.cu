@@ -366,7 +366,9 @@ __device__ __forceinline__ void store_band_scalars(double vv, double ff, double 
 ** SINK:  S_i = sum_j (G_ij c_j)^2, r_i <- sqrt(n) r_i / max(r_i sqrt(S_i), eps) (S_i = 0: r_i kept); column
 **        partials of (r_i G_ij)^2.  Each factor scales G before the square, as the CPU and the generic path do:
 **        G^2 c^2 and r^2 G^2 overflowed f32 (r or c past 1.8e19, a row or column of G ~1e-19 of the rest, which
-**        the eps clamp lets r and c reach) and made the whole matrix NaN.
+**        the eps clamp lets r and c reach) and made the whole matrix NaN.  That costs one multiply an element
+**        (2-5% of a step); one square for both while r and c stay in [2^-60, 2^60], scaling only past it, was
+**        no faster (bench/RESULTS.md, twenty-fourth session).
 ** POWER: v_i = r_i sum_j G_ij c_j u_j; column partials of r_i v_i G_ij; band scalars sum v_i^2 and (iters = 0:
 **        r = c = 1) sum G_ij^2. */
 

@@ -490,33 +490,46 @@ describe("cuda ms_sinkgd_step", function()
   end)
 
   -- a row (column) of G 1e-20 of the rest: the eps clamp lets its r (c) grow 1e8-fold an iteration until it
-  -- normalises the row, to ~1e20, whose square overflows f32.  The SINK sweeps scale G before they square it, as the
-  -- CPU and the generic path do ((G c)^2, (r G)^2); r^2 G^2 and G^2 c^2 made every element of the matrix NaN.  On
-  -- the fast path (a row; a column), row pairs, f32 K = 8 and the wide path (a row; a column).
+  -- normalises the row, to ~1e20, whose square overflows f32.  r^2 G^2 and G^2 c^2 made every element of the matrix
+  -- NaN; scaled before the square, as the CPU and the generic path do ((G c)^2, (r G)^2), they give the CPU's step.
+  -- A row, a column and both, on the fast path's maps (lanes within a warp, K = 1; across warps; idle threads past
+  -- the last lane) under K = 2 and 4 forced, row pairs, f32 K = 8 and the wide path.
   cuda_it("a row or a column of G 1e-20 of the rest: the CPU's results, no NaN, on every sweep path, every mode",
           function()
+    pcall(ffi.cdef, "int setenv(const char *k, const char *v, int overwrite); int unsetenv(const char *k);")
     local specs = { { shape = { 64, 256 }, gdt = "bf16", pdt = "bf16", row = 1 },
                     { shape = { 48, 512 }, gdt = "f32", pdt = "bf16", col = 6 },
+                    { shape = { 96, 24 }, gdt = "bf16", pdt = "f32", row = 5, col = 17 },
+                    { shape = { 40, 2056 }, gdt = "bf16", pdt = "bf16", col = 2050 },
+                    { shape = { 33, 4096 }, gdt = "bf16", pdt = "bf16", row = 33, col = 1 },
                     { shape = { 6, 20000 }, gdt = "bf16", pdt = "bf16", row = 3 },
                     { shape = { 5, 9000 }, gdt = "f32", pdt = "bf16", row = 2 },
                     { shape = { 8, 40000 }, gdt = "bf16", pdt = "f32", row = 4 },
                     { shape = { 6, 16400 }, gdt = "f32", pdt = "bf16", col = 8 } }
-    for _, mode in ipairs { "base", "spectral", "sphere" } do
-      local cm, gm = group(specs, mode)
-      for k, s in ipairs(specs) do
-        local m, n = s.shape[1], s.shape[2]
-        local g = vals(cm[k].g)
-        if s.row then for j = 1, n do g[(s.row - 1) * n + j] = g[(s.row - 1) * n + j] * 1e-20 end end
-        if s.col then for i = 1, m do g[(i - 1) * n + s.col] = g[(i - 1) * n + s.col] * 1e-20 end end
-        cm[k].g:copy_(ms.tensor(g):view(m, n):to(s.gdt))
-        gm[k].g:copy_(gpu(cm[k].g))
-      end
-      local o = { mode = mode, iters = 5, sn_iters = 1, lr = 0.05, weight_decay = mode == "sphere" and 0 or 0.02,
-                  step = 1 }
-      step_and_compare(cm, gm, o, nil, mode .. " a tiny row or column")
-      for k, mb in ipairs(gm) do
-        for i, x in ipairs(vals(mb.p)) do assert(x == x, ("%s member %d element %d is NaN"):format(mode, k, i)) end
-      end
+    for _, kforce in ipairs { "2", "4" } do
+      ffi.C.setenv("MOONSTEP_SINKGD_K", kforce, 1)
+      local good, err = pcall(function()
+        for _, mode in ipairs { "base", "spectral", "sphere" } do
+          local cm, gm = group(specs, mode)
+          for k, s in ipairs(specs) do
+            local m, n = s.shape[1], s.shape[2]
+            local g = vals(cm[k].g)
+            if s.row then for j = 1, n do g[(s.row - 1) * n + j] = g[(s.row - 1) * n + j] * 1e-20 end end
+            if s.col then for i = 1, m do g[(i - 1) * n + s.col] = g[(i - 1) * n + s.col] * 1e-20 end end
+            cm[k].g:copy_(ms.tensor(g):view(m, n):to(s.gdt))
+            gm[k].g:copy_(gpu(cm[k].g))
+          end
+          local o = { mode = mode, iters = 5, sn_iters = 1, lr = 0.05, weight_decay = mode == "sphere" and 0 or 0.02,
+                      step = 1 }
+          local what = ("%s K = %s, a tiny row or column"):format(mode, kforce)
+          step_and_compare(cm, gm, o, nil, what)
+          for k, mb in ipairs(gm) do
+            for i, x in ipairs(vals(mb.p)) do assert(x == x, ("%s: member %d element %d is NaN"):format(what, k, i)) end
+          end
+        end
+      end)
+      ffi.C.unsetenv("MOONSTEP_SINKGD_K")
+      assert(good, err)
     end
   end)
 
