@@ -182,7 +182,9 @@ def sinkgd_tracks_the_formula():
     lb = train(model, opt, data, STEPS)
     assert lb[-1] < lb[0], "trained: %g -> %g" % (lb[0], lb[-1])
     assert_tracks(la, lb, 2e-3, "SinkGD losses")
-    assert_params_close(ref_model, model, 5e-4, "SinkGD parameters")
+    # 200 steps carry the f32 rounding of the SR-Sinkhorn sums along the trajectory (on the GPU, 5.4e-4 once the sweeps
+    # scale G before squaring it, 2e534dd); a wrong step (alpha, routing, options) is off by ~1e-3 in each step
+    assert_params_close(ref_model, model, 1e-3, "SinkGD parameters")
 
 
 @test({"torch"})
