@@ -1,10 +1,11 @@
 --[[
 dash -- DASH: block Shampoo on stacked blocks, grafted to Adam per block, for matrices; AdamW for the rest.
 
-Each matrix parameter W (more dims: viewed as [d0, rest]) is cut into blocks of at most block_size^2 (any
-shape: the remainders give smaller blocks); blocks of equal size are stacked and every per-block operation is
-one batched call (ms.block_plan, ms.blocks_gather, ...).  For a block G with factors L (r x r), R (c x c),
-gradient EMA Gt, Adam second moment A, at step t (research/dash.md §1.2):
+Every parameter is first squeezed, as DASH does (dims of size 1 dropped: [1, n] is a vector, [1, s, d] the
+matrix [s, d]).  Each matrix parameter W (more dims: viewed as [d0, rest]) is cut into blocks of at most
+block_size^2 (any shape: the remainders give smaller blocks); blocks of equal size are stacked and every
+per-block operation is one batched call (ms.block_plan, ms.blocks_gather, ...).  For a block G with factors
+L (r x r), R (c x c), gradient EMA Gt, Adam second moment A, at step t (research/dash.md §1.2):
     W <- W (1 - lr wd)                                                       (decoupled; matrices only)
     L <- beta_LR L + (1 - beta_LR) G G^T      R <- beta_LR R + (1 - beta_LR) G^T G      (beta_LR = 1: sums)
     A <- beta_graft A + (1 - beta_graft) G^2
@@ -27,7 +28,7 @@ blocking of any shape.  Digest: research/dash.md.
 
 Routing, first rule that applies (tags are given with the parameter: {name=, param=, grad=, tags={"adamw"}}):
   1. tag "adamw" or "dash"
-  2. 0 dims -> adamw; 1 dim -> "dash" with algo_one_dim = "shampoo", else adamw
+  2. 0 dims -> adamw; 1 dim -> "dash" with algo_one_dim = "shampoo", else adamw   (dims counted once squeezed)
   3. name matches one of dash_patterns -> dash;  one of adamw_patterns -> adamw
   4. a dim equal to one of adamw_dims (e.g. the vocab) -> adamw
   5. name contains embed_tokens, lm_head, wte, word_embeddings or modules_to_save -> adamw
@@ -285,9 +286,29 @@ local function root_options(o, method, steps, p, seed)
   }
 end
 
+-- the shape DASH works on: the parameter's, squeezed (dims of size 1 dropped; all of them: [1])
+local function dash_shape(shape)
+  local out = {}
+  for _, d in ipairs(shape) do if d ~= 1 then out[#out + 1] = d end end
+  if #out == 0 then out[1] = 1 end
+  return out
+end
+
+-- the members' params or grads seen with that shape (views: dropping dims of size 1 never copies), one per
+-- member, so that a parameter's blocks all name the one tensor
+local function dash_views(group, key)
+  local out = {}
+  for i, m in ipairs(group) do
+    local t = m[key]
+    local shape = dash_shape(t:shape())
+    out[i] = #shape == t:dim() and t or t:view(shape)
+  end
+  return out
+end
+
 local function plan_of(group, o)
   local params = {}
-  for i, m in ipairs(group) do params[i] = { name = m.name, shape = m.info.shape } end
+  for i, m in ipairs(group) do params[i] = { name = m.name, shape = dash_shape(m.info.shape) } end
   return ms.block_plan(params, { block_size = o.block_size })
 end
 
@@ -318,7 +339,7 @@ local function work_of(group, o)
   local w = work[st]
   if w then return w end
   local ctx = group[1].param:context()
-  local plan = plan_of(group, o)
+  local plan, params = plan_of(group, o), dash_views(group, "param")
   w = { plan = plan, G = {}, T = {}, U = {}, P = {}, norm = {}, left = {}, right = {}, lroot = {}, rroot = {},
         grads = {}, grad_list = {}, param_list = {}, rng_ids = {}, apply_ids = {} }
   local factor_ids = {}
@@ -337,7 +358,7 @@ local function work_of(group, o)
     end
     local pb, ids = {}, {}
     for j, blk in ipairs(s.blocks) do
-      pb[j] = { tensor = group[blk.param].param, row0 = blk.row0, col0 = blk.col0 }
+      pb[j] = { tensor = params[blk.param], row0 = blk.row0, col0 = blk.col0 }
       local name = block_name(plan, blk)
       ids[j] = id_of(name)
       factor_ids[s.left.factor][s.left.offset + j] = id_of(name .. "/L")
@@ -370,9 +391,10 @@ local function bind_grads(group, w)
     if w.grads[i] ~= m.grad then changed = true w.grads[i] = m.grad end
   end
   if not changed then return end
+  local grads = dash_views(group, "grad")
   for _, s in ipairs(w.plan.stacks) do
     local gb = {}
-    for j, blk in ipairs(s.blocks) do gb[j] = { tensor = group[blk.param].grad, row0 = blk.row0, col0 = blk.col0 } end
+    for j, blk in ipairs(s.blocks) do gb[j] = { tensor = grads[blk.param], row0 = blk.row0, col0 = blk.col0 } end
     w.grad_list[s.key] = ms.block_list(gb)
   end
 end
@@ -758,7 +780,9 @@ return {
     if tagged_a then return "adamw" end
     if p.ndim == 0 then return "adamw" end
     if tagged_d then return "dash" end
-    if p.ndim == 1 then return o.algo_one_dim == "shampoo" and "dash" or "adamw" end
+    local ndim = 0   -- DASH's rank of the parameter: its squeezed shape's
+    for _, d in ipairs(p.shape) do if d ~= 1 then ndim = ndim + 1 end end
+    if ndim <= 1 then return o.algo_one_dim == "shampoo" and "dash" or "adamw" end
     if matches(p.name, o.dash_patterns) then return "dash" end
     if matches(p.name, o.adamw_patterns) then return "adamw" end
     for _, d in ipairs(p.shape) do

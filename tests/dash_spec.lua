@@ -882,6 +882,35 @@ describe("the dash recipe's plan, policy and state", function()
     H.expect_error(function() opt:step() end, "w2 have no gradient")
   end)
 
+  it("squeezes dims of size 1 as DASH does: [1, n] and [n, 1] step as [n], [1, s, d] as [s, d]", function()
+    -- research/dash.md §1.4: DASH squeezes every parameter before it looks at its rank (dash_base.py)
+    local function run(shapes, o)
+      local params = {}
+      for i, s in ipairs(shapes) do
+        -- a [1, n] gradient is a strided view (a transposed buffer): squeezing it must not copy it
+        local g = (#s == 2 and s[1] == 1) and ms.zeros({ s[2], 1 }):t() or ms.zeros(s)
+        assert.are.same(s, g:shape())
+        params[i] = { name = "p" .. i, param = ms.randn(s, { seed = 5, offset = i }), grad = g }
+      end
+      local opt = ms.optim.new("dash", params, o)
+      for t = 1, 3 do
+        for i, s in ipairs(shapes) do params[i].grad:copy_(ms.randn(s, { seed = 100 + t, offset = i })) end
+        opt:step()
+      end
+      local routes = {}
+      for _, g in ipairs(opt.groups) do for _, m in ipairs(g) do routes[m.name] = g.route end end
+      return params, routes
+    end
+    for _, one in ipairs { "shampoo", "adamw" } do
+      local o = { block_size = 4, inv_root_method = "evd", eps_inv_root = 1e-2, inv_root_freq = 1, algo_one_dim = one,
+                  weight_decay = 0.1, lr = 0.01 }
+      local a, ra = run({ { 1, 12 }, { 1, 6, 5 }, { 12, 1 }, { 6, 5 } }, o)
+      local b, rb = run({ { 12 }, { 6, 5 }, { 12 }, { 6, 5 } }, o)
+      assert.are.same(rb, ra)
+      for i = 1, 4 do H.assert_same(vals(a[i].param), vals(b[i].param), one .. ": p" .. i) end
+    end
+  end)
+
   it("refuses bad options, naming them", function()
     for _, case in ipairs {
       { { inv_root_method = "qr" }, "inv_root_method" }, { { block_size = 0 }, "block_size" },
