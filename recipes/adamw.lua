@@ -52,12 +52,14 @@ return {
         end
       end,
       step = function(group, o, ctx)
-        local params, grads, m1, m2 = {}, {}, {}, {}
+        -- each parameter's bias corrections count the steps it had a gradient in (torch's state["step"])
+        local params, grads, m1, m2, steps = {}, {}, {}, {}, {}
         for i, m in ipairs(group) do
           params[i], grads[i], m1[i], m2[i] = m.param, m.grad, m.state.exp_avg, m.state.exp_avg_sq
+          steps[i] = ctx.step_of(m)
         end
         ms.adamw_step {
-          params = params, grads = grads, exp_avg = m1, exp_avg_sq = m2, lr = ctx.lr_t, step = ctx.step_t,
+          params = params, grads = grads, exp_avg = m1, exp_avg_sq = m2, lr = ctx.lr_t, steps = steps,
           beta1 = o.betas[1], beta2 = o.betas[2], eps = o.eps, weight_decay = o.weight_decay,
           bias_correction = o.bias_correction, stochastic_round = o.stochastic_round, seed = o.seed,
           skip = ctx.skip_t,   -- the runtime's device-side non-finite flag (captured steps)

@@ -802,12 +802,13 @@ return {
         end
       end,
       step = function(group, o, ctx)
-        local params, grads, m1, m2 = {}, {}, {}, {}
+        local params, grads, m1, m2, steps = {}, {}, {}, {}, {}
         for i, m in ipairs(group) do
           params[i], grads[i], m1[i], m2[i] = m.param, m.grad, m.state.exp_avg, m.state.exp_avg_sq
+          steps[i] = ctx.step_of(m)   -- its own step count (the steps it had a gradient in)
         end
         ms.adamw_step {
-          params = params, grads = grads, exp_avg = m1, exp_avg_sq = m2, lr = ctx.lr_t, step = ctx.step_t,
+          params = params, grads = grads, exp_avg = m1, exp_avg_sq = m2, lr = ctx.lr_t, steps = steps,
           beta1 = o.adamw_betas[1], beta2 = o.adamw_betas[2], eps = o.adamw_eps, weight_decay = o.adamw_weight_decay,
           stochastic_round = o.bf16_stochastic_round, seed = o.seed, skip = ctx.skip_t,
         }

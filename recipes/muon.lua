@@ -131,14 +131,15 @@ return {
       end,
       step = function(group, o, ctx)
         -- the fused kernel's lr is ctx.lr_t (lr * schedule); each member's scale turns it into adam_lr * schedule
-        local params, grads, m1, m2, scales = {}, {}, {}, {}, {}
+        local params, grads, m1, m2, scales, steps = {}, {}, {}, {}, {}, {}
         local scale = o.adam_lr / o.lr
         for i, m in ipairs(group) do
           params[i], grads[i], m1[i], m2[i], scales[i] = m.param, m.grad, m.state.exp_avg, m.state.exp_avg_sq, scale
+          steps[i] = ctx.step_of(m)   -- its own step count (the steps it had a gradient in)
         end
         ms.adamw_step {
           params = params, grads = grads, exp_avg = m1, exp_avg_sq = m2, scales = scales,
-          lr = ctx.lr_t, step = ctx.step_t, beta1 = o.adam_betas[1], beta2 = o.adam_betas[2], eps = o.adam_eps,
+          lr = ctx.lr_t, steps = steps, beta1 = o.adam_betas[1], beta2 = o.adam_betas[2], eps = o.adam_eps,
           weight_decay = o.adam_weight_decay, skip = ctx.skip_t,
         }
       end,

@@ -54,15 +54,18 @@ return {
           end
         end
       end,
-      -- (2) one fused launch for the whole group; lr and step come as device scalars (capture-safe)
+      -- (2) one fused launch for the whole group (one per step count); lr and step come as device scalars
+      -- (capture-safe)
       step = function(group, o, ctx)
-        local params, grads, bufs = {}, {}, o.momentum > 0 and {} or nil
+        -- (a parameter's first step, which starts its momentum buffer, is the first it has a gradient in)
+        local params, grads, bufs, steps = {}, {}, o.momentum > 0 and {} or nil, {}
         for i, m in ipairs(group) do
           params[i], grads[i] = m.param, m.grad
           if bufs then bufs[i] = m.state.momentum_buffer end
+          steps[i] = ctx.step_of(m)
         end
         ms.sgd_step {
-          params = params, grads = grads, momentum_buf = bufs, lr = ctx.lr_t, step = ctx.step_t,
+          params = params, grads = grads, momentum_buf = bufs, lr = ctx.lr_t, steps = steps,
           momentum = o.momentum, dampening = o.dampening, weight_decay = o.weight_decay, nesterov = o.nesterov,
           stochastic_round = o.stochastic_round, seed = o.seed,
           skip = ctx.skip_t,   -- the runtime's device-side non-finite flag (captured steps)

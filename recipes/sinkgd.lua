@@ -239,20 +239,24 @@ return {
           end
         end
       end,
-      -- at most two launches: the 8-bit members, then the others; no weight decay (axolotl's fallback group)
+      -- at most two launches: the 8-bit members, then the others (more only when members count different
+      -- steps: a parameter's bias corrections count the steps it had a gradient in, as torchao's state["step"]);
+      -- no weight decay (axolotl's fallback group)
       step = function(group, o, ctx)
-        local q = { params = {}, grads = {}, exp_avg = {}, exp_avg_scale = {}, exp_avg_sq = {}, exp_avg_sq_scale = {} }
-        local f = { params = {}, grads = {}, exp_avg = {}, exp_avg_sq = {} }
+        local q = { params = {}, grads = {}, exp_avg = {}, exp_avg_scale = {}, exp_avg_sq = {}, exp_avg_sq_scale = {},
+                    steps = {} }
+        local f = { params = {}, grads = {}, exp_avg = {}, exp_avg_sq = {}, steps = {} }
         for _, m in ipairs(group) do
           local s = m.state
           local into = s.exp_avg_scale and q or f
           local k = #into.params + 1
           into.params[k], into.grads[k], into.exp_avg[k], into.exp_avg_sq[k] = m.param, m.grad, s.exp_avg, s.exp_avg_sq
+          into.steps[k] = ctx.step_of(m)
           if into == q then q.exp_avg_scale[k], q.exp_avg_sq_scale[k] = s.exp_avg_scale, s.exp_avg_sq_scale end
         end
         for _, set in ipairs { q, f } do
           if #set.params > 0 then
-            set.lr, set.step, set.skip = ctx.lr_t, ctx.step_t, ctx.skip_t
+            set.lr, set.skip = ctx.lr_t, ctx.skip_t
             set.beta1, set.beta2, set.eps, set.weight_decay = o.betas[1], o.betas[2], o.eps, 0
             set.stochastic_round, set.seed, set.block_size = o.bf16_stochastic_round, o.seed, o.block_size
             if set == q then ms.adamw8_step(set) else set.block_size = nil ms.adamw_step(set) end

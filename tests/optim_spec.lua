@@ -431,6 +431,74 @@ describe("fused recipes through the runtime", function()
     H.assert_close(b.param:totable(), p[2], 1e-5, 1e-6, "adamw b")
   end)
 
+  it("counts each parameter's own steps (torch's state['step']): the steps it had no gradient in are not its own", function()
+    -- b has no gradient at steps 2 and 3: its 2nd AdamW step (optimizer step 4) takes bias corrections of t = 2,
+    -- and sgd's momentum buffer starts (buf = d, no dampening) at c's first gradient (step 3)
+    local o = { lr = 0.01, weight_decay = 0.1, betas = { 0.8, 0.99 } }
+    local function adamw_ref(p, g, st)
+      st.t, st.m, st.v = (st.t or 0) + 1, st.m or {}, st.v or {}
+      for i = 1, #p do
+        st.m[i] = 0.8 * (st.m[i] or 0) + 0.2 * g[i]
+        st.v[i] = 0.99 * (st.v[i] or 0) + 0.01 * g[i] * g[i]
+        p[i] = p[i] * (1 - 0.01 * 0.1) - 0.01 * (st.m[i] / (1 - 0.8 ^ st.t)) / (math.sqrt(st.v[i] / (1 - 0.99 ^ st.t)) + 1e-8)
+      end
+    end
+    local function absent(s) return s == 2 or s == 3 end
+    local function run(path, save_at, from, params, opt)
+      for s = from, 6 do
+        if absent(s) then opt:set_grad("b", nil) else opt:set_grad("b", params[2].grad) end
+        fill_grads({ params[1], params[2] }, 4000 + s)
+        opt:step()
+        if s == save_at then opt:save(path) end
+      end
+    end
+    local function make()
+      local params = { param("a", { 3, 2 }), param("b", { 5 }) }
+      for i, q in ipairs(params) do q.param:copy_(ms.randn(q.param:shape(), { seed = 7, offset = i })) end
+      return params, ms.optim.new("adamw", params, o)
+    end
+    local path = os.tmpname()
+    local params, opt = make()
+    local want, st = { params[1].param:tolist_flat(), params[2].param:tolist_flat() }, { {}, {} }
+    run(path, 3, 1, params, opt)
+    for s = 1, 6 do
+      for k = 1, 2 do
+        if k == 1 or not absent(s) then
+          local g = ms.randn(params[k].param:shape(), { seed = 4000 + s, offset = k }):tolist_flat()
+          adamw_ref(want[k], g, st[k])
+        end
+      end
+    end
+    H.assert_close(params[1].param:tolist_flat(), want[1], 1e-5, 1e-6, "a")
+    H.assert_close(params[2].param:tolist_flat(), want[2], 1e-5, 1e-6, "b (2 of its steps without a gradient)")
+    -- resumed from the checkpoint of step 3, where b had no gradient: the uninterrupted run's bits
+    local upto, oup = make()
+    for s = 1, 3 do
+      if absent(s) then oup:set_grad("b", nil) end
+      fill_grads({ upto[1], upto[2] }, 4000 + s)
+      oup:step()
+    end
+    local again, opt2 = make()
+    for i = 1, 2 do again[i].param:copy_(upto[i].param) end
+    opt2:set_grad("b", nil)
+    opt2:load(path)
+    os.remove(path)
+    run(nil, nil, 4, again, opt2)
+    for i = 1, 2 do assert.same(params[i].param:tolist_flat(), again[i].param:tolist_flat()) end
+
+    local c = param("c", { 4 })
+    local sgd = ms.optim.new("sgd", { c }, { lr = 0.1, momentum = 0.9, dampening = 0.5 })
+    sgd:set_grad("c", nil)
+    sgd:step()
+    sgd:step()
+    local p0 = c.param:totable()
+    sgd:set_grad("c", c.grad)
+    fill_grads({ c }, H.seed())
+    local g = c.grad:totable()
+    sgd:step()
+    for i = 1, 4 do H.assert_close(c.param:totable()[i], p0[i] - 0.1 * g[i], 1e-6, 1e-7, "sgd: buf = d at c's first step") end
+  end)
+
   it("updates a 300-tensor group in at most 4 launches", function()
     local params = {}
     for i = 1, 300 do params[i] = param("p" .. i, { (i % 7) + 1, (i % 5) + 2 }) end

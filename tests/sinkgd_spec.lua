@@ -1076,6 +1076,26 @@ describe("the sinkgd recipe", function()
     assert.same({ 64 }, small.by_name["embed_tokens.weight"].member.state.exp_avg_scale:shape())
   end)
 
+  it("counts each AdamW parameter's own steps, as torchao's state['step'] (8-bit and f32 moments)", function()
+    -- the embedding and the norm get their first gradient at step 3: that step is their first, whose update is
+    -- lr g / (|g| + eps) (bias corrections of t = 1), not the t = 3 one (0.64 of it with betas 0.9, 0.999)
+    local emb, norm, w = P("model.embed_tokens.weight", { 64, 64 }), P("model.norm.weight", { 16 }), P("q.weight", { 8, 8 })
+    local opt = ms.optim.new("sinkgd", { emb, norm, w }, { lr = 0.1 })
+    assert.equals("u8", opt.by_name["model.embed_tokens.weight"].member.state.exp_avg:dtype())
+    opt:set_grad("model.embed_tokens.weight", nil)
+    opt:set_grad("model.norm.weight", nil)
+    opt:step()
+    opt:step()
+    opt:set_grad("model.embed_tokens.weight", emb.grad)
+    opt:set_grad("model.norm.weight", norm.grad)
+    local before = { vals(emb.param), vals(norm.param) }
+    opt:step()
+    for k, p in ipairs { emb, norm } do
+      local g, now = vals(p.grad), vals(p.param)
+      for i = 1, #g do H.assert_close(before[k][i] - now[i], 0.1 * g[i] / (abs(g[i]) + 1e-8), 1e-5, 0, p.name) end
+    end
+  end)
+
   it("applies alpha_eff = sinkgd_lr_scale (base_width / d_in)^exponent per matrix, and plain lr to AdamW", function()
     local shapes = { { 16, 32 }, { 192, 32 }, { 32, 64 }, { 3, 8, 128 } }
     for _, o in ipairs {

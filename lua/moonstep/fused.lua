@@ -46,9 +46,43 @@ local function ctx_for(arr)
   return tensor.handle_ctx(arr[1]:context())
 end
 
+-- The arrays of a call that hold one entry per member.
+local MEMBER_ARRAYS = { "params", "grads", "exp_avg", "exp_avg_sq", "exp_avg_scale", "exp_avg_sq_scale", "momentum_buf",
+                        "scales" }
+
+-- A call given steps = {each member's own step} (a number or a device scalar each; ctx.step_of(m)) as calls with
+-- one step each: one call when every member has the same step, members in their order.
+local function by_step(a)
+  local n = #a.params
+  if type(a.steps) ~= "table" or #a.steps ~= n then
+    error(("steps must be an array of %d steps (numbers or device scalars), one per member"):format(n), 3)
+  end
+  local calls, of = {}, {}
+  for i = 1, n do
+    local s = a.steps[i]
+    local c = of[s]
+    if c == nil then
+      c = {}
+      for k, v in pairs(a) do c[k] = v end
+      for _, f in ipairs(MEMBER_ARRAYS) do if a[f] ~= nil then c[f] = {} end end
+      c.steps, c.step = nil, s
+      of[s] = c
+      calls[#calls + 1] = c
+    end
+    for _, f in ipairs(MEMBER_ARRAYS) do if a[f] ~= nil then c[f][#c[f] + 1] = a[f][i] end end
+  end
+  return calls
+end
+
 --- ms.adamw_step{params=, grads=, exp_avg=, exp_avg_sq=, scales=, lr=, step=, beta1=, beta2=, eps=,
 ---   weight_decay=, bias_correction=true, stochastic_round=false, seed=0, skip=}
+---   (steps = {per member} instead of step: each member's own step count, as torch's state["step"]; a call per
+---   distinct step)
 function M.adamw_step(a)
+  if a.steps ~= nil then
+    for _, c in ipairs(by_step(a)) do M.adamw_step(c) end
+    return
+  end
   local n = #a.params
   local o = ffi.new("ms_adamw_options")
   o.lr, o.lr_t = scalar(a.lr, 1e-3)
@@ -65,8 +99,12 @@ function M.adamw_step(a)
 end
 
 --- ms.sgd_step{params=, grads=, momentum_buf=, scales=, lr=, step=, momentum=0, dampening=0,
----   weight_decay=0, nesterov=false, stochastic_round=false, seed=0, skip=}
+---   weight_decay=0, nesterov=false, stochastic_round=false, seed=0, skip=}   (steps =: as ms.adamw_step)
 function M.sgd_step(a)
+  if a.steps ~= nil then
+    for _, c in ipairs(by_step(a)) do M.sgd_step(c) end
+    return
+  end
   local n = #a.params
   local o = ffi.new("ms_sgd_options")
   o.lr, o.lr_t = scalar(a.lr, 1e-3)
@@ -156,6 +194,10 @@ end
 ---   AdamW with 8-bit moments (u8 codes shaped like the params, f32 scales [numel / block_size]); the other
 ---   arguments as ms.adamw_step.
 function M.adamw8_step(a)
+  if a.steps ~= nil then
+    for _, c in ipairs(by_step(a)) do M.adamw8_step(c) end
+    return
+  end
   local n = #a.params
   local o = ffi.new("ms_adamw8_options")
   local w = o.adamw

@@ -31,6 +31,11 @@ Settings (the runtime's, kept apart from the recipe's options):
                   rank, then a broadcast from it) or "replicate" (every rank; the trainer keeps the gradients
                   identical)
 
+A parameter without a gradient is skipped, and those steps are not its own: ctx.step_of(member) gives a
+member's step count (a device scalar, and the number), the optimizer's less the steps it went without a
+gradient, as torch's per-parameter state["step"] counts them (bias corrections, a momentum's first step).
+Checkpoints keep these counts.
+
 Several ranks (settings.comm of N > 1 ranks).  Every rank makes its optimizer with the same recipe, options,
 settings and parameters (same names, same order); the checks at creation (one all-gather) name what differs.
   - A parameter entry may carry shard = {dim = "rows"|"cols", offset = k, size = s}: its param (and grad) is
@@ -525,7 +530,8 @@ function M.new(recipe, params, options, settings)
       group_of[gkey] = g
       self.groups[#self.groups + 1] = g
     end
-    local m = { name = e.name, param = e.param, grad = e.grad, tags = info.tags, info = info, state = {}, route = route }
+    local m = { name = e.name, param = e.param, grad = e.grad, tags = info.tags, info = info, state = {}, route = route,
+                lag = 0, absent_from = e.grad == nil and 0 or nil }
     if self.dist then dist_member(self, e, m) end
     if settings.master_weights and m.stepped ~= false and (e.param:dtype() == "bf16" or e.param:dtype() == "f16") then
       m.model_param = e.param
@@ -588,8 +594,47 @@ function Optimizer:set_grad(name, grad)
   local e = self.by_name[name] or self.by_name[self.aliases[name] or ""]
   if not e then error("set_grad: no parameter named '" .. tostring(name) .. "'", 2) end
   if grad ~= nil then self:_check_grad(name, e.param, grad, 3) end
-  e.grad, e.member.grad = grad, grad
+  -- the steps a parameter goes without a gradient are not its steps (its own count, torch's state["step"])
+  local m = e.member
+  if m.grad == nil and grad ~= nil then
+    m.lag, m.absent_from = self:_lag(m), nil
+    self:_lag_scalar(m.lag)
+  elseif m.grad ~= nil and grad == nil then
+    m.absent_from = self.step_count
+  end
+  e.grad, m.grad = grad, grad
   self.grads_version = self.grads_version + 1
+end
+
+-- The optimizer steps member m went without a gradient: its own step count is the optimizer's less this.
+function Optimizer:_lag(m)
+  return m.lag + (m.absent_from and self.step_count - m.absent_from or 0)
+end
+
+-- The device scalar that holds step - lag (made between steps, never inside a capture: set_grad, load).
+function Optimizer:_lag_scalar(lag)
+  if lag == 0 then return nil end
+  self.lag_steps = self.lag_steps or {}
+  local t = self.lag_steps[lag]
+  if t == nil then
+    t = ms.zeros({ 1 }, { ctx = self.ctx })
+    self.lag_steps[lag] = t
+  end
+  return t
+end
+
+-- The device scalar (and the number) of member m's own step count at step `step`: step_t itself for a
+-- member that never lacked a gradient, else a scalar computed from step_t on the device (so a captured step
+-- replays with the right value), once per lag and step.
+function Optimizer:_step_of(m, step, done)
+  local lag = m.lag
+  if lag == 0 then return self.step_t, step end
+  local t = self:_lag_scalar(lag)
+  if not done[lag] then
+    tensor.add(self.step_t, -lag, t)
+    done[lag] = true
+  end
+  return t, step - lag
 end
 
 -- the step's context, as recipes see it.  skip_t (the device-side non-finite flag of captured and
@@ -597,10 +642,13 @@ end
 local function step_ctx(self, step, lr)
   local report = self.reports
   self.skip_now = nil
+  local done = {}
   return setmetatable({
     step = step, lr = lr, lr_t = self.lr_t, step_t = self.step_t, context = self.ctx, device = self.device_name,
     world = { rank = self.world.rank, size = self.world.size },
     report = function(key, value) report[key] = value end,
+    -- a member's own step count (device scalar, number): the steps it had a gradient in (bias corrections)
+    step_of = function(m) return self:_step_of(m, step, done) end,
   }, self.ctx_mt)
 end
 
@@ -1506,6 +1554,19 @@ function Optimizer:_layout()
   return splits, slots, parts
 end
 
+-- the members' nonzero lags by name (checkpoints), nil when none
+function Optimizer:_lags()
+  local out
+  for _, m in ipairs(self.members) do
+    local lag = self:_lag(m)
+    if lag ~= 0 then
+      out = out or {}
+      out[m.name] = lag
+    end
+  end
+  return out
+end
+
 local function part_path(path, rank, world) return ("%s.rank%d-of-%d"):format(path, rank, world) end
 
 -- a flag set on any rank, summed over the ranks (a barrier that also tells who failed)
@@ -1526,7 +1587,7 @@ function Optimizer:save(path)
     recipe = { name = self.recipe.name, version = self.recipe.version or 0, hash = self.recipe_hash },
     options = self.options, step = self.step_count, skipped = self:_skipped_total(), lr_override = self.lr_override,
     schedule = self.schedule_kind, rng = ms.rng_state(), scalars = scalars, groups = groups,
-    slots = next(slots) and slots or nil,
+    slots = next(slots) and slots or nil, lags = self:_lags(),
   }
   if not self.dist then
     ms.save(path, tensors, { moonstep = json.encode(meta) })
@@ -1543,7 +1604,8 @@ function Optimizer:save(path)
     local names = {}
     for r = 0, world - 1 do names[r + 1] = part_path(path, r, world):match("[^/]*$") end
     local index = {}
-    for _, k in ipairs { "moonstep", "schema", "recipe", "options", "step", "skipped", "lr_override", "schedule", "rng" } do
+    for _, k in ipairs { "moonstep", "schema", "recipe", "options", "step", "skipped", "lr_override", "schedule", "rng",
+                         "lags" } do
       index[k] = meta[k]
     end
     index.world, index.parts = world, names
@@ -1748,6 +1810,14 @@ function Optimizer:load(path, opts)
   if lo ~= nil and not (type(lo) == "number" and lo >= 0 and lo < math.huge) then
     error(("%s: checkpoint lr_override = %s is not a finite number >= 0"):format(path, tostring(meta.lr_override)), 2)
   end
+  local lags = meta.lags
+  if lags ~= nil then
+    local good = type(lags) == "table"
+    for k, v in pairs(good and lags or {}) do
+      good = good and type(k) == "string" and is_integer(v) and v >= 0 and v <= meta.step
+    end
+    if not good then error(("%s: checkpoint lags are not {name = steps without a gradient}"):format(path), 2) end
+  end
   local rng = meta.rng
   for _, f in ipairs(files) do
     if f.meta.world == self.world.size and f.meta.rank == self.world.rank and f.meta.rng then rng = f.meta.rng end
@@ -1784,6 +1854,10 @@ function Optimizer:load(path, opts)
   for _, c in ipairs(copies) do c[1]:copy_(c[2]) end
   for name, v in pairs(values) do self:_set_scalar(name, v) end
   self.step_count = meta.step
+  for _, m in ipairs(self.members) do
+    m.lag, m.absent_from = lags and lags[m.name] or 0, m.grad == nil and meta.step or nil
+    self:_lag_scalar(m.lag)
+  end
   self.skipped = meta.skipped or 0
   if self.skipped_t then self.skipped_t:fill_(0) end
   self.lr_override = meta.lr_override
