@@ -103,10 +103,13 @@ local function mode_of(o)
   return "base"
 end
 
--- SinkGD's learning-rate multiplier for a matrix whose last dim (d_in) is n
+-- SinkGD's learning-rate multiplier for a matrix whose last dim (d_in) is n (an empty one, n = 0, has nothing to
+-- scale: the plain alpha, not the infinite width factor the engine would refuse for the whole group)
 local function alpha_eff(shape, o)
   local a = o.sinkgd_lr_scale
-  if o.sinkgd_base_width ~= nil then a = a * (o.sinkgd_base_width / shape[#shape]) ^ o.sinkgd_lr_width_exponent end
+  if o.sinkgd_base_width ~= nil and shape[#shape] > 0 then
+    a = a * (o.sinkgd_base_width / shape[#shape]) ^ o.sinkgd_lr_width_exponent
+  end
   return a
 end
 

@@ -1122,6 +1122,21 @@ describe("the sinkgd recipe", function()
     end
   end)
 
+  it("steps a group holding empty matrices ([m, 0], [0, n], [0, m, n]) in every mode, width transfer on", function()
+    for _, o in ipairs { { sinkgd_base_width = 8 }, { sinkgd_base_width = 8, sinkgd_spectral_norm = true },
+                         { sinkgd_base_width = 8, sinkgd_md_sphere = true } } do
+      o.sinkhorn_iters, o.lr = 0, 0.5
+      local params = { P("empty_in", { 4, 0 }), P("empty_out", { 0, 4 }), P("no_experts", { 0, 4, 4 }), P("w", { 4, 16 }) }
+      local before, g = vals(params[4].param), vals(params[4].grad)
+      local opt = ms.optim.new("sinkgd", params, o)
+      opt:step()
+      if not (o.sinkgd_spectral_norm or o.sinkgd_md_sphere) then   -- base: SGD times alpha_eff (iters 0)
+        local now = vals(params[4].param)
+        for i = 1, #g do H.assert_close(now[i], before[i] - 0.5 * 0.05 * (8 / 16) * g[i], 1e-6, 1e-7, "w") end
+      end
+    end
+  end)
+
   it("runs a sandboxed copy of itself (its primitives are in the sandbox)", function()
     local f = assert(io.open("recipes/sinkgd.lua"))
     local src = f:read("*a")
