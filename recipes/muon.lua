@@ -104,20 +104,22 @@ return {
       step = function(group, o, ctx)
         local beta = o.momentum
         for _, m in ipairs(group) do
-          local p, g, buf = m.param, m.grad, m.state.momentum_buffer
-          -- (1) momentum as an EMA; the Nesterov direction looks one step ahead
-          buf:lerp_(g, 1 - beta)
-          local u = o.nesterov and ms.lerp(g, buf, beta) or buf
-          -- (2) orthogonalise (matrices with more than 2 dims are treated as [rows, rest])
-          local shape = p:shape()
-          local rows = shape[1]
-          local cols = p:numel() / rows
-          local x = newton_schulz(u:reshape({ rows, cols }), o.ns_steps,
-                                  o.ns_dtype == "bf16" and "bf16" or u:dtype())
-          if x:dtype() ~= p:dtype() then x = x:to(p:dtype()) end
-          -- (3) decoupled decay and the step, scaled by the device learning rate
-          if o.weight_decay ~= 0 then ms.addcmul(p, p, ctx.lr_t, -o.weight_decay, p) end
-          ms.addcmul(p, x:reshape(shape), ctx.lr_t, -math.sqrt(math.max(1, rows / cols)), p)
+          if m.param:numel() > 0 then   -- (an empty matrix has nothing to update, and no rows to divide by)
+            local p, g, buf = m.param, m.grad, m.state.momentum_buffer
+            -- (1) momentum as an EMA; the Nesterov direction looks one step ahead
+            buf:lerp_(g, 1 - beta)
+            local u = o.nesterov and ms.lerp(g, buf, beta) or buf
+            -- (2) orthogonalise (matrices with more than 2 dims are treated as [rows, rest])
+            local shape = p:shape()
+            local rows = shape[1]
+            local cols = p:numel() / rows
+            local x = newton_schulz(u:reshape({ rows, cols }), o.ns_steps,
+                                    o.ns_dtype == "bf16" and "bf16" or u:dtype())
+            if x:dtype() ~= p:dtype() then x = x:to(p:dtype()) end
+            -- (3) decoupled decay and the step, scaled by the device learning rate
+            if o.weight_decay ~= 0 then ms.addcmul(p, p, ctx.lr_t, -o.weight_decay, p) end
+            ms.addcmul(p, x:reshape(shape), ctx.lr_t, -math.sqrt(math.max(1, rows / cols)), p)
+          end
         end
       end,
     },

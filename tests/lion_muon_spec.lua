@@ -219,6 +219,19 @@ describe("recipes/muon.lua", function()
     assert.is_true((a - b):abs():max() > 0, "bf16 made no difference at all: was it used?")
   end)
 
+  it("steps a group holding empty matrices ([0, n], [0, m, n], [m, 0]), updating the others", function()
+    local params = {}
+    for i, s in ipairs { { 0, 4 }, { 0, 3, 3 }, { 4, 0 }, { 4, 4 } } do
+      params[i] = { name = "layers." .. i .. ".weight", param = ms.randn(s, { seed = i }), grad = ms.randn(s, { seed = 10 + i }) }
+    end
+    local before = params[4].param:tolist_flat()
+    ms.optim.new("muon", params, {}):step()
+    local after = params[4].param:tolist_flat()
+    local moved = 0
+    for i = 1, #after do if after[i] ~= before[i] then moved = moved + 1 end end
+    assert.equals(#after, moved)
+  end)
+
   it("checks its options", function()
     local p = { { name = "w", param = ms.zeros({ 2, 2 }), grad = ms.zeros({ 2, 2 }) } }
     H.expect_error(function() ms.optim.new("muon", p, { lr = 0 }) end, "muon", "'lr'", "must be > 0")
