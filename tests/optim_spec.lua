@@ -292,6 +292,26 @@ describe("schedules and the learning rate", function()
     H.expect_error(function() opt:set_lr(-1) end, "set_lr")
   end)
 
+  it("steps a group with its own lr (a parameter's lr option) at that multiple of the scheduled lr", function()
+    local a, b = param("a", { 4 }), param("b", { 4 })
+    b.options = { lr = 0.5 }
+    local opt = ms.optim.new("sgd", { a, b }, { lr = 0.1 }, { schedule = { kind = "linear_warmup", warmup_steps = 4 } })
+    for s = 1, 3 do
+      if s == 3 then opt:set_lr(0.2) end
+      fill_grads({ a, b }, H.seed())
+      local pa, pb, ga, gb = a.param:totable(), b.param:totable(), a.grad:totable(), b.grad:totable()
+      local lr = s == 3 and 0.2 or 0.1 * s / 4
+      opt:step()
+      for i = 1, 4 do
+        H.assert_close(a.param:totable()[i], pa[i] - lr * ga[i], 1e-6, 1e-7, "a")
+        H.assert_close(b.param:totable()[i], pb[i] - 5 * lr * gb[i], 1e-6, 1e-7, "b: 5x the lr")
+      end
+    end
+    local c = param("c", { 4 })
+    c.options = { lr = 0.5 }
+    H.expect_error(function() ms.optim.new("sgd", { param("d", { 4 }), c }, { lr = 0 }) end, "option lr = 0.5", "base lr is 0")
+  end)
+
   it("skips parameters without a gradient", function()
     local r, seen = recorder()
     local a, b = param("a", { 2 }), { name = "b", param = randn({ 2 }) }

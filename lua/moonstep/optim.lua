@@ -31,6 +31,11 @@ Settings (the runtime's, kept apart from the recipe's options):
                   rank, then a broadcast from it) or "replicate" (every rank; the trainer keeps the gradients
                   identical)
 
+Parameters routed alike with the same option overrides (the route's, and a parameter entry's options = {...})
+form a group.  A group whose lr differs from options.lr steps with that multiple of the runtime's learning
+rate (its ctx.lr and ctx.lr_t: the schedule and set_lr scale every group alike), as a torch parameter group
+with its own lr.
+
 A parameter without a gradient is skipped, and those steps are not its own: ctx.step_of(member) gives a
 member's step count (a device scalar, and the number), the optimizer's less the steps it went without a
 gradient, as torch's per-parameter state["step"] counts them (bias corrections, a momentum's first step).
@@ -543,6 +548,20 @@ function M.new(recipe, params, options, settings)
     self.members[#self.members + 1] = m
   end
 
+  -- a group whose options give another lr (a per-parameter or route override) steps with that multiple of
+  -- the learning rate the runtime computes (schedule, set_lr), as a torch parameter group with its own lr
+  self.group_lr = {}
+  for _, g in ipairs(self.groups) do
+    if g.options.lr ~= opts.lr then
+      if not (opts.lr > 0) then
+        error(("%s: group %s has option lr = %s but the base lr is %s: a group's lr is applied as a multiple of the "
+               .. "base one (which the schedule and set_lr scale), so the base must be > 0"):format(recipe.name, g.id,
+               tostring(g.options.lr), tostring(opts.lr)), 2)
+      end
+      self.group_lr[g.id] = { ratio = g.options.lr / opts.lr, t = ms.zeros({ 1 }, { ctx = ctx }) }
+    end
+  end
+
   self.nvtx = {}
   for route in pairs(recipe.routes) do self.nvtx[route] = "moonstep:" .. tostring(route) end
 
@@ -713,15 +732,23 @@ end
 function Optimizer:_run_routes(runs, plans, c, rec)
   local h = self.ctx_h
   self.scalars_written = nil   -- recipe code runs: every device scalar is written again next step
+  local lr, lr_t = c.lr, c.lr_t
   for i, run in ipairs(runs) do
     local r = self.recipe.routes[run.route]
     c.plan = plans[i]
+    -- a group with its own lr: lr_t times its ratio, computed on the device (so a captured step replays it)
+    local own = self.group_lr[run.id]
+    if own then
+      tensor.mul(lr_t, own.ratio, own.t)
+      c.lr, c.lr_t = lr * own.ratio, own.t
+    end
     self.running_route = run.route
     if rec then self:_timing_mark(rec, "route", run.route) end
     C.ms_profile_push(h, self.nvtx[run.route])
     local ok, err = pcall(R.call, self.guard, r.step, run, run.options, c)
     C.ms_profile_pop(h)
     self.running_route = nil
+    c.lr, c.lr_t = lr, lr_t
     if not ok then error(err, 0) end
   end
   if rec then self:_timing_mark(rec, nil) end
