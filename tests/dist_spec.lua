@@ -328,6 +328,37 @@ scenario("checkpoint_sinkgd", function()
   assert(not ok and tostring(err):find("sink.ckpt.rank1%-of%-2"), tostring(err))
 end)
 
+-- a checkpoint one rank cannot load (the state of a parameter it owns is missing) is loaded by none: the
+-- other rank's checks pass, but going on from the checkpoint there and from fresh state here would split
+-- the world without an error
+scenario("checkpoint_all_or_none", function()
+  local path = DIR .. "/partial.ckpt"
+  local function entries(names)
+    local t = {}
+    for i, n in ipairs(names) do
+      local shape = ({ a = { 8, 8 }, b = { 4, 4 }, c = { 2, 2 } })[n]
+      t[i] = { name = n, param = ms.randn(shape, { seed = 90 + i }), grad = ms.randn(shape, { seed = 95 + i }) }
+    end
+    return t
+  end
+  local opt = ms.optim.new("adamw", entries { "a", "b" }, { lr = 0.1 }, { comm = comm })
+  for _ = 1, 3 do opt:step() end
+  opt:save(path)
+  -- c is new, owned by rank 1 (a: 64 elements to rank 0, then b and c to the less loaded rank 1)
+  local grown = ms.optim.new("adamw", entries { "a", "b", "c" }, { lr = 0.1 }, { comm = comm })
+  assert(grown.by_name.c.member.owner == 1 and grown.by_name.a.member.owner == 0, "owners")
+  local before = {}
+  for name, t in pairs(grown:_state_entries()) do before[name] = t:clone() end
+  local ok, err = pcall(grown.load, grown, path)
+  assert(not ok, "rank " .. RANK .. " loaded a checkpoint that rank 1 cannot load")
+  local want = RANK == 1 and "tensor 'param/c/exp_avg" or "1 of the 2 ranks cannot load it"
+  assert(tostring(err):find(want, 1, true), tostring(err))
+  assert(grown.step_count == 0, "step count " .. grown.step_count)
+  for name, t in pairs(grown:_state_entries()) do check_same(t, before[name], "state " .. name .. " after the refusal") end
+  -- and the world goes on
+  grown:step()
+end)
+
 -- what recipes see: the whole shape, the slice's, the shard, the world; owners alone init and step
 scenario("info", function()
   local seen = {}
@@ -448,6 +479,9 @@ describe("several ranks (settings.comm) on the CPU, through `moonstep launch -n 
   end)
   it("sharded state joins and splits exactly 2 -> 1, 1 -> 2, 2 -> 2; missing or corrupt parts are named", function()
     passes("checkpoint_sinkgd")
+  end)
+  it("a checkpoint that one rank cannot load is loaded by none, each rank saying why", function()
+    passes("checkpoint_all_or_none")
   end)
   it("refuses slices that do not tile, parameters that differ between ranks and sharded DASH parameters", function()
     passes("errors")

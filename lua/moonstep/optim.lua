@@ -1815,27 +1815,43 @@ end
 
 --- Restores a checkpoint written by save() into this optimizer (created with the same recipe and
 --- parameters), from any world size: see "Several ranks".  opts.force = true accepts a checkpoint of another
---- recipe (or recipe version).
+--- recipe (or recipe version).  With several ranks every rank checks its part and then they agree: when
+--- any rank cannot load, none does (each rank raises), so that no rank goes on from the checkpoint while
+--- another goes on from its own state.
 function Optimizer:load(path, opts)
+  if not self.dist then return self:_load_apply(self:_load_plan(path, opts, 3)) end
+  -- the checks differ by rank (its slices, the state of the parameters it owns): all of them before the vote
+  local ok, plan = pcall(self._load_plan, self, path, opts, 4)
+  local failed = self:_dist_flag(not ok)
+  if not ok then error(plan, 0) end
+  if failed > 0 then
+    error(("load: %s: %d of the %d ranks cannot load it (their errors say why); nothing was loaded"):format(path,
+          failed, self.world.size), 2)
+  end
+  return self:_load_apply(plan)
+end
+
+-- load's checks (errors at `level`): what it will copy and set, nothing changed yet
+function Optimizer:_load_plan(path, opts, level)
   local force = opts and opts.force
-  if type(path) ~= "string" then error("load: path must be a string", 2) end
+  if type(path) ~= "string" then error("load: path must be a string", level) end
   local files, meta = read_checkpoint(path, self.dist and "cpu" or self.ctx)
   local rec = meta.recipe or {}
   if not force and (rec.name ~= self.recipe.name or rec.hash ~= self.recipe_hash) then
     error(("%s: checkpoint of recipe '%s' (hash %s), this optimizer runs '%s' (hash %s); pass {force = true} to load it anyway")
-          :format(path, tostring(rec.name), tostring(rec.hash), self.recipe.name, self.recipe_hash), 2)
+          :format(path, tostring(rec.name), tostring(rec.hash), self.recipe.name, self.recipe_hash), level)
   end
   -- the metadata that load() writes into the optimizer (and the global generator) after the copies: checked
   -- here, with everything else, so that a corrupt file changes nothing
   if not (is_integer(meta.step) and meta.step >= 0) then
-    error(("%s: checkpoint step %s is not a non-negative integer"):format(path, tostring(meta.step)), 2)
+    error(("%s: checkpoint step %s is not a non-negative integer"):format(path, tostring(meta.step)), level)
   end
   if meta.skipped ~= nil and not (is_integer(meta.skipped) and meta.skipped >= 0) then
-    error(("%s: checkpoint skipped = %s is not a non-negative integer"):format(path, tostring(meta.skipped)), 2)
+    error(("%s: checkpoint skipped = %s is not a non-negative integer"):format(path, tostring(meta.skipped)), level)
   end
   local lo = meta.lr_override
   if lo ~= nil and not (type(lo) == "number" and lo >= 0 and lo < math.huge) then
-    error(("%s: checkpoint lr_override = %s is not a finite number >= 0"):format(path, tostring(meta.lr_override)), 2)
+    error(("%s: checkpoint lr_override = %s is not a finite number >= 0"):format(path, tostring(meta.lr_override)), level)
   end
   local lags = meta.lags
   if lags ~= nil then
@@ -1850,7 +1866,7 @@ function Optimizer:load(path, opts)
     if f.meta.world == self.world.size and f.meta.rank == self.world.rank and f.meta.rng then rng = f.meta.rng end
   end
   if rng ~= nil and not tensor.valid_rng_state(rng) then
-    error(("%s: checkpoint rng state is not {seed =, offset =} of non-negative integers"):format(path), 2)
+    error(("%s: checkpoint rng state is not {seed =, offset =} of non-negative integers"):format(path), level)
   end
   local tensors, scalars = self:_state_entries()
   local splits, slots = self:_layout()
@@ -1864,7 +1880,7 @@ function Optimizer:load(path, opts)
         local placed
         if strict then placed = tensors[name] ~= nil else placed = self:_has_place(name, tensors) end
         if not placed then
-          error(("%s: tensor '%s' in the checkpoint has no place in this optimizer"):format(f.path, name), 2)
+          error(("%s: tensor '%s' in the checkpoint has no place in this optimizer"):format(f.path, name), level)
         end
       end
     end
@@ -1875,11 +1891,17 @@ function Optimizer:load(path, opts)
       local fv = f.meta.scalars and f.meta.scalars[name]
       if fv ~= nil then values[name] = fv break end
     end
-    if values[name] == nil then error(("%s: state value '%s' is missing from the checkpoint"):format(path, name), 2) end
-    if type(values[name]) ~= type(v) then error(("%s: state value '%s' has the wrong type"):format(path, name), 2) end
+    if values[name] == nil then error(("%s: state value '%s' is missing from the checkpoint"):format(path, name), level) end
+    if type(values[name]) ~= type(v) then error(("%s: state value '%s' has the wrong type"):format(path, name), level) end
   end
-  for _, c in ipairs(copies) do c[1]:copy_(c[2]) end
-  for name, v in pairs(values) do self:_set_scalar(name, v) end
+  return { copies = copies, values = values, meta = meta, rng = rng, recipe = rec.name }
+end
+
+-- load's changes, once every check has passed (on every rank)
+function Optimizer:_load_apply(plan)
+  local meta, rng = plan.meta, plan.rng
+  for _, c in ipairs(plan.copies) do c[1]:copy_(c[2]) end
+  for name, v in pairs(plan.values) do self:_set_scalar(name, v) end
   self.step_count = meta.step
   for _, m in ipairs(self.members) do
     m.lag, m.absent_from = lags and lags[m.name] or 0, m.grad == nil and meta.step or nil
@@ -1889,7 +1911,7 @@ function Optimizer:load(path, opts)
   if self.skipped_t then self.skipped_t:fill_(0) end
   self.lr_override = meta.lr_override
   if rng then ms.set_rng_state(rng) end
-  return { step = meta.step, recipe = rec.name }
+  return { step = meta.step, recipe = plan.recipe }
 end
 
 return M
