@@ -1859,7 +1859,7 @@ function Optimizer:_load_plan(path, opts, level)
     for k, v in pairs(good and lags or {}) do
       good = good and type(k) == "string" and is_integer(v) and v >= 0 and v <= meta.step
     end
-    if not good then error(("%s: checkpoint lags are not {name = steps without a gradient}"):format(path), 2) end
+    if not good then error(("%s: checkpoint lags are not {name = steps without a gradient}"):format(path), level) end
   end
   local rng = meta.rng
   for _, f in ipairs(files) do
@@ -1899,7 +1899,7 @@ end
 
 -- load's changes, once every check has passed (on every rank)
 function Optimizer:_load_apply(plan)
-  local meta, rng = plan.meta, plan.rng
+  local meta, rng, lags = plan.meta, plan.rng, plan.meta.lags
   for _, c in ipairs(plan.copies) do c[1]:copy_(c[2]) end
   for name, v in pairs(plan.values) do self:_set_scalar(name, v) end
   self.step_count = meta.step
