@@ -144,6 +144,46 @@ report(st, msg, elapsed)
     assert.is_true(res[0].ms < 5000 and res[1].ms < 5000, out)
   end)
 
+  it("counts a rank that gave up after its hello as missing: every rank fails, none goes on without it", function()
+    -- rank 1's timeout is short: it leaves before rank 2 (late) arrives; rank 0 must not answer ranks 0 and 2
+    -- as a complete world
+    local s = write_script("left.lua", prelude .. [[
+if RANK == 2 then ffi.C.poll(nil, 0, 1000) end
+local timeout = ({ [0] = 2500, 500, 2500 })[RANK]
+local st, msg, _, elapsed = rendezvous(RANK, 3, timeout, RANK == 0 and seeded_id(5) or nil)
+report(st, msg, elapsed)
+]])
+    local out, code = launch(("launch -n 3 %s"):format(q(s)))
+    assert.are.equal(0, code, out)
+    local res = status_lines(out)
+    for r = 0, 2 do assert.are.equal("MS_E_IO", res[r].status, out) end
+    assert.is_truthy(res[0].msg:find("waiting for ranks 1 of world size 3", 1, true), out)
+    assert.is_truthy(res[2].msg:find("missing ranks: 1", 1, true), out)
+  end)
+
+  it("takes a rank back that gave up after its hello and tries again", function()
+    local s = write_script("again.lua", prelude .. [[
+local st, msg, got
+if RANK == 1 then
+  st, msg = rendezvous(1, 3, 300)                     -- gives up: rank 2 is late
+  assert(st == "MS_E_IO", msg)
+  st, msg, got = rendezvous(1, 3, 5000)
+else
+  if RANK == 2 then ffi.C.poll(nil, 0, 800) end
+  st, msg, got = rendezvous(RANK, 3, 5000, RANK == 0 and seeded_id(tonumber(arg[1])) or nil)
+end
+report(st, msg, 0)
+print(("id %d %s"):format(RANK, hex(got)))
+]])
+    local out, code = launch(("launch -n 3 %s %d"):format(q(s), SEED))
+    assert.are.equal(0, code, out)
+    local res = status_lines(out)
+    for r = 0, 2 do
+      assert.are.equal("MS_OK", res[r].status, out)
+      assert.is_truthy(out:find(("id %d %s"):format(r, expected_id_hex()), 1, true), out)
+    end
+  end)
+
   it("drops connections that send garbage or nothing, and still completes", function()
     local s = write_script("garbage_client.lua", prelude .. [[
 if RANK == 1 then

@@ -10,8 +10,9 @@
 ** mode 0: the id exchange; 1: the connection stays open after the reply.  status 0: payload is the id
 ** (zeros in mode 1); otherwise payload is a NUL-terminated message, status 1 for a refused request (MS_E_ARG:
 ** wrong world size or mode, rank claimed twice) and 2 for a timeout (MS_E_IO).  Rank 0 answers only once
-** every rank has said hello, so that no rank goes on to NCCL's set-up (which would wait forever) when one
-** is missing: all of them fail instead.  A hello of another version is answered with this version's reply
+** every rank has said hello and is still connected (one that gave up or died since is missing again), so
+** that no rank goes on to NCCL's set-up (which would wait forever) when one is missing: all of them fail
+** instead.  A hello of another version is answered with this version's reply
 ** (refused), so that the other side can say which versions met.
 */
 #include "internal.h"
@@ -131,6 +132,28 @@ static void server_close(rz_server *s, uint32_t status, const unsigned char *id,
     close(s->listen_fd);
 }
 
+/* True, with rank r unregistered, when its connection has closed since its hello: a rank that gave up (its
+** own timeout) or died is missing again, not answered as present (the others would go on without it), and
+** may come back. */
+static bool rank_gone(rz_server *s, int r)
+{
+    char b;
+    ssize_t k = recv(s->rank_fd[r], &b, 1, MSG_PEEK | MSG_DONTWAIT);
+    if (k > 0 || (k < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR))) return false;
+    close(s->rank_fd[r]);
+    s->rank_fd[r] = -1;
+    s->arrived--;
+    return true;
+}
+
+static int ranks_gone(rz_server *s)
+{
+    int n = 0;
+    for (int r = 1; r < s->world_size; r++)
+        if (s->rank_fd[r] >= 0 && rank_gone(s, r)) n++;
+    return n;
+}
+
 /* A complete hello from stray i: accepted (moved to rank_fd), dropped as garbage, or a refusal of the
 ** whole rendezvous (returns MS_E_ARG with the message in msg). */
 static ms_status take_hello(rz_server *s, int i, char *msg, size_t msg_size)
@@ -144,7 +167,7 @@ static ms_status take_hello(rz_server *s, int i, char *msg, size_t msg_size)
                  rz_mode_name[s->mode]);
     else if (rank == 0 || rank >= (uint32_t)s->world_size)
         snprintf(msg, msg_size, "a process reports rank %u, outside [1, %d)", rank, s->world_size);
-    else if (s->rank_fd[rank] >= 0)
+    else if (s->rank_fd[rank] >= 0 && !rank_gone(s, (int)rank))
         snprintf(msg, msg_size, "two processes claim rank %u", rank);
     else {
         s->rank_fd[rank] = c->fd;
@@ -211,7 +234,7 @@ static ms_status serve(const char *addr, int port, int world_size, int timeout_m
     char msg[MS_COMM_ID_BYTES] = "";
     ms_status st = MS_OK;
     struct pollfd fds[1 + RZ_MAX_STRAYS];
-    while (s.arrived < world_size - 1) {
+    while (s.arrived < world_size - 1 || ranks_gone(&s) > 0) {   /* all there, and none gone since its hello */
         int64_t left = deadline - ms_now_ms();
         if (left <= 0) {
             char missing[256];
