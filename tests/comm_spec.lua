@@ -210,6 +210,29 @@ end
     assert.is_truthy(out:find("id " .. expected_id_hex(), 1, true), out)
   end)
 
+  it("still takes a rank when more connections than it holds (64) hang on a partial hello", function()
+    local s = write_script("strays.lua", prelude .. [[
+if RANK == 1 then
+  local held = {}
+  for i = 1, 64 do
+    held[i] = raw_socket(PORT)
+    ffi.C.write(held[i], "MS", 2)
+  end
+  local st, msg = rendezvous(1, 2, 3000)
+  for _, fd in ipairs(held) do ffi.C.close(fd) end
+  report(st, msg, 0)
+else
+  local st, msg = rendezvous(0, 2, 3000, seeded_id(4))
+  report(st, msg, 0)
+end
+]])
+    local out, code = launch(("launch -n 2 %s"):format(q(s)))
+    assert.are.equal(0, code, out)
+    local res = status_lines(out)
+    assert.are.equal("MS_OK", res[0].status, out)
+    assert.are.equal("MS_OK", res[1].status, out)
+  end)
+
   it("mentions dropped connections when the timeout comes", function()
     local s = write_script("garbage_timeout.lua", prelude .. [[
 if RANK == 1 then

@@ -37,7 +37,7 @@
 #define RZ_REPLY_BYTES (16 + MS_COMM_ID_BYTES)
 #define RZ_DEFAULT_TIMEOUT_MS 300000
 #define RZ_MAX_WORLD (1 << 20)
-#define RZ_MAX_STRAYS 64          /* unidentified connections held at once; more are refused at once */
+#define RZ_MAX_STRAYS 64          /* unidentified connections held at once; a newer one drops the oldest */
 
 enum { RZ_OK = 0, RZ_REFUSED = 1, RZ_TIMEOUT = 2 };
 enum { RZ_MODE_ID = 0, RZ_MODE_CONNECT = 1 };
@@ -94,6 +94,7 @@ static ms_status resolve(const char *addr, int port, bool passive, struct addrin
 
 typedef struct rz_conn {
     int           fd;
+    unsigned      order;   /* accepted as the order-th connection */
     size_t        got;
     unsigned char hello[RZ_HELLO_BYTES];
 } rz_conn;
@@ -106,6 +107,7 @@ typedef struct rz_server {
     rz_conn  strays[RZ_MAX_STRAYS];   /* connections that have not said a full hello yet */
     int      nstrays;
     int      dropped;          /* connections that sent something else than a hello */
+    unsigned accepted;         /* connections accepted so far */
     uint32_t mode;             /* RZ_MODE_ID or RZ_MODE_CONNECT, and every hello must say the same */
 } rz_server;
 
@@ -284,8 +286,15 @@ static ms_status serve(const char *addr, int port, int world_size, int timeout_m
         if (fds[0].revents & POLLIN) {
             int c = accept4(fd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
             if (c >= 0) {
-                if (s.nstrays == RZ_MAX_STRAYS) { close(c); s.dropped++; }
-                else s.strays[s.nstrays++] = (rz_conn){ .fd = c };
+                /* full: the one silent longest goes, not the newcomer, which may be a rank (a rank says its
+                ** hello at once; refusing newcomers let 64 silent connections shut every rank out) */
+                if (s.nstrays == RZ_MAX_STRAYS) {
+                    int oldest = 0;
+                    for (int i = 1; i < s.nstrays; i++)
+                        if (s.strays[i].order < s.strays[oldest].order) oldest = i;
+                    drop_stray(&s, oldest, true);
+                }
+                s.strays[s.nstrays++] = (rz_conn){ .fd = c, .order = s.accepted++ };
             }
         }
     }
