@@ -25,10 +25,12 @@ is in (MOONSTEP_BUILD names another build folder), else the system's libmoonstep
 """
 import ctypes
 import ctypes.util
+import gc
 import json
 import os
 import tempfile
 import warnings
+import weakref
 
 __all__ = ["Optimizer", "Context", "Comm", "MoonstepError", "TorchOptimizer", "comm_unique_id", "version",
            "library_path"]
@@ -285,6 +287,7 @@ class Comm:
     def __init__(self, rank, world_size, unique_id=None, device=None, stream=None, context=None, addr=None, port=None,
                  timeout=None):
         self._h = None
+        self._users = weakref.WeakSet()   # the Optimizers made with it, which hold its pointer
         rank, world_size = _integer(rank, "rank"), _integer(world_size, "world_size")
         if unique_id is not None:
             if not isinstance(unique_id, (bytes, bytearray)) or len(unique_id) != _COMM_ID_BYTES:
@@ -305,6 +308,7 @@ class Comm:
         rendezvous (moonstep launch, torchrun before torch.distributed takes the port)."""
         self = cls.__new__(cls)
         self._h = None
+        self._users = weakref.WeakSet()
         ms_timeout = _timeout_ms(timeout)
         self.context = cls._context(device, stream, context)
         handle = ctypes.c_void_p()
@@ -336,12 +340,23 @@ class Comm:
         return _lib.ms_comm_size(self._handle())
 
     def close(self):
-        """Destroys the communicator (on every rank), after the optimizers that use it."""
+        """Destroys the communicator (on every rank), after the optimizers that use it: refused while one of
+        them is open (its next step would use the freed communicator)."""
+        users = getattr(self, "_users", ())
+        if any(getattr(o, "_opt", None) for o in users):
+            gc.collect()   # optimizers that only a reference cycle keeps are no one's to step
+        open_users = [o for o in users if getattr(o, "_opt", None)]
+        if open_users and getattr(self, "_h", None):
+            raise ValueError("the communicator is used by %d open optimizer(s): close the optimizer first"
+                             % len(open_users))
+        self._free()
+
+    def _free(self):
         if getattr(self, "_h", None) and _lib is not None:
             _lib.ms_comm_free(self._h)
         self._h = None
 
-    __del__ = close
+    __del__ = _free   # garbage: an optimizer that still held it is garbage too, and steps no more
 
     def __repr__(self):
         if not self._h:
@@ -602,6 +617,7 @@ class Optimizer:
         if comm is not None:
             _check(_lib.ms_optimizer_set_comm(handle, comm._handle()))
             self._comm = comm      # kept: the optimizer holds the communicator's pointer
+            comm._users.add(self)  # comm.close() is refused while this optimizer is open
         self.names = []
         self._keep = {}            # name -> [param, grad]: wrapped NumPy memory must outlive the optimizer's use
         for name, param, grad, tags, shard in entries:

@@ -186,6 +186,22 @@ def a_world_of_one_steps_as_no_comm_does():
 
 
 @test
+def a_comm_is_not_closed_under_an_open_optimizer():
+    # the optimizer holds the communicator's pointer: closing it first left the next step reading freed memory
+    comm = moonstep.Comm(0, 1, device="cpu")
+    w, g = seeded(3, (4, 4)), seeded(4, (4, 4))
+    opt = moonstep.Optimizer({"w": (w, g)}, "adamw", comm=comm)
+    expect(ValueError, "close the optimizer", comm.close)
+    assert "rank 0 of 1" in repr(comm), "a refused close keeps the communicator"
+    before = w.copy()
+    opt.step()
+    assert not np.array_equal(w, before), "the optimizer steps on"
+    opt.close()
+    comm.close()                                    # its optimizer closed: now it goes
+    assert "closed" in repr(comm)
+
+
+@test
 def shard_arguments_are_checked():
     comm = moonstep.Comm(0, 1, device="cpu")
     w, g = seeded(1, (4, 6)), np.zeros((4, 6), np.float32)
