@@ -216,9 +216,13 @@ describe("rng_ids: ms_spectrum_estimate", function()
       assert(math.abs(got_max[q] - want) <= 1e-5 * math.abs(want), ("lam_max[%d] = %.9g, f64 %.9g"):format(q, got_max[q], want))
       local want_min = mu ^ -2
       assert(math.abs(got_min[q] - want_min) <= 1e-4 * want_min, ("lam_min[%d] = %.9g, f64 %.9g"):format(q, got_min[q], want_min))
-      -- another offset gives another estimate (one step from the start vectors is far from converged)
-      local other = power_estimate(matrix(block(a, q - 1)), eps, m, steps, seed, q - 1) - eps
-      assert(math.abs(other - want) > 1e-3 * math.abs(want), "the check cannot tell offsets apart")
+      -- other offsets give other estimates, far beyond the tolerance above (one step from the start vectors is far
+      -- from converged; one offset alone came within 1e-3 of it for ~1.5% of the seeds, so the farthest of three)
+      local far = 0
+      for _, off in ipairs { q - 1, q + 7, q + 1000 } do
+        far = math.max(far, math.abs(power_estimate(matrix(block(a, q - 1)), eps, m, steps, seed, off) - eps - want))
+      end
+      assert(far > 1e-4 * math.abs(want), "the check cannot tell offsets apart")
     end
   end)
 end)
