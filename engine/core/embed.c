@@ -257,6 +257,10 @@ static ms_status check_grad(ms_optimizer *opt, const char *fn, const char *name,
     if (!same)
         return MS_FAIL(opt->ctx, MS_E_SHAPE, "%s: parameter '%s': grad shape %s != param shape %s", fn, name,
                        ms_tshape(grad), ms_tshape(param));
+    /* ms.optim refuses it only when the optimizer starts: the first step would fail, not this call */
+    if (ms_tensor_overlaps(param, grad))
+        return MS_FAIL(opt->ctx, MS_E_ARG, "%s: parameter '%s': grad shares memory with the param (it is updated "
+                       "in place)", fn, name);
     return MS_OK;
 }
 
@@ -363,6 +367,11 @@ static ms_status add_param(ms_optimizer *opt, const char *fn, const char *name, 
     if (param == NULL) return MS_FAIL(opt->ctx, MS_E_ARG, "%s: parameter '%s': param is NULL", fn, name);
     if (shard) MS_TRY(check_shard(opt, fn, name, param, shard));
     MS_TRY(check_tensor(opt, fn, name, "param", param));
+    /* ms.optim refuses it when the optimizer starts, and a parameter cannot be taken back: every step would
+    ** fail */
+    if (!ms_tensor_is_contiguous(param))
+        return MS_FAIL(opt->ctx, MS_E_LAYOUT, "%s: parameter '%s': param must be contiguous (it is updated in "
+                       "place; shape %s)", fn, name, ms_tshape(param));
     MS_TRY(check_grad(opt, fn, name, param, grad));
     ms_tensor *p, *g = NULL;
     MS_TRY(tensor_share(opt->ctx, param, &p));

@@ -1013,8 +1013,8 @@ MS_API void ms_optimizer_free(ms_optimizer *opt);
 ** float tensor on the optimizer's device; grad: NULL (none yet) or a float tensor of param's shape on the
 ** same device, any layout.  tags: NULL or a comma-separated list ("no_decay,adamw") that the recipe's
 ** route() sees.  A parameter whose memory is that of an earlier one (tied weights) is updated once.
-** Errors: MS_E_ARG (NULL, empty or duplicate name, the optimizer has started), MS_E_SHAPE, MS_E_DTYPE,
-** MS_E_DEVICE. */
+** Errors: MS_E_ARG (NULL, empty or duplicate name, the optimizer has started, a grad sharing param's
+** memory), MS_E_LAYOUT (param not contiguous), MS_E_SHAPE, MS_E_DTYPE, MS_E_DEVICE. */
 MS_API ms_status ms_optimizer_add_param(ms_optimizer *opt, const char *name, ms_tensor *param, ms_tensor *grad,
                                         const char *tags);
 

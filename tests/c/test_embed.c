@@ -225,6 +225,15 @@ static void test_parameter_errors(void)
     CHECK(ms_optimizer_add_param(opt, "w", ti, NULL, NULL) == MS_E_DTYPE, "i32 param");
     CHECK(contains(ms_last_error(), "i32"), "message: %s", ms_last_error());
     CHECK(ms_optimizer_add_param(opt, "w", tp, ti, NULL) == MS_E_DTYPE, "i32 grad");
+    /* what the optimizer refuses when it starts is refused here: a step could never run, and a parameter
+    ** cannot be taken back */
+    ms_tensor *tt;
+    CHECK(ms_tensor_transpose(cpu, tg23, 0, 1, &tt) == MS_OK, "transpose: %s", ms_last_error());
+    CHECK(ms_optimizer_add_param(opt, "t", tt, NULL, NULL) == MS_E_LAYOUT, "non-contiguous param");
+    CHECK(contains(ms_last_error(), "param must be contiguous"), "message: %s", ms_last_error());
+    ms_tensor_free(tt);
+    CHECK(ms_optimizer_add_param(opt, "w", tp, tp, NULL) == MS_E_ARG, "grad sharing the param's memory");
+    CHECK(contains(ms_last_error(), "grad shares memory with the param"), "message: %s", ms_last_error());
     CHECK(ms_optimizer_add_param(opt, "w", tp, tg, "no_decay, extra") == MS_OK, "add: %s", ms_last_error());
     CHECK(ms_optimizer_add_param(opt, "w", tp, tg, NULL) == MS_E_ARG, "duplicate name");
     CHECK(contains(ms_last_error(), "duplicate parameter name 'w'"), "message: %s", ms_last_error());
