@@ -300,10 +300,10 @@ end
 function methods:save(path) start(self):save(path) end
 
 function methods:load(path)
-  local opt = start(self)
+  -- before start: a load that fails changes nothing, so parameters may still be added after it
   local ok, err = file_readable(path)
   if not ok then fail(C.MS_E_IO, "cannot read checkpoint %s: %s", path, tostring(err)) end
-  opt:load(path)
+  start(self):load(path)
 end
 
 function methods:info() return json.encode(for_json((start(self):info()), 0)) end

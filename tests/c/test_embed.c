@@ -911,6 +911,19 @@ static void test_save_load(void)
     /* failed loads change nothing */
     CHECK(ms_optimizer_load(ob, "/nonexistent/opt.safetensors") == MS_E_IO, "missing file: %s", ms_last_error());
     CHECK(contains(ms_last_error(), "/nonexistent/opt.safetensors"), "message: %s", ms_last_error());
+    {   /* nor do they start the optimizer: parameters may still be added */
+        float p[2] = { 1, 2 }, g[2] = { 0.5f, 0.5f }, q[2] = { 3, 4 };
+        int64_t s2[1] = { 2 };
+        ms_optimizer *ol = make_opt("adamw", NULL, NULL, "w", p, g, 2);
+        if (ol) {
+            CHECK(ms_optimizer_load(ol, "/nonexistent/opt.safetensors") == MS_E_IO, "missing file: %s", ms_last_error());
+            ms_tensor *tq = wrap(q, 1, s2);
+            CHECK(ms_optimizer_add_param(ol, "q", tq, NULL, NULL) == MS_OK, "add after a failed load: %s",
+                  ms_last_error());
+            ms_tensor_free(tq);
+            ms_optimizer_free(ol);
+        }
+    }
     corrupt_copy(ck, bad, -1, 1);
     ms_status st = ms_optimizer_load(ob, bad);
     CHECK(st == MS_E_FORMAT, "truncated checkpoint: %s %s", ms_status_name(st), ms_last_error());
