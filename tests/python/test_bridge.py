@@ -359,6 +359,20 @@ def prepare_replay_is_refused_on_the_cpu_and_changes_nothing():
     opt.close()
 
 
+@test
+def a_step_refused_for_a_bad_gradient_changes_nothing():
+    a, b = np.ones(4, np.float32), np.ones(4, np.float32)
+    ga, gb = np.ones(4, np.float32), np.ones(4, np.float32)
+    opt = moonstep.Optimizer({"a": (a, ga), "b": (b, gb)}, "sgd", {"lr": 0.5})
+    # a's new gradient is fine, b's has the wrong shape: the call fails, and a keeps its own gradient
+    expect_error("MS_E_SHAPE", "grad shape [3] != param shape [4]", opt.step,
+                 grads={"a": np.full(4, 9, np.float32), "b": np.ones(3, np.float32)})
+    assert np.all(a == 1) and np.all(b == 1), "the refused step moved the parameters"
+    assert opt.step() is True
+    assert_close(a, np.full(4, 0.5), 0, 0, "a stepped on its own gradient (ones), not the refused call's")
+    opt.close()
+
+
 def main():
     return run()
 
