@@ -200,6 +200,8 @@ class Context:
     cudaStream_t as an int; None: a stream of its own)."""
 
     def __init__(self, device="cpu", stream=None, num_threads=0, mem_limit=0):
+        self._h = None
+        self._users = weakref.WeakSet()   # the Optimizers on it, which wrap their gradients through its handle
         opts = _CtxOptions(mem_limit, stream or None, num_threads)
         handle = ctypes.c_void_p()
         _check(_lib.ms_ctx_new(_utf8(device, "device"), ctypes.byref(opts), ctypes.byref(handle)))
@@ -226,11 +228,23 @@ class Context:
         _check(_lib.ms_ctx_sync(self._h))
 
     def close(self):
+        """Frees the context, after the optimizers on it: refused while one of them is open (its set_grad and
+        add_param would find no context to wrap the tensors on)."""
+        users = getattr(self, "_users", ())
+        if any(getattr(o, "_opt", None) for o in users):
+            gc.collect()   # optimizers that only a reference cycle keeps are no one's to use
+        open_users = [o for o in users if getattr(o, "_opt", None)]
+        if open_users and getattr(self, "_h", None):
+            raise ValueError("the context is used by %d open optimizer(s): close the optimizer first"
+                             % len(open_users))
+        self._free()
+
+    def _free(self):
         if getattr(self, "_h", None) and _lib is not None:
             _lib.ms_ctx_free(self._h)
         self._h = None
 
-    __del__ = close
+    __del__ = _free   # garbage: an optimizer that still held it is garbage too
 
     def __repr__(self):
         return "moonstep.Context(%s)" % (self.device if self._h else "closed")
@@ -614,6 +628,7 @@ class Optimizer:
         _check(_lib.ms_optimizer_new(context._h, _utf8(os.fspath(recipe), "recipe"), _json(options), _json(settings),
                                      ctypes.byref(handle)))
         self._opt = handle
+        context._users.add(self)   # context.close() is refused while this optimizer is open
         if comm is not None:
             _check(_lib.ms_optimizer_set_comm(handle, comm._handle()))
             self._comm = comm      # kept: the optimizer holds the communicator's pointer

@@ -373,6 +373,25 @@ def a_step_refused_for_a_bad_gradient_changes_nothing():
     opt.close()
 
 
+@test
+def closing_the_context_under_an_open_optimizer_is_refused():
+    ctx = moonstep.Context("cpu")
+    w, g = np.ones(4, np.float32), np.ones(4, np.float32)
+    opt = moonstep.Optimizer({"w": (w, g)}, "sgd", {"lr": 0.5}, context=ctx)
+    try:
+        ctx.close()
+    except ValueError as e:
+        assert "close the optimizer first" in str(e), str(e)
+    else:
+        raise AssertionError("Context.close() under an open optimizer was allowed")
+    opt.set_grad("w", np.full(4, 2, np.float32))    # the optimizer still wraps its tensors on ctx
+    assert opt.step() is True
+    assert_close(w, np.zeros(4), 0, 0, "one step on the new gradient")
+    opt.close()
+    ctx.close()                                      # once the optimizer is closed
+    assert "closed" in repr(ctx)
+
+
 def main():
     return run()
 
