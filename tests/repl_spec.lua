@@ -163,3 +163,26 @@ return {
     t.close()
   end)
 end)
+
+-- the REPL with piped input (no terminal needed): what it prints and whether the session survives
+describe("the REPL with piped input", function()
+  local function session(lines)
+    local d = tmpdir()
+    local path = d .. "/input"
+    write(path, table.concat(lines, "\n") .. "\n")
+    local out, code = H.moonstep("< " .. q(path), "MOONSTEP_HISTORY= ")
+    os.execute("rm -rf " .. q(d))
+    return out, code
+  end
+
+  it("survives a result that cannot be shown (its __tostring fails)", function()
+    local out, code = session {
+      "x = setmetatable({}, {__tostring = function() error('cannot show me') end})",
+      "x",
+      "print('still' .. ' alive')",
+    }
+    assert.equals(0, code, out)
+    assert.truthy(out:find("cannot show me", 1, true), out)
+    assert.truthy(out:find("still alive", 1, true), out)
+  end)
+end)

@@ -252,7 +252,12 @@ function M.run()
         setfenv(chunk, env)
         local res = { xpcall(chunk, user_traceback) }
         if res[1] then
-          for i = 2, table.maxn(res) do print(M.show(res[i])) end
+          -- showing a value runs its __tostring: user code, whose errors must not end the session either
+          for i = 2, table.maxn(res) do
+            local ok, s = xpcall(M.show, user_traceback, res[i])
+            print(s)
+            if not ok then break end
+          end
         else
           print(res[2])
         end
