@@ -245,7 +245,9 @@ function M.run()
           local more = readline(">> ")
           if more == nil then break end
           line = line .. "\n" .. more
-          chunk, err = loadstring(line, "=stdin")
+          -- an expression spread over lines is shown like a one-line one
+          chunk = loadstring("return " .. line, "=stdin")
+          if not chunk then chunk, err = loadstring(line, "=stdin") end
         end
       end
       if chunk then
