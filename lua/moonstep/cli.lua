@@ -484,12 +484,14 @@ the loss curves as loss.png and loss.svg (gnuplot; without it the SVG alone, dra
       outln(("compare %s on %s: %s, %d step%s, %d seed%s"):format(problem.name, cfg.ctx:name(), table.concat(names, ", "),
         total, total == 1 and "" or "s", cfg.seeds, cfg.seeds == 1 and "" or "s"))
     end
+    local dir = vals.out or ("runs/" .. problem.name)
+    local report = require("moonstep.report")
+    report.mkdir(dir)    -- before the runs: an unusable folder found after them would lose them
     local result = E.compare(cfg)
     if prog then prog.finish() end
     local any = result.rows[1]
     if any and any.describe then outln("  " .. any.describe) end
-    local dir = vals.out or ("runs/" .. problem.name)
-    local files, note = require("moonstep.report").write(dir, result, { plotter = vals.plotter, problem = problem, ctx = cfg.ctx, steps = total })
+    local files, note = report.write(dir, result, { plotter = vals.plotter, problem = problem, ctx = cfg.ctx, steps = total })
     local text, verdict = E.format_table(result)
     outln("")
     outln(text)

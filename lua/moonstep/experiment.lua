@@ -215,6 +215,9 @@ function E.run(cfg)
     end
   end
 
+  -- the checkpoint folder before the steps: an unusable one found after them would lose the run
+  if cfg.save then mkdir_p(cfg.save) end
+
   local seconds = 0
   local t0 = E.clock()
   for step = start, last_step do

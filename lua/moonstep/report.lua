@@ -21,6 +21,10 @@ local function mkdir_p(dir)
   if rc ~= 0 and rc ~= true then error(("cannot create output folder '%s'"):format(dir), 0) end
 end
 
+--- Creates the output folder (and its parents); raises a clear error when it cannot.  compare calls it
+--- before training, so that an unusable folder does not cost the runs.
+M.mkdir = mkdir_p
+
 local function write_file(path, text)
   local f, err = io.open(path, "w")
   if not f then error(("cannot write %s: %s"):format(path, tostring(err)), 0) end
