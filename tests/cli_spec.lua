@@ -266,6 +266,23 @@ return {
       end
     end)
 
+    it("leaves no stale plot of an earlier comparison beside a new one drawn without gnuplot", function()
+      local d = scratch()
+      -- an earlier comparison in the same folder, plotted by a "gnuplot" (a stand-in that writes both files)
+      local fake = d .. "/fake-gnuplot"
+      write(fake, "#!/bin/sh\nprintf '\\211PNG old' > loss.png\necho '<svg>old</svg>' > loss.svg\n")
+      os.execute("chmod +x " .. q(fake))
+      local out, code = ms_run("compare " .. LSQ .. " --recipes sgd --steps 4 --out " .. q(d .. "/out"), "MOONSTEP_GNUPLOT=" .. q(fake))
+      assert.equals(0, code, out)
+      assert.truthy(read(d .. "/out/loss.png") and read(d .. "/out/loss.gp"))
+      -- the new one, without gnuplot: its SVG alone, and no loss.png / loss.gp of the old curves beside it
+      out, code = ms_run("compare " .. LSQ .. " --recipes adamw --steps 4 --out " .. q(d .. "/out"), "MOONSTEP_GNUPLOT=none")
+      assert.equals(0, code, out)
+      has(read(d .. "/out/loss.svg"), "adamw")
+      assert.is_nil(read(d .. "/out/loss.png"), "a stale loss.png of the earlier comparison is left")
+      assert.is_nil(read(d .. "/out/loss.gp"), "a stale loss.gp of the earlier comparison is left")
+    end)
+
     it("draws the SVG itself when gnuplot is missing, and says so", function()
       local d = scratch()
       local out, code = ms_run("compare " .. LSQ .. " --recipes sgd,adamw --steps 8 --out " .. q(d), "MOONSTEP_GNUPLOT=none")

@@ -269,6 +269,9 @@ function M.write(base, spec, opts)
     end
     if plotter == "gnuplot" then error(why, 0) end
   end
+  -- no PNG this time: one left from an earlier plot here (and its script) would show other curves
+  os.remove(base .. ".png")
+  os.remove(base .. ".gp")
   local f = io.open(base .. ".svg", "w")
   if not f then error("cannot write " .. base .. ".svg", 0) end
   f:write(M.svg(spec))
