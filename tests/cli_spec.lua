@@ -196,6 +196,21 @@ return {
       has(none, "not a checkpoint folder")
     end)
 
+    it("refuses a checkpoint whose two files are from different steps (a save interrupted between them)", function()
+      local d = scratch()
+      local common = "train --problem mlp --points 20 --hidden 8 --classes 3 --batch 16 --recipe adamw --steps 12 --eval-every 100 "
+      local _, c1 = ms_run(common .. "--until 3 --save " .. q(d .. "/ck"))
+      assert.equals(0, c1)
+      local _, c2 = ms_run(common .. "--until 6 --save " .. q(d .. "/later"))
+      assert.equals(0, c2)
+      -- saving over ck at step 6, stopped after optim.safetensors was replaced and before model.safetensors
+      write(d .. "/ck/optim.safetensors", read(d .. "/later/optim.safetensors"))
+      local out, code = ms_run("train --problem mlp --recipe adamw --resume " .. q(d .. "/ck"))
+      assert.equals(1, code, out)
+      has(out, "step 6", "step 3")
+      assert.falsy(out:find("steps 7-12", 1, true), out)
+    end)
+
     it("refuses to resume under an edited recipe file (its content hash changed)", function()
       local d = scratch()
       local src = [[

@@ -182,6 +182,12 @@ function E.run(cfg)
     if not ok then
       error(tostring(err):gsub("pass {force = true} to load it anyway", "pass --force to resume it anyway"), 0)
     end
+    -- the two files are written one after the other: a save stopped between them leaves them at
+    -- different steps, and weights of one step with the optimizer state of another do not resume exactly
+    if resume_info.step ~= nil and opt.step_count ~= resume_info.step then
+      error(("%s: optim.safetensors is at step %d but model.safetensors at step %s (a save that did not finish?)")
+        :format(cfg.resume, opt.step_count, tostring(resume_info.step)), 0)
+    end
     start = opt.step_count + 1
   end
 
