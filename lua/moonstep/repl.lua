@@ -252,10 +252,11 @@ function M.run()
       end
       if chunk then
         setfenv(chunk, env)
-        local res = { xpcall(chunk, user_traceback) }
+        -- select("#") counts trailing nils, which table.maxn would not see
+        local res = (function(...) return { n = select("#", ...), ... } end)(xpcall(chunk, user_traceback))
         if res[1] then
           -- showing a value runs its __tostring: user code, whose errors must not end the session either
-          for i = 2, table.maxn(res) do
+          for i = 2, res.n do
             local ok, s = xpcall(M.show, user_traceback, res[i])
             print(s)
             if not ok then break end
