@@ -195,6 +195,17 @@ def _utf8(s, what):
 # ---------------------------------------------------------------------------------------------------
 # Contexts and tensors
 # ---------------------------------------------------------------------------------------------------
+def _refuse_close_under(obj, what):
+    """Raises while an open Optimizer made with obj (a Context or a Comm, which keep them in _users) still uses it:
+    closing it first would leave that optimizer's next call on a freed handle."""
+    users = getattr(obj, "_users", ())
+    if any(getattr(o, "_opt", None) for o in users):
+        gc.collect()   # optimizers that only a reference cycle keeps are no one's to use
+    open_users = [o for o in users if getattr(o, "_opt", None)]
+    if open_users and getattr(obj, "_h", None):
+        raise ValueError("the %s is used by %d open optimizer(s): close the optimizer first" % (what, len(open_users)))
+
+
 class Context:
     """A moonstep context: a device ("cpu", "cuda:N") and, on CUDA, the stream its work is queued on (a
     cudaStream_t as an int; None: a stream of its own)."""
@@ -230,13 +241,7 @@ class Context:
     def close(self):
         """Frees the context, after the optimizers on it: refused while one of them is open (its set_grad and
         add_param would find no context to wrap the tensors on)."""
-        users = getattr(self, "_users", ())
-        if any(getattr(o, "_opt", None) for o in users):
-            gc.collect()   # optimizers that only a reference cycle keeps are no one's to use
-        open_users = [o for o in users if getattr(o, "_opt", None)]
-        if open_users and getattr(self, "_h", None):
-            raise ValueError("the context is used by %d open optimizer(s): close the optimizer first"
-                             % len(open_users))
+        _refuse_close_under(self, "context")
         self._free()
 
     def _free(self):
@@ -356,13 +361,7 @@ class Comm:
     def close(self):
         """Destroys the communicator (on every rank), after the optimizers that use it: refused while one of
         them is open (its next step would use the freed communicator)."""
-        users = getattr(self, "_users", ())
-        if any(getattr(o, "_opt", None) for o in users):
-            gc.collect()   # optimizers that only a reference cycle keeps are no one's to step
-        open_users = [o for o in users if getattr(o, "_opt", None)]
-        if open_users and getattr(self, "_h", None):
-            raise ValueError("the communicator is used by %d open optimizer(s): close the optimizer first"
-                             % len(open_users))
+        _refuse_close_under(self, "communicator")
         self._free()
 
     def _free(self):
