@@ -44,7 +44,6 @@
 #include <math.h>
 #include <stdlib.h>
 #include <new>
-#include <type_traits>
 
 #define T_SWEEP     512                                   /* threads of the sweep and elementwise kernels */
 #define WARPS       (T_SWEEP / 32)
