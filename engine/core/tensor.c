@@ -100,7 +100,10 @@ MS_API ms_status ms_tensor_new(ms_ctx *ctx, ms_dtype dt, int ndim, const int64_t
     *out = NULL;
     if (ctx == NULL) return MS_FAIL(NULL, MS_E_ARG, "ms_tensor_new: ctx is NULL");
     if (!ms_dtype_valid(dt)) return MS_FAIL(ctx, MS_E_DTYPE, "ms_tensor_new: invalid dtype %d", (int)dt);
-    return ms_tensor_alloc(ctx, dt, ndim, shape, out);
+    const ms_status st = ms_tensor_alloc(ctx, dt, ndim, shape, out);
+    /* the allocator's message names the device, not the call (ms_tensor_alloc serves many calls: named here) */
+    if (st == MS_E_OOM) return MS_FAIL(ctx, st, "ms_tensor_new: %s", ms_last_error());
+    return st;
 }
 
 MS_API ms_status ms_tensor_wrap(ms_ctx *ctx, void *ptr, ms_dtype dt, int ndim, const int64_t *shape,

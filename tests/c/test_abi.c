@@ -133,6 +133,9 @@ static void test_errors_change_nothing(void)
     CHECK(ms_binary(ctx, a, a, a, (ms_binary_op)99) == MS_E_ARG, "bad op");
     CHECK(ms_tensor_new(ctx, MS_DTYPE_F32, 1, big, &c) == MS_E_OOM && c == NULL, "limit");
     CHECK(contains(ms_last_error(), "out of memory") && contains(ms_last_error(), "limit 1000"), "%s", ms_last_error());
+    /* the contract: a message naming the function, on the thread and on the context */
+    CHECK(contains(ms_last_error(), "ms_tensor_new:") && contains(ms_ctx_last_error(ctx), "ms_tensor_new:"),
+          "OOM message names the function: %s", ms_last_error());
     ms_mem_stats st;
     ms_ctx_mem_stats(ctx, &st);
     CHECK(st.bytes_in_use == 36, "failed allocation left no trace: %lld", (long long)st.bytes_in_use);
