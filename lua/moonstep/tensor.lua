@@ -360,7 +360,17 @@ function Tensor:slice(dim, start, stop, step)
   check(C.ms_tensor_slice(ctx_of(self), H(self), dim, start or 0, stop or 2 ^ 62, step or 1, core.out_tensor))
   return wrap(core.out_tensor[0], tensor_ctx[self], self)
 end
-Tensor.narrow = function(self, dim, start, len) return self:slice(dim, start, start + len) end
+--- narrow(dim, start, len): elements [start, start + len) of dim, a negative start counting from the end (as
+-- torch.narrow); unlike slice, the range must lie inside the dim (slice would clamp it, or, for a negative
+-- start with start + len >= 0, give nothing)
+function Tensor:narrow(dim, start, len)
+  local size = self:size(dim)
+  local s = start < 0 and start + size or start
+  if s < 0 or len < 0 or s + len > size then
+    error(("narrow: start %d, length %d out of range for dim %d of size %d"):format(start, len, dim, size), 2)
+  end
+  return self:slice(dim, s, s + len)
+end
 
 function Tensor:select(dim, index)
   check(C.ms_tensor_select(ctx_of(self), H(self), dim, index, core.out_tensor))
