@@ -175,6 +175,19 @@ describe("views", function()
     assert.same({ 3, 1, 4 }, t:unsqueeze(1):shape())
     assert.same({ 3, 4, 1 }, t:unsqueeze(-1):shape())
     assert.same({ 3, 4 }, t:unsqueeze(0):squeeze():shape())
+    assert.same({ 3, 4, 1 }, t:unsqueeze(2):shape())
+    assert.same({ 1, 3, 4 }, t:unsqueeze(-3):shape())
+    assert.same({ 3 }, ms.zeros({ 3, 1 }):squeeze(-1):shape())
+  end)
+
+  it("unsqueeze and squeeze refuse a dim out of range", function()
+    local t = ms.zeros({ 3, 1 })
+    for _, d in ipairs { 3, 4, 5, -4, -5, 1.5 } do
+      H.expect_error(function() t:unsqueeze(d) end, "unsqueeze: dim " .. d .. " out of range for a 2-dim tensor")
+    end
+    for _, d in ipairs { 2, 5, -3, 0.5 } do
+      H.expect_error(function() t:squeeze(d) end, "squeeze: dim " .. d .. " out of range for a 2-dim tensor")
+    end
   end)
 
   it("reports out-of-range dims and indices", function()

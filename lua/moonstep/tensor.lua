@@ -400,8 +400,18 @@ function Tensor:expand(...)
   return wrap(core.out_tensor[0], tensor_ctx[self], self)
 end
 
+-- a dim argument checked in Lua (range [-n, n), n = ndim + extra): table.insert and the squeeze filter would
+-- otherwise leave holes in the shape or ignore the dim
+local function check_dim(what, d, ndim, extra)
+  local n = ndim + (extra or 0)
+  if type(d) ~= "number" or d ~= math.floor(d) or d < -n or d >= n then
+    error(("%s: dim %s out of range for a %d-dim tensor"):format(what, tostring(d), ndim), 3)
+  end
+end
+
 function Tensor:unsqueeze(d)
   local s = self:shape()
+  check_dim("unsqueeze", d, #s, 1)
   if d < 0 then d = d + #s + 1 end
   table.insert(s, d + 1, 1)
   return self:view(s)
@@ -409,6 +419,7 @@ end
 
 function Tensor:squeeze(d)
   local s, out = self:shape(), {}
+  if d ~= nil then check_dim("squeeze", d, #s) end
   for i, v in ipairs(s) do
     if not (v == 1 and (d == nil or i - 1 == d or i - 1 == d + #s)) then out[#out + 1] = v end
   end
