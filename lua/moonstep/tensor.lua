@@ -373,12 +373,13 @@ function Tensor:narrow(dim, start, len)
 end
 
 function Tensor:select(dim, index)
-  -- the FFI would truncate a fractional dim or index toward zero (t[1.9] read row 1)
-  for _, a in ipairs { { "dim", dim }, { "index", index } } do
-    local v = a[2]
-    if type(v) ~= "number" or v ~= math.floor(v) then
-      error(("select: %s %s is not an integer"):format(a[1], tostring(v)), 2)
-    end
+  -- the FFI would truncate a fractional dim or index toward zero (t[1.9] read row 1); checked without a table,
+  -- since t[i] comes here
+  if type(dim) ~= "number" or dim ~= math.floor(dim) then
+    error(("select: dim %s is not an integer"):format(tostring(dim)), 2)
+  end
+  if type(index) ~= "number" or index ~= math.floor(index) then
+    error(("select: index %s is not an integer"):format(tostring(index)), 2)
   end
   check(C.ms_tensor_select(ctx_of(self), H(self), dim, index, core.out_tensor))
   return wrap(core.out_tensor[0], tensor_ctx[self], self)
