@@ -163,6 +163,9 @@ function M.ctx_object(t)
 end
 local function ctx_of(t) return ctx_handle[M.ctx_object(t)] end
 
+-- a whole number (a dim, an index, a size): the FFI would truncate a fractional one toward zero
+local function integral(v) return type(v) == "number" and v == math.floor(v) end
+
 local function as_shape(shape, level)
   if type(shape) ~= "table" then error("shape must be a table of sizes (got " .. type(shape) .. ")", level or 3) end
   local n = #shape
@@ -170,7 +173,7 @@ local function as_shape(shape, level)
   local arr = ffi.new("int64_t[?]", n > 0 and n or 1)
   for i = 1, n do
     local v = shape[i]
-    if type(v) ~= "number" or v ~= math.floor(v) then
+    if not integral(v) then
       error(("shape[%d] must be an integer (got %s)"):format(i, type(v) == "number" and tostring(v) or type(v)), level or 3)
     end
     arr[i - 1] = v
@@ -264,12 +267,12 @@ end
 -- the global generator: (seed, offset); every draw takes the next offset
 local rng = { seed = 0, offset = 0 }
 function M.manual_seed(n)
-  if type(n) ~= "number" or n < 0 or n ~= math.floor(n) then error("manual_seed: a non-negative integer is needed", 2) end
+  if not (integral(n) and n >= 0) then error("manual_seed: a non-negative integer is needed", 2) end
   rng.seed, rng.offset = n, 0
 end
 function M.rng_state() return { seed = rng.seed, offset = rng.offset } end
 -- a generator state: non-negative integers below 2^64 (what the engine's uint64 seed and offset hold)
-local function rng_count(v) return type(v) == "number" and v >= 0 and v < 2 ^ 64 and v == math.floor(v) end
+local function rng_count(v) return integral(v) and v >= 0 and v < 2 ^ 64 end
 function M.valid_rng_state(s) return type(s) == "table" and rng_count(s.seed) and rng_count(s.offset) end
 function M.set_rng_state(s)
   -- checked first: a bad value would only fail at the next draw, in every later caller's hands
@@ -373,14 +376,9 @@ function Tensor:narrow(dim, start, len)
 end
 
 function Tensor:select(dim, index)
-  -- the FFI would truncate a fractional dim or index toward zero (t[1.9] read row 1); checked without a table,
-  -- since t[i] comes here
-  if type(dim) ~= "number" or dim ~= math.floor(dim) then
-    error(("select: dim %s is not an integer"):format(tostring(dim)), 2)
-  end
-  if type(index) ~= "number" or index ~= math.floor(index) then
-    error(("select: index %s is not an integer"):format(tostring(index)), 2)
-  end
+  -- (t[1.9] read row 1; checked without a table, since t[i] comes here)
+  if not integral(dim) then error(("select: dim %s is not an integer"):format(tostring(dim)), 2) end
+  if not integral(index) then error(("select: index %s is not an integer"):format(tostring(index)), 2) end
   check(C.ms_tensor_select(ctx_of(self), H(self), dim, index, core.out_tensor))
   return wrap(core.out_tensor[0], tensor_ctx[self], self)
 end
@@ -412,7 +410,7 @@ end
 -- otherwise leave holes in the shape or ignore the dim
 local function check_dim(what, d, ndim, extra)
   local n = ndim + (extra or 0)
-  if type(d) ~= "number" or d ~= math.floor(d) or d < -n or d >= n then
+  if not integral(d) or d < -n or d >= n then
     error(("%s: dim %s out of range for a %d-dim tensor"):format(what, tostring(d), ndim), 3)
   end
 end
