@@ -57,6 +57,19 @@ local function by_step(a)
   if type(a.steps) ~= "table" or #a.steps ~= n then
     error(("steps must be an array of %d steps (numbers or device scalars), one per member"):format(n), 3)
   end
+  -- the usual step: every member had every gradient, so one step for all and the arrays as they are (a copy
+  -- of the call, not of its arrays)
+  if n == 0 then return {} end
+  local same = true
+  for i = 2, n do
+    if a.steps[i] ~= a.steps[1] then same = false break end
+  end
+  if same then
+    local c = {}
+    for k, v in pairs(a) do c[k] = v end
+    c.steps, c.step = nil, a.steps[1]
+    return { c }
+  end
   local calls, of = {}, {}
   for i = 1, n do
     local s = a.steps[i]
