@@ -75,14 +75,15 @@ ms_status msk_reduce_run(ms_ctx *ctx, cudaStream_t s, const msk_reduce *r, void 
 
 /* --- kernels/random.cu ----------------------------------------------------------------------------
 ** dst (any float dtype, any strides) <- Philox4x32-10 numbers exactly as moonstep.h documents ms_rand;
-** `top` is the largest value of dtype below b (uniform results that round up to b become top). */
+** `top` is the largest value of dtype below b (uniform results that round up to b become top), `bot` the
+** smallest value of dtype at or above a (uniform results that round below a become bot). */
 typedef struct msk_rand {
     void    *dst;
     int      dtype, ndim;
     int64_t  numel;
     int64_t  shape[MSK_MAX_DIMS], strides[MSK_MAX_DIMS];
     int      normal;
-    double   a, b, top;
+    double   a, b, top, bot;
     uint64_t seed, offset;
 } msk_rand;
 

@@ -45,6 +45,7 @@ __global__ void __launch_bounds__(MSK_THREADS) rand_kernel(msk_rand r)
             x = __dadd_rn(r.a, __dmul_rn(r.b - r.a, wide ? u53(w[0], w[1]) : u24(w[0])));
             x = round_to(r.dtype, x);
             if (r.b > r.a && x >= r.b) x = r.top;
+            else if (r.b > r.a && x < r.a) x = r.bot;
         }
         /* offset of element i in dst's (possibly strided) layout */
         int64_t off = 0, rest = i;

@@ -72,13 +72,21 @@ local function below(b, dt)
   return r - step
 end
 
+-- the smallest value of dt at or above a (dt's formats are symmetric: minus the largest value below -a, when a
+-- itself is not a value of dt)
+local function above(a, dt)
+  local r = stored(a, dt)
+  if r >= a then return r end
+  return -below(-r, dt)
+end
+
 -- element i of ms.rand / ms.randn as documented
 local function expected(i, dt, dist, a, b, seed, offset)
   local w0, w1, w2, w3 = words(i, seed, offset)
   local wide = dt == "f64"
   if dist == "uniform" then
     local v = stored(a + (b - a) * (wide and u53(w0, w1) or u24(w0)), dt)
-    if b > a and v >= b then v = below(b, dt) end
+    if b > a and v >= b then v = below(b, dt) elseif b > a and v < a then v = above(a, dt) end
     return v
   end
   local u1 = wide and u53(w0, w1) + 2 ^ -53 or u24(w0) + 2 ^ -24
@@ -182,6 +190,31 @@ describe("cpu rand", function()
         end
         if dt ~= "f32" then   -- the largest value below high does occur (2^-9 of bf16 draws land there)
           assert.equals(below(range[2], dt), top, dt .. " reaches the top of its range")
+        end
+      end
+    end
+  end)
+
+  it("keeps uniforms at or above a low that the dtype cannot hold", function()
+    -- bf16 has no -0.1: -0.1 + 0.2 u rounds to -0.10009765625 for u below ~7e-4 (and 0.301 + 0.2 u to
+    -- 0.30078125), which must become the smallest bf16 value at or above low
+    for _, dt in ipairs { "bf16", "f16", "f32" } do
+      for _, range in ipairs { { -0.1, 0.1 }, { 0.301, 0.5 }, { 1 / 3, 1 } } do
+        local seed = H.seed()
+        local v = draw("uniform", { 200000 }, dt, seed, 0, range[1], range[2]):tolist_flat()
+        local low = inf
+        for i = 1, #v do
+          if not (v[i] >= range[1] and v[i] < range[2]) then
+            error(("%s uniform [%.17g,%.17g): element %d is %.17g"):format(dt, range[1], range[2], i - 1, v[i]))
+          end
+          if v[i] ~= expected(i - 1, dt, "uniform", range[1], range[2], seed, 0) then
+            error(("%s uniform [%.17g,%.17g): element %d is %.17g, expected %.17g"):format(dt, range[1], range[2],
+              i - 1, v[i], expected(i - 1, dt, "uniform", range[1], range[2], seed, 0)))
+          end
+          low = math.min(low, v[i])
+        end
+        if dt == "bf16" then   -- the clamped draws do occur
+          assert.equals(above(range[1], dt), low, dt .. " reaches the bottom of its range")
         end
       end
     end

@@ -39,7 +39,9 @@ static double u53(uint32_t hi, uint32_t lo) { return ((double)(hi >> 5) * 0x1p26
 ** (bf16/f16 through f32).  A backend using the same f64 formulas agrees bit for bit on uniforms, and on
 ** normals up to its libm's last f64 bit (what survives rounding to f32 about once in 10^8).
 ** Uniform: v = a + (b - a) * u.  Rounding can carry v up to b (bf16 [0,1): u >= 1 - 2^-9); such a value
-** becomes the largest value of dst's dtype below b, keeping the documented [a, b). */
+** becomes the largest value of dst's dtype below b.  Likewise rounding can carry v below an a that dst's dtype
+** cannot hold (bf16 [-0.1, 0.1): u < 7e-4 gives -0.10009765625); such a value becomes the smallest value of
+** the dtype at or above a.  Both keep the documented [a, b). */
 ms_status ms_cpu_rand(ms_ctx *ctx, ms_tensor *dst, const ms_rand_options *o)
 {
     ms_rand_options def = { .dist = MS_RAND_UNIFORM, .a = 0, .b = 1 };
@@ -56,6 +58,7 @@ ms_status ms_cpu_rand(ms_ctx *ctx, ms_tensor *dst, const ms_rand_options *o)
     const bool wide = dt == MS_DTYPE_F64, normal = o->dist == MS_RAND_NORMAL;
     const double a = o->a, b = o->b;
     const double rb = ms_round_to_dtype(dt, b), top = rb < b ? rb : ms_dtype_step_down(dt, rb);   /* largest value < b */
+    const double ra = ms_round_to_dtype(dt, a), bot = ra >= a ? ra : -ms_dtype_step_down(dt, -ra); /* least value >= a */
     const uint32_t key[2] = { (uint32_t)o->seed, (uint32_t)(o->seed >> 32) };
     const uint32_t off_lo = (uint32_t)o->offset, off_hi = (uint32_t)(o->offset >> 32);
 
@@ -77,6 +80,7 @@ ms_status ms_cpu_rand(ms_ctx *ctx, ms_tensor *dst, const ms_rand_options *o)
                 x = a + (b - a) * (wide ? u53(w[0], w[1]) : u24(w[0]));
                 x = ms_round_to_dtype(dt, x);
                 if (b > a && x >= b) x = top;
+                else if (b > a && x < a) x = bot;
             }
             buf[j] = x;
         }

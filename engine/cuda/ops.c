@@ -200,6 +200,8 @@ ms_status ms_cuda_rand(ms_ctx *ctx, ms_tensor *dst, const ms_rand_options *o)
     r.b = o->b;
     double rb = ms_round_to_dtype(dst->dtype, o->b);
     r.top = rb < o->b ? rb : ms_dtype_step_down(dst->dtype, rb);
+    double ra = ms_round_to_dtype(dst->dtype, o->a);
+    r.bot = ra >= o->a ? ra : -ms_dtype_step_down(dst->dtype, -ra);
     r.seed = o->seed;
     r.offset = o->offset;
     MS_CUDA_LAUNCH(ctx, msk_rand_run(ctx, STREAM(ctx), &r));

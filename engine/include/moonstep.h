@@ -255,7 +255,8 @@ typedef struct ms_rand_options {
 **   normal: Box-Muller, u1 = ((w0 >> 8) + 1) * 2^-24, u2 = (w2 >> 8) * 2^-24 (f64: 53-bit forms of
 **   w0,w1 and w2,w3), z = sqrt(-2 ln u1) cos(2 pi u2).
 ** The value a + (b - a) u (uniform) or a + b z (normal) is computed in f64 and rounded once to dst's dtype;
-** a uniform value that rounds up to b is stored as the largest value below b, so [a, b) holds in bf16 too.
+** a uniform value that rounds up to b is stored as the largest value below b, and one that rounds below a as
+** the smallest value at or above a, so [a, b) holds in bf16 too.
 ** Float dtypes only. */
 MS_API ms_status ms_rand(ms_ctx *ctx, ms_tensor *dst, const ms_rand_options *opts);
 
