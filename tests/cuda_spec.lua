@@ -187,6 +187,18 @@ describe("cuda copy, cast, fill and random", function()
     local g = ms.rand({ 20000 }, o)
     exact(g, c)
     assert.is_true(g:max(0):item() < 1)
+    -- bf16 [-0.1, 0.1): bf16 has no -0.1, and values that round below it become the smallest bf16 above it
+    o = { dtype = "bf16", seed = 12, offset = 0, low = -0.1, high = 0.1 }
+    c = ms.rand({ 200000 }, o)
+    o.device = "cuda"
+    g = ms.rand({ 200000 }, o)
+    exact(g, c)
+    assert.is_true(g:min(0):item() >= -0.1)
+    -- a range that holds no value of the dtype is refused on the GPU too
+    o.low, o.high = 0.1001, 0.1002
+    local ok, err = pcall(ms.rand, { 8 }, o)
+    assert.is_false(ok)
+    assert.is_truthy(tostring(err):find("holds no bf16 value", 1, true), tostring(err))
   end)
 end)
 

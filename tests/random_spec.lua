@@ -220,6 +220,19 @@ describe("cpu rand", function()
     end
   end)
 
+  it("refuses a uniform range that holds no value of the dtype", function()
+    -- bf16 steps by 2^-10 near 0.1: [0.1001, 0.1002) lies between two neighbours, and f16 has nothing finite at or
+    -- above 65520; drawing would have to break [low, high)
+    for _, case in ipairs { { "bf16", 0.1001, 0.1002 }, { "f16", 65520, 1e6 }, { "f16", 1 + 2 ^ -12, 1 + 2 ^ -11 } } do
+      local ok, err = pcall(draw, "uniform", { 8 }, case[1], 1, 0, case[2], case[3])
+      assert.is_false(ok, case[1])
+      assert.is_truthy(tostring(err):find("holds no " .. case[1] .. " value", 1, true), tostring(err))
+    end
+    -- a range as narrow that does hold a value draws it
+    local v = draw("uniform", { 64 }, "bf16", 1, 0, 0.1, 0.1002):tolist_flat()
+    for i = 1, #v do assert.equals(stored(0.1, "bf16") >= 0.1 and stored(0.1, "bf16") or above(0.1, "bf16"), v[i]) end
+  end)
+
   it("has the moments of its distributions", function()
     local n = 200000
     for _, dt in ipairs { "f32", "f64" } do

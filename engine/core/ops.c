@@ -209,6 +209,14 @@ MS_API ms_status ms_rand(ms_ctx *ctx, ms_tensor *dst, const ms_rand_options *opt
         return MS_FAIL(ctx, MS_E_ARG, "%s: parameters must be finite (got %g, %g)", fn, o.a, o.b);
     if (o.dist == MS_RAND_UNIFORM && o.a > o.b)
         return MS_FAIL(ctx, MS_E_ARG, "%s: uniform range [%g, %g) is empty", fn, o.a, o.b);
+    if (o.dist == MS_RAND_UNIFORM && o.a < o.b) {
+        /* [a, b) may lie between two neighbours of dst's dtype (bf16 [0.1001, 0.1002)): no value could be drawn */
+        const double ra = ms_round_to_dtype(dst->dtype, o.a);
+        const double bot = ra >= o.a ? ra : -ms_dtype_step_down(dst->dtype, -ra);
+        if (!(bot < o.b))
+            return MS_FAIL(ctx, MS_E_ARG, "%s: uniform range [%.17g, %.17g) holds no %s value", fn, o.a, o.b,
+                           ms_dtype_name(dst->dtype));
+    }
     if (o.dist == MS_RAND_NORMAL && o.b < 0)
         return MS_FAIL(ctx, MS_E_ARG, "%s: normal std %g is negative", fn, o.b);
     if (ms_tensor_numel(dst) == 0) return MS_OK;
