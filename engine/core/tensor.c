@@ -125,9 +125,19 @@ MS_API ms_status ms_tensor_wrap(ms_ctx *ctx, void *ptr, ms_dtype dt, int ndim, c
             if (strides[i] < 0)
                 return MS_FAIL(ctx, MS_E_LAYOUT, "ms_tensor_wrap: negative stride %lld in dim %d",
                                (long long)strides[i], i);
-            if (shape[i] > 1) span += strides[i] * (shape[i] - 1);
+            /* a span past the address space (or past int64) would make every later bounds and overlap test
+            ** wrap: refuse it here, where the strides come in */
+            int64_t reach;
+            if (shape[i] > 1 && (__builtin_mul_overflow(strides[i], shape[i] - 1, &reach) ||
+                                 __builtin_add_overflow(span, reach, &span)))
+                return MS_FAIL(ctx, MS_E_LAYOUT, "ms_tensor_wrap: stride %lld in dim %d reaches past int64 elements",
+                               (long long)strides[i], i);
         }
     } else span = numel;
+    if (numel > 0 && ((uint64_t)span > (SIZE_MAX / 2) / ms_dtype_size(dt) ||
+                      (uintptr_t)ptr > UINTPTR_MAX - (uintptr_t)span * ms_dtype_size(dt)))
+        return MS_FAIL(ctx, MS_E_LAYOUT, "ms_tensor_wrap: the view's %lld elements of %s from %p reach past the "
+                       "address space", (long long)span, ms_dtype_name(dt), ptr);
     ms_storage *s = calloc(1, sizeof *s);
     if (s == NULL) return MS_FAIL(ctx, MS_E_OOM, "ms_tensor_wrap: out of host memory");
     atomic_init(&s->refcount, 1);

@@ -110,6 +110,13 @@ static void test_wrap(void)
     CHECK(ms_tensor_wrap(ctx, (char *)out + 1, MS_DTYPE_F64, 2, shape, NULL, &w) == MS_E_LAYOUT, "misaligned");
     CHECK(ms_tensor_wrap(ctx, NULL, MS_DTYPE_F64, 2, shape, NULL, &w) == MS_E_ARG, "NULL pointer");
     CHECK(ms_tensor_wrap(ctx, out, (ms_dtype)42, 2, shape, NULL, &w) == MS_E_DTYPE, "bad dtype");
+    /* strides whose reach overflows int64, or whose bytes run past the address space, would make every later
+    ** bounds test wrap */
+    int64_t wide[2] = { INT64_MAX, 1 }, far[2] = { (int64_t)1 << 60, 1 };
+    CHECK(ms_tensor_wrap(ctx, out, MS_DTYPE_F64, 2, shape, wide, &w) == MS_E_LAYOUT && w == NULL &&
+          contains(ms_last_error(), "past int64"), "stride past int64: %s", ms_last_error());
+    CHECK(ms_tensor_wrap(ctx, out, MS_DTYPE_F64, 2, shape, far, &w) == MS_E_LAYOUT && w == NULL &&
+          contains(ms_last_error(), "past the address space"), "stride past the address space: %s", ms_last_error());
     ms_ctx_free(ctx);
 }
 
