@@ -67,6 +67,10 @@ local function promote(a, b)
   return rank[a] >= rank[b] and a or b
 end
 
+-- the result dtype of an op that yields fractions (true division, sqrt, exp, a fractional scalar): integer
+-- operands give f32, as torch's default float dtype (an i32 result would silently truncate 3 / 2 to 1)
+local function fractional(dt) return rank[dt] <= rank.i32 and "f32" or dt end
+
 -- ---------------------------------------------------------------------------------------------------
 -- contexts
 -- ---------------------------------------------------------------------------------------------------
@@ -555,14 +559,20 @@ local binary_ops = {
 local function binary(op, a, b, dst)
   local code = binary_ops[op]
   local ta, tb = handle[a] ~= nil, handle[b] ~= nil
+  -- a new result takes the operands' promoted dtype; fractions (division, a fractional or negative power, a
+  -- fractional scalar) make an integer one f32.  An in-place dst keeps its own dtype (the C ABI's cast).
+  local function result_dtype(dt, s)
+    local frac = op == "div" or (s ~= nil and s ~= math.floor(s)) or (op == "pow" and s ~= nil and s < 0 and ta)
+    return frac and fractional(dt) or dt
+  end
   if ta and tb then
-    dst = dst or M.empty(broadcast_shapes(a:shape(), b:shape()), { dtype = promote(a:dtype(), b:dtype()), ctx = M.ctx_object(a) })
+    dst = dst or M.empty(broadcast_shapes(a:shape(), b:shape()), { dtype = result_dtype(promote(a:dtype(), b:dtype())), ctx = M.ctx_object(a) })
     check(C.ms_binary(ctx_of(dst), H(dst), H(a), H(b), code), 3)
   elseif ta and type(b) == "number" then
-    dst = dst or M.empty(a:shape(), { dtype = a:dtype(), ctx = M.ctx_object(a) })
+    dst = dst or M.empty(a:shape(), { dtype = result_dtype(a:dtype(), b), ctx = M.ctx_object(a) })
     check(C.ms_binary_scalar(ctx_of(dst), H(dst), H(a), b, nil, code, 0), 3)
   elseif tb and type(a) == "number" then
-    dst = dst or M.empty(b:shape(), { dtype = b:dtype(), ctx = M.ctx_object(b) })
+    dst = dst or M.empty(b:shape(), { dtype = result_dtype(b:dtype(), a), ctx = M.ctx_object(b) })
     check(C.ms_binary_scalar(ctx_of(dst), H(dst), H(b), a, nil, code, 1), 3)
   else
     error(("%s: expected tensors or numbers (got %s and %s)"):format(op, type(a), type(b)), 3)
@@ -587,9 +597,13 @@ local unary_ops = {
   reciprocal = C.MS_UNARY_RECIPROCAL, tanh = C.MS_UNARY_TANH, sigmoid = C.MS_UNARY_SIGMOID,
   relu = C.MS_UNARY_RELU, sin = C.MS_UNARY_SIN, cos = C.MS_UNARY_COS,
 }
+-- the ops whose values are fractions: an integer tensor's result is f32 (neg, abs, sign, square and relu keep it)
+local fractional_unary = { sqrt = true, rsqrt = true, exp = true, log = true, reciprocal = true, tanh = true,
+                           sigmoid = true, sin = true, cos = true }
 for op, code in pairs(unary_ops) do
   Tensor[op] = function(self)
-    local dst = M.empty(self:shape(), { dtype = self:dtype(), ctx = M.ctx_object(self) })
+    local dt = fractional_unary[op] and fractional(self:dtype()) or self:dtype()
+    local dst = M.empty(self:shape(), { dtype = dt, ctx = M.ctx_object(self) })
     check(C.ms_unary(ctx_of(dst), H(dst), H(self), code))
     return dst
   end
