@@ -58,7 +58,9 @@ describe("moonstep command line", function()
     has(o, "--steps", "not an integer")
     -- tonumber reads "inf" and "nan": --steps inf once trained forever, --clip nan trained without clipping
     for _, c in ipairs { { "--steps inf --until 2", "--steps", "not an integer" }, { "--steps 3 --clip nan", "--clip", "not a number" },
-                         { "--steps 3 --clip 1e999", "--clip", "not a number" }, { "--steps 3 --threads inf", "--threads" } } do
+                         { "--steps 3 --clip 1e999", "--clip", "not a number" }, { "--steps 3 --threads inf", "--threads" },
+                         -- a seed past 2^53 read as a nearby double: another seed, silently
+                         { "--steps 3 --seed 9007199254740993", "--seed", "not below 2^53" } } do
       o, rc = ms_run("train " .. LSQ .. " --recipe sgd " .. c[1])
       assert.equals(2, rc, c[1])
       has(o, unpack(c, 2))

@@ -43,6 +43,10 @@ local function convert(cmd, f, v)
     if n == nil or (f.type == "integer" and n ~= math.floor(n)) then
       usage_error(("--%s: %s is not %s"):format(f.name, ("%q"):format(v), f.type == "integer" and "an integer" or "a number"), cmd)
     end
+    -- a double holds integers exactly only below 2^53: "9007199254740993" would silently read as ...992
+    if f.type == "integer" and math.abs(n) >= 2 ^ 53 then
+      usage_error(("--%s: %s is not below 2^53, the largest integer a flag holds exactly"):format(f.name, v), cmd)
+    end
     if f.min and n < f.min then usage_error(("--%s: %s is below the minimum %s"):format(f.name, v, tostring(f.min)), cmd) end
     return n
   end
