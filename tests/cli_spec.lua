@@ -198,6 +198,27 @@ return {
       has(none, "not a checkpoint folder")
     end)
 
+    it("resumes with the recipe options of the checkpoint's run (--opt given to the first run)", function()
+      local d = scratch()
+      local common = "train --problem mlp --points 20 --hidden 8 --classes 3 --batch 16 --recipe adamw --steps 12 --eval-every 100 --opt lr=0.01 "
+      local _, c1 = ms_run(common .. "--save " .. q(d .. "/full"))
+      assert.equals(0, c1)
+      local _, c2 = ms_run(common .. "--until 6 --save " .. q(d .. "/half"))
+      assert.equals(0, c2)
+      -- no --opt here: lr=0.01 comes from the checkpoint, as the problem options and the schedule do
+      local rest, c3 = ms_run("train --problem mlp --recipe adamw --resume " .. q(d .. "/half") .. " --save " .. q(d .. "/rest"))
+      assert.equals(0, c3, rest)
+      has(rest, "lr=0.01")
+      local ms = H.ms
+      local a = ms.load(d .. "/full/model.safetensors")
+      local b = ms.load(d .. "/rest/model.safetensors")
+      for name, t in pairs(a) do assert.equals(0, (t - b[name]):abs():max(), name) end
+      -- an option given on resuming still wins
+      local other, c4 = ms_run("train --problem mlp --recipe adamw --opt lr=0.02 --resume " .. q(d .. "/half"))
+      assert.equals(0, c4, other)
+      has(other, "lr=0.02")
+    end)
+
     it("refuses a checkpoint whose two files are from different steps (a save interrupted between them)", function()
       local d = scratch()
       local common = "train --problem mlp --points 20 --hidden 8 --classes 3 --batch 16 --recipe adamw --steps 12 --eval-every 100 "

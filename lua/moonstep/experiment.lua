@@ -13,8 +13,8 @@ minibatch losses are noisy); validation every `eval_every` steps and after the l
 steps (evaluations excluded); optimizer state bytes from opt:info().
 
 Checkpoints are folders: optim.safetensors (the ms.optim checkpoint: recipe name and content hash, options,
-step, state) and model.safetensors (the parameters, with the problem, its options, the seed and the run's
-settings in the metadata).  Batches are a function of (seed, step), so a resumed run continues exactly as an
+step, state) and model.safetensors (the parameters, with the problem, its options, the seed, the recipe options and the
+run's settings in the metadata).  Batches are a function of (seed, step), so a resumed run continues exactly as an
 uninterrupted one would.
 ]]
 local ms = require("moonstep")
@@ -102,6 +102,15 @@ local function full_collect()
   collectgarbage()
 end
 
+-- the entries of t that JSON holds (a caller from Lua may give any value: what cannot be recorded is left out)
+local function json_values(t)
+  local out = {}
+  for k, v in pairs(t) do
+    if type(k) == "string" and pcall(json.encode, v) then out[k] = v end
+  end
+  return out
+end
+
 --- Reads a checkpoint folder's run description (what model.safetensors records).
 function E.checkpoint_info(dir)
   local f = io.open(model_path(dir), "rb")
@@ -163,7 +172,17 @@ function E.run(cfg)
   local popts = problems.options(problem, cfg.problem_options)
   local inst = problem.new(popts, { ctx = ctx, dtype = cfg.dtype or "f32", seed = seed })
   local recipe = E.recipe(cfg.recipe, cfg.trusted)
-  local ropts = E.recipe_options(problem, recipe, cfg.recipe_options)
+  local given = cfg.recipe_options
+  -- a resumed run keeps the recipe options its checkpoint was trained with (under the same recipe; those
+  -- the recipe still has), and the caller's on top
+  if resume_info and type(resume_info.recipe_options) == "table" and resume_info.recipe == recipe.name then
+    given = {}
+    for k, v in pairs(resume_info.recipe_options) do
+      if recipe.options[k] ~= nil then given[k] = v end
+    end
+    for k, v in pairs(cfg.recipe_options or {}) do given[k] = v end
+  end
+  local ropts = E.recipe_options(problem, recipe, given)
   local run_cfg = {
     schedule = cfg.schedule or defaults.schedule, warmup = cfg.warmup or defaults.warmup or 0,
     clip = cfg.clip == nil and defaults.clip or cfg.clip, trusted = cfg.trusted, ctx = ctx,
@@ -274,7 +293,7 @@ function E.run(cfg)
     local meta = {
       problem = problem.name, problem_options = popts, seed = seed, step = result.steps_done, steps = steps,
       schedule = run_cfg.schedule, warmup = run_cfg.warmup, clip = run_cfg.clip or false,
-      recipe = recipe.name, recipe_hash = result.recipe_hash, moonstep = ms.version,
+      recipe = recipe.name, recipe_hash = result.recipe_hash, recipe_options = json_values(ropts), moonstep = ms.version,
     }
     opt:save(optim_path(cfg.save))
     ms.save(model_path(cfg.save), tensors, { moonstep_train = json.encode(meta) })
