@@ -432,13 +432,15 @@ def _current_stream(framework, index):
 
 
 def _import(ctx, x, what, writable):
-    """A new ms_tensor handle viewing x's memory (the caller frees it)."""
+    """A new ms_tensor handle viewing x's memory (the caller frees it).  NumPy arrays must be writable either
+    way: writable (a parameter) or not (a gradient) only words the refusal."""
     handle = ctypes.c_void_p()
     if _is_numpy(x):
         if ctx.is_cuda:
             raise MoonstepError("MS_E_DEVICE", "%s: a NumPy array (host memory) for an optimizer on %s" % (what, ctx.device))
-        if writable and not x.flags.writeable:
-            raise ValueError("%s: the array is read-only, and moonstep updates parameters in place" % what)
+        if not x.flags.writeable:
+            raise ValueError("%s: the array is read-only, and moonstep %s" % (what, "updates parameters in place"
+                             if writable else "rescales gradients in place (clipping, grad_scale)"))
         code = _DTYPE_CODES.get(x.dtype.name)
         if code is None or not x.dtype.isnative:
             raise TypeError("%s: dtype %s is not one of float32, float64, bfloat16, float16, int32, uint8 (native byte order)"

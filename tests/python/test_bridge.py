@@ -392,6 +392,26 @@ def closing_the_context_under_an_open_optimizer_is_refused():
     assert "closed" in repr(ctx)
 
 
+@test
+def a_read_only_gradient_is_refused_since_steps_rescale_gradients_in_place():
+    # clipping and grad_scale divide the gradients in place: a read-only array (here the memory of an immutable
+    # bytes object) must not be handed over, neither at add_param nor at set_grad or step(grads=)
+    raw = np.full(4, 10, np.float32).tobytes()
+    frozen = np.frombuffer(raw, np.float32)
+    w = np.ones(4, np.float32)
+    opt = moonstep.Optimizer({"w": (w, None)}, "sgd", {"lr": 0.1}, {"clip_grad_norm": 1.0})
+    for call in (lambda: moonstep.Optimizer({"w": (w, frozen)}, "sgd", {"lr": 0.1}, {"clip_grad_norm": 1.0}),
+                 lambda: opt.set_grad("w", frozen), lambda: opt.step(grads={"w": frozen})):
+        try:
+            call()
+            raise AssertionError("a read-only gradient was accepted")
+        except ValueError as e:
+            assert "read-only" in str(e), str(e)
+    assert raw == np.full(4, 10, np.float32).tobytes(), "the read-only gradient's memory was written"
+    assert np.all(w == 1)
+    opt.close()
+
+
 def main():
     return run()
 
