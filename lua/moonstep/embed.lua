@@ -219,6 +219,10 @@ function methods:set_grad(name, grad_p)
       fail(C.MS_E_SHAPE, "parameter '%s': grad shape [%s] != param shape [%s]", name, table.concat(gs, ","),
            table.concat(ps, ","))
     end
+    -- as add_param (engine/core/embed.c): ms.optim would refuse it only when the optimizer starts
+    if C.ms_tensor_overlaps(tensor.handle(entry.param), tensor.handle(grad)) ~= 0 then
+      fail(C.MS_E_ARG, "parameter '%s': grad shares memory with the param (it is updated in place)", name)
+    end
   end
   local old = entry.grad
   if self.opt then self.opt:set_grad(name, grad) end

@@ -242,6 +242,10 @@ static void test_parameter_errors(void)
     CHECK(ms_optimizer_set_grad(opt, "w", tg5) == MS_E_SHAPE, "set_grad [5] before the start");
     CHECK(contains(ms_last_error(), "grad shape [5] != param shape [6]"), "message: %s", ms_last_error());
     CHECK(ms_optimizer_set_grad(opt, "w", ti) == MS_E_DTYPE, "set_grad i32");
+    /* as add_param: a gradient in the parameter's own memory is refused before the start too (the first step
+    ** would fail), and the gradient given before stays */
+    CHECK(ms_optimizer_set_grad(opt, "w", tp) == MS_E_ARG, "set_grad sharing the param's memory, before the start");
+    CHECK(contains(ms_last_error(), "grad shares memory with the param"), "message: %s", ms_last_error());
 
     float before[6];
     memcpy(before, p, sizeof p);
@@ -261,6 +265,8 @@ static void test_parameter_errors(void)
     CHECK(ms_optimizer_add_param(opt, "q", tq, NULL, NULL) == MS_E_ARG, "add after the start");
     CHECK(contains(ms_last_error(), "has started"), "message: %s", ms_last_error());
     CHECK(ms_optimizer_set_grad(opt, "w", tg5) == MS_E_SHAPE, "set_grad [5] after the start");
+    CHECK(ms_optimizer_set_grad(opt, "w", tp) == MS_E_ARG, "set_grad sharing the param's memory, after the start");
+    CHECK(contains(ms_last_error(), "grad shares memory with the param"), "message: %s", ms_last_error());
     /* no gradient: the step leaves w alone */
     CHECK(ms_optimizer_set_grad(opt, "w", NULL) == MS_OK, "set_grad NULL: %s", ms_last_error());
     memcpy(before, p, sizeof p);
