@@ -268,6 +268,23 @@ return {
   end)
 
   describe("compare", function()
+    it("fails, and keeps the files of an earlier comparison whole, when it cannot write its own", function()
+      local d = scratch()
+      local cmd = "compare " .. LSQ .. " --recipes sgd,adamw --eval-every 100 --plotter builtin --out " .. q(d)
+      local out, code = ms_run(cmd .. " --steps 20")
+      assert.equals(0, code, out)
+      local before = read(d .. "/loss.csv")
+      assert.truthy(#before > 1024 and #before < 2048, #before)
+      -- files of at most 2 KiB (SIGXFSZ ignored: a write past the limit fails with EFBIG): the new loss.csv does
+      -- not fit
+      out, code = ms_run(cmd .. " --steps 60", "trap '' XFSZ; ulimit -f 2;")
+      assert.equals(1, code, out)
+      has(out, "cannot write " .. d .. "/loss.csv")
+      assert.equals(before, read(d .. "/loss.csv"))
+      local left = H.shell("ls -A " .. q(d))
+      assert.falsy(left:find("tmp", 1, true), left)
+    end)
+
     it("runs every recipe on the same data and writes the table, CSV and plots #external", function()
       local d = scratch()
       local out, code = ms_run("compare " .. LSQ .. " --recipes sgd,adamw,lion --steps 20 --seeds 2 --eval-every 10 --opt adamw.lr=0.05 --out " .. q(d))

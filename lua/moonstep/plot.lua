@@ -34,6 +34,25 @@ end
 
 local function shell_quote(s) return "'" .. s:gsub("'", "'\\''") .. "'" end
 
+--- Writes text to path whole or not at all: into path .. ".tmp" beside it, checked, then renamed over path,
+--- so a write that fails (a full disk, a file size limit) raises and leaves an earlier file as it was.
+function M.write_file(path, text)
+  local tmp = path .. ".tmp"
+  local f, err = io.open(tmp, "wb")
+  if not f then error(("cannot write %s: %s"):format(path, tostring(err)), 0) end
+  local ok, werr = f:write(text)
+  local closed, cerr = f:close()
+  if not ok or not closed then
+    os.remove(tmp)
+    error(("cannot write %s: %s"):format(path, tostring(werr or cerr)), 0)
+  end
+  local moved, rerr = os.rename(tmp, path)
+  if not moved then
+    os.remove(tmp)
+    error(("cannot write %s: %s"):format(path, tostring(rerr)), 0)
+  end
+end
+
 -- ---------------------------------------------------------------------------------------------------
 -- gnuplot
 -- ---------------------------------------------------------------------------------------------------
@@ -87,10 +106,8 @@ end
 local function run_gnuplot(gnuplot, base, spec)
   local dir = base:match("^(.*)/[^/]+$") or "."
   local name = base:match("([^/]+)$")
-  local f = io.open(base .. ".gp", "w")
-  if not f then return false, "cannot write " .. base .. ".gp" end
-  f:write(gnuplot_script(base, spec))
-  f:close()
+  local wrote, err = pcall(M.write_file, base .. ".gp", gnuplot_script(base, spec))
+  if not wrote then return false, tostring(err) end
   local cmd = ("cd %s && %s %s > %s 2>&1"):format(shell_quote(dir), shell_quote(gnuplot), shell_quote(name .. ".gp"),
                                                   shell_quote(name .. ".gp.log"))
   local rc = os.execute(cmd)
@@ -272,10 +289,7 @@ function M.write(base, spec, opts)
   -- no PNG this time: one left from an earlier plot here (and its script) would show other curves
   os.remove(base .. ".png")
   os.remove(base .. ".gp")
-  local f = io.open(base .. ".svg", "w")
-  if not f then error("cannot write " .. base .. ".svg", 0) end
-  f:write(M.svg(spec))
-  f:close()
+  M.write_file(base .. ".svg", M.svg(spec))
   return { base .. ".svg" }, (why and (why .. "; ") or "") .. "drew the SVG with the built-in renderer (no PNG)"
 end
 

@@ -25,12 +25,7 @@ end
 --- before training, so that an unusable folder does not cost the runs.
 M.mkdir = mkdir_p
 
-local function write_file(path, text)
-  local f, err = io.open(path, "w")
-  if not f then error(("cannot write %s: %s"):format(path, tostring(err)), 0) end
-  f:write(text)
-  f:close()
-end
+local write_file = plot.write_file    -- whole or not at all
 
 -- mean over seeds of per-step series (runs may stop early: the mean covers the steps all of them reached)
 local function mean_series(runs, get)
