@@ -693,19 +693,20 @@ class Optimizer:
         """One step.  grads: {name: gradient} for this step; grad_scale: the gradients are this many times
         too large (they are divided in place).  Returns True when the step was applied, False when it was
         skipped (NaN/Inf gradients), None when the device decides (captured steps, settings["device_checks"])."""
-        given = {}                 # name -> the gradient it had: a step refused on a bad one changes nothing
-        try:
+        given = {}                 # name -> the gradient it had: a refused step (a bad gradient, a bad grad_scale)
+        try:                       # leaves the gradients as they were
             for name, grad in (grads or {}).items():
                 before = self._keep[name][1] if name in self._keep else None
                 self.set_grad(name, grad)
                 given[name] = before
+            opts = _StepOptions(grad_scale or 0.0)
+            applied = ctypes.c_int(0)
+            _check(self._ordered(_lib.ms_optimizer_step_with, self._handle(), ctypes.byref(opts),
+                                 ctypes.byref(applied)))
         except Exception:
             for name, before in given.items():
                 self.set_grad(name, before)
             raise
-        opts = _StepOptions(grad_scale or 0.0)
-        applied = ctypes.c_int(0)
-        _check(self._ordered(_lib.ms_optimizer_step_with, self._handle(), ctypes.byref(opts), ctypes.byref(applied)))
         return None if applied.value < 0 else bool(applied.value)
 
     @property

@@ -370,6 +370,13 @@ def a_step_refused_for_a_bad_gradient_changes_nothing():
     assert np.all(a == 1) and np.all(b == 1), "the refused step moved the parameters"
     assert opt.step() is True
     assert_close(a, np.full(4, 0.5), 0, 0, "a stepped on its own gradient (ones), not the refused call's")
+    # the gradients are fine but the grad_scale is not: refused, and the gradients stay as they were too
+    for bad in (float("nan"), -1.0, float("inf")):
+        expect_error("MS_E_ARG", "grad_scale must be a positive finite number", opt.step,
+                     grads={"a": np.full(4, 9, np.float32)}, grad_scale=bad)
+    assert_close(a, np.full(4, 0.5), 0, 0, "the refused steps moved the parameters")
+    assert opt.step() is True
+    assert_close(a, np.zeros(4), 0, 0, "a stepped on its own gradient (ones), not a refused call's")
     opt.close()
 
 
