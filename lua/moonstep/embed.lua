@@ -169,11 +169,17 @@ end
 
 local methods = {}
 
+-- the optimizer over the parameters added so far: routed, with the recipe's state
+local function build(self)
+  local opt = ms.optim.new(self.recipe, self.params, self.options, self.settings)
+  if self.lr ~= nil then opt:set_lr(self.lr) end
+  return opt
+end
+
 -- routes the parameters and creates the recipe's state, once
 local function start(self)
   if self.opt then return self.opt end
-  local opt = ms.optim.new(self.recipe, self.params, self.options, self.settings)
-  if self.lr ~= nil then opt:set_lr(self.lr) end
+  local opt = build(self)
   self.opt, self.probe = opt, nil
   return opt
 end
@@ -304,10 +310,14 @@ end
 function methods:save(path) start(self):save(path) end
 
 function methods:load(path)
-  -- before start: a load that fails changes nothing, so parameters may still be added after it
+  -- a load that fails changes nothing, and does not start the optimizer: parameters may still be added
+  -- after it (before the start, the optimizer it loads into is kept only once the load succeeded)
   local ok, err = file_readable(path)
   if not ok then fail(C.MS_E_IO, "cannot read checkpoint %s: %s", path, tostring(err)) end
-  start(self):load(path)
+  if self.opt then return self.opt:load(path) end
+  local opt = build(self)
+  opt:load(path)
+  self.opt, self.probe = opt, nil
 end
 
 function methods:info() return json.encode(for_json((start(self):info()), 0)) end

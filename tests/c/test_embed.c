@@ -952,6 +952,21 @@ static void test_save_load(void)
             ms_optimizer_free(os);
         }
     }
+    {   /* a readable checkpoint that does not load (corrupt, another recipe's) does not start the optimizer either */
+        float p[2] = { 1, 2 }, g[2] = { 0.5f, 0.5f }, q[2] = { 3, 4 };
+        int64_t s2[1] = { 2 };
+        ms_optimizer *ol = make_opt("adamw", NULL, NULL, "w", p, g, 2);
+        if (ol) {
+            CHECK(ms_optimizer_load(ol, bad) == MS_E_FORMAT, "text file: %s", ms_last_error());
+            CHECK(ms_optimizer_load(ol, other) == MS_E_FORMAT, "other recipe: %s", ms_last_error());
+            ms_tensor *tq = wrap(q, 1, s2);
+            CHECK(ms_optimizer_add_param(ol, "q", tq, NULL, NULL) == MS_OK, "add after a refused load: %s",
+                  ms_last_error());
+            ms_tensor_free(tq);
+            CHECK(ms_optimizer_step(ol) == MS_OK, "step after a refused load: %s", ms_last_error());
+            ms_optimizer_free(ol);
+        }
+    }
     CHECK(ms_optimizer_load(ob, ck) == MS_OK, "load: %s", ms_last_error());
     double la = 0, lb = 0;
     CHECK(ms_optimizer_get_lr(oa, &la) == MS_OK && ms_optimizer_get_lr(ob, &lb) == MS_OK && la == lb,
