@@ -312,8 +312,12 @@ function methods:save(path) start(self):save(path) end
 function methods:load(path)
   -- a load that fails changes nothing, and does not start the optimizer: parameters may still be added
   -- after it (before the start, the optimizer it loads into is kept only once the load succeeded)
-  local ok, err = file_readable(path)
-  if not ok then fail(C.MS_E_IO, "cannot read checkpoint %s: %s", path, tostring(err)) end
+  -- several ranks: no early return here, which would leave the others waiting in load's vote (and then pair
+  -- their collectives with this rank's next ones); a file that this rank cannot read fails its part of the vote
+  if self.settings.comm == nil then
+    local ok, err = file_readable(path)
+    if not ok then fail(C.MS_E_IO, "cannot read checkpoint %s: %s", path, tostring(err)) end
+  end
   if self.opt then return self.opt:load(path) end
   local opt = build(self)
   opt:load(path)

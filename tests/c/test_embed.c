@@ -1198,12 +1198,29 @@ static int dist_rank_main(const char *out_dir)
         CHECK(f && fwrite(params, sizeof params, 1, f) == 1, "rank %d: write %s", rank, path);
         if (f) fclose(f);
     }
-    /* slices that overlap (rows [0, 3) of 4 on both ranks): both ranks refuse at the start, naming it */
     float p[12], g[12];
     fill_random(p, 12, 1);
     fill_random(g, 12, 1);
     int64_t s34[2] = { 3, 4 };
     ms_tensor *tp = wrap(p, 2, s34), *tg = wrap(g, 2, s34);
+    /* a checkpoint that one rank cannot read: every rank refuses the load, none waits on a vote the other never
+    ** joins, and the world still steps together afterwards */
+    char ck[160];
+    snprintf(ck, sizeof ck, "%s/replicated.safetensors", out_dir);
+    ms_optimizer *saver = NULL, *loader = NULL;
+    CHECK(ms_optimizer_new(cpu, "adamw", NULL, NULL, &saver) == MS_OK && ms_optimizer_set_comm(saver, comm) == MS_OK &&
+          ms_optimizer_add_param(saver, "w", tp, tg, NULL) == MS_OK && ms_optimizer_step(saver) == MS_OK &&
+          ms_optimizer_save(saver, ck) == MS_OK, "rank %d: a checkpoint to load: %s", rank, ms_last_error());
+    ms_optimizer_free(saver);
+    CHECK(ms_optimizer_new(cpu, "adamw", NULL, NULL, &loader) == MS_OK && ms_optimizer_set_comm(loader, comm) == MS_OK &&
+          ms_optimizer_add_param(loader, "w", tp, tg, NULL) == MS_OK, "rank %d: %s", rank, ms_last_error());
+    st = ms_optimizer_load(loader, rank == 0 ? "/nonexistent/replicated.safetensors" : ck);
+    CHECK(st != MS_OK && (rank == 0 ? contains(ms_last_error(), "/nonexistent/")
+                                    : contains(ms_last_error(), "1 of the 2 ranks cannot load it")),
+          "rank %d: a load rank 0 cannot read: %s %s", rank, ms_status_name(st), ms_last_error());
+    CHECK(ms_optimizer_step(loader) == MS_OK, "rank %d: the world steps after the refused load: %s", rank, ms_last_error());
+    ms_optimizer_free(loader);
+    /* slices that overlap (rows [0, 3) of 4 on both ranks): both ranks refuse at the start, naming it */
     ms_shard overlap = { MS_SHARD_ROWS, 0, 4 };
     ms_optimizer *opt = NULL;
     CHECK(ms_optimizer_new(cpu, "sinkgd", NULL, NULL, &opt) == MS_OK && ms_optimizer_set_comm(opt, comm) == MS_OK &&
