@@ -477,6 +477,10 @@ static ms_status check_transfer(ms_ctx *ctx, const char *fn, const ms_tensor *t,
 {
     if (ctx == NULL) return MS_FAIL(NULL, MS_E_ARG, "%s: ctx is NULL", fn);
     if (t == NULL) return MS_FAIL(ctx, MS_E_ARG, "%s: tensor is NULL", fn);
+    /* an expanded view can hold more elements than any buffer: a byte count that wraps could match nbytes */
+    if ((uint64_t)ms_tensor_numel(t) > SIZE_MAX / ms_dtype_size(t->dtype))
+        return MS_FAIL(ctx, MS_E_SHAPE, "%s: a %s %s tensor has more bytes than a host buffer can hold", fn,
+                       ms_dtype_name(t->dtype), ms_tshape(t));
     size_t want = (size_t)ms_tensor_numel(t) * ms_dtype_size(t->dtype);
     if (nbytes != want)
         return MS_FAIL(ctx, MS_E_SHAPE, "%s: %zu bytes given for a %s %s tensor of %zu bytes", fn, nbytes,

@@ -171,6 +171,27 @@ static void test_huge_allocation(void)
     ms_ctx_free(ctx);
 }
 
+
+/* An expanded view may hold more elements than any host buffer: its byte count must not wrap (2^62 f32
+** elements are 2^64 bytes, which wrapped to 0, so a read of 0 bytes "succeeded"). */
+static void test_transfer_size_overflow(void)
+{
+    ms_ctx *ctx;
+    ms_ctx_new("cpu", NULL, &ctx);
+    int64_t one[1] = { 1 }, huge[1] = { (int64_t)1 << 62 };
+    ms_tensor *t, *e = NULL;
+    ms_tensor_new(ctx, MS_DTYPE_F32, 1, one, &t);
+    CHECK(ms_tensor_expand(ctx, t, 1, huge, &e) == MS_OK, "expand to 2^62 elements");
+    float x = 0;
+    CHECK(ms_tensor_read(ctx, e, &x, 0) == MS_E_SHAPE && contains(ms_last_error(), "ms_tensor_read:"),
+          "read of 0 bytes from 2^62 f32 elements: %s", ms_last_error());
+    CHECK(ms_tensor_write(ctx, e, &x, 0) != MS_OK && contains(ms_last_error(), "ms_tensor_write:"),
+          "write of 0 bytes into 2^62 f32 elements: %s", ms_last_error());
+    ms_tensor_free(e);
+    ms_tensor_free(t);
+    ms_ctx_free(ctx);
+}
+
 int main(void)
 {
     test_status_names();
@@ -179,5 +200,6 @@ int main(void)
     test_wrap();
     test_errors_change_nothing();
     test_huge_allocation();
+    test_transfer_size_overflow();
     return CHECK_REPORT();
 }
