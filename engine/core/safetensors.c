@@ -531,6 +531,10 @@ MS_API ms_status ms_safetensors_save(ms_ctx *ctx, const char *path, int n, const
         if (!tensors[i]) return SFAIL(ctx, MS_E_ARG, path, "tensors[%d] (" NAME_FMT ") is NULL", i, nm);
         if (!file_dtype_name(tensors[i]->dtype))
             return SFAIL(ctx, MS_E_DTYPE, path, "tensor " NAME_FMT " has invalid dtype %d", nm, (int)tensors[i]->dtype);
+        /* an expanded view may have more bytes than memory (or size_t: 2^62 f32 elements wrapped to 0 bytes) */
+        if ((uint64_t)ms_tensor_numel(tensors[i]) > (SIZE_MAX / 2) / ms_dtype_size(tensors[i]->dtype))
+            return SFAIL(ctx, MS_E_OOM, path, "tensor " NAME_FMT ": %lld elements of %s do not fit in memory", nm,
+                         (long long)ms_tensor_numel(tensors[i]), ms_dtype_name(tensors[i]->dtype));
     }
 
     ms_json *meta = NULL;
@@ -553,7 +557,11 @@ MS_API ms_status ms_safetensors_save(ms_ctx *ctx, const char *path, int n, const
     qsort(slots, (size_t)n, sizeof *slots, cmp_slot_layout);
     for (int k = 0; k < n; k++) {
         begin[slots[k].index] = off;
-        off += (uint64_t)ms_tensor_numel(tensors[slots[k].index]) * slots[k].esize;   /* live tensors: no overflow */
+        off += (uint64_t)ms_tensor_numel(tensors[slots[k].index]) * slots[k].esize;   /* each < 2^63 (checked) */
+        if (off > (uint64_t)INT64_MAX) {
+            st = SFAIL(ctx, MS_E_OOM, path, "the tensors hold more than 2^63 bytes together");
+            goto done;
+        }
     }
 
     ms_json_buf_raw(&hdr, "{", 1);

@@ -279,6 +279,17 @@ static void test_save_errors(void)
     ms_tensor_free(m);
     ms_ctx_free(small);
 
+    /* an expanded view of 2^62 f32 elements (2^64 bytes, which wrapped to 0) was written as data_offsets [0, 0]:
+    ** a file that its own loader refuses */
+    ms_tensor *e = NULL;
+    CHECK(ms_tensor_expand(ctx, a, 2, (int64_t[]){ (int64_t)1 << 60, 4 }, &e) == MS_OK, "expand to 2^62 elements");
+    {
+        ms_status st = ms_safetensors_save(ctx, path, 1, (const char *[]){ "huge" }, (const ms_tensor *[]){ e }, NULL);
+        CHECK(st == MS_E_OOM && strstr(ms_ctx_last_error(ctx), "tensor \"huge\""), "2^62 elements: %s %s",
+              ms_status_name(st), ms_ctx_last_error(ctx));
+    }
+    ms_tensor_free(e);
+
     size_t after_n;
     unsigned char *after = read_bytes(path, &after_n);
     CHECK(before && after && before_n == after_n && memcmp(before, after, before_n) == 0,
