@@ -359,7 +359,9 @@ MS_API ms_status ms_tensor_slice(ms_ctx *ctx, const ms_tensor *src, int dim, int
     MS_TRY(view_of(ctx, fn, src, &t));
     if (len > 0) t->offset += start * src->strides[dim];
     t->shape[dim] = len;
-    t->strides[dim] = src->strides[dim] * step;
+    /* with two elements or more, step < n bounds stride * step by the source's reach; one element keeps the
+    ** source's stride (stride * a huge step would overflow) */
+    if (len > 1) t->strides[dim] = src->strides[dim] * step;
     *out = t;
     return MS_OK;
 }

@@ -192,6 +192,25 @@ static void test_transfer_size_overflow(void)
     ms_ctx_free(ctx);
 }
 
+/* A slice with a huge step keeps one element; its stride was stride * step, which overflowed int64 (UB) and
+** came out negative: a stride no tensor may have (ms_tensor_wrap refuses them; DLPack exports it). */
+static void test_slice_huge_step(void)
+{
+    ms_ctx *ctx;
+    ms_ctx_new("cpu", NULL, &ctx);
+    int64_t shape[2] = { 3, 4 };
+    ms_tensor *t, *s = NULL;
+    ms_tensor_new(ctx, MS_DTYPE_F32, 2, shape, &t);
+    CHECK(ms_tensor_slice(ctx, t, 0, 0, 3, INT64_MAX, &s) == MS_OK && ms_tensor_size(s, 0) == 1, "slice");
+    CHECK(ms_tensor_stride(s, 0) >= 0, "stride of the one-element dim: %lld", (long long)ms_tensor_stride(s, 0));
+    ms_tensor_free(s);
+    CHECK(ms_tensor_slice(ctx, t, 0, 1, 3, INT64_MAX / 2, &s) == MS_OK && ms_tensor_size(s, 0) == 1, "slice from 1");
+    CHECK(ms_tensor_stride(s, 0) >= 0, "stride: %lld", (long long)ms_tensor_stride(s, 0));
+    ms_tensor_free(s);
+    ms_tensor_free(t);
+    ms_ctx_free(ctx);
+}
+
 int main(void)
 {
     test_status_names();
@@ -201,5 +220,6 @@ int main(void)
     test_errors_change_nothing();
     test_huge_allocation();
     test_transfer_size_overflow();
+    test_slice_huge_step();
     return CHECK_REPORT();
 }
