@@ -209,6 +209,8 @@ MS_API ms_status ms_rand(ms_ctx *ctx, ms_tensor *dst, const ms_rand_options *opt
         return MS_FAIL(ctx, MS_E_ARG, "%s: parameters must be finite (got %g, %g)", fn, o.a, o.b);
     if (o.dist == MS_RAND_UNIFORM && o.a > o.b)
         return MS_FAIL(ctx, MS_E_ARG, "%s: uniform range [%g, %g) is empty", fn, o.a, o.b);
+    if (o.dist == MS_RAND_UNIFORM && !isfinite(o.b - o.a))   /* a + (b - a) u would be inf or NaN */
+        return MS_FAIL(ctx, MS_E_ARG, "%s: uniform range [%g, %g) is wider than the largest double", fn, o.a, o.b);
     if (o.dist == MS_RAND_UNIFORM && o.a < o.b) {
         /* [a, b) may lie between two neighbours of dst's dtype (bf16 [0.1001, 0.1002)): no value could be drawn */
         const double ra = ms_round_to_dtype(dst->dtype, o.a);

@@ -211,6 +211,32 @@ static void test_slice_huge_step(void)
     ms_ctx_free(ctx);
 }
 
+/* A uniform range wider than the largest double: b - a is inf, so a + (b - a) u was inf or NaN and every value
+** was clamped to the largest value below b -- a call that "succeeded" with no spread at all. */
+static void test_rand_range_overflow(void)
+{
+    ms_ctx *ctx;
+    ms_ctx_new("cpu", NULL, &ctx);
+    int64_t shape[1] = { 8 };
+    ms_tensor *t;
+    ms_tensor_new(ctx, MS_DTYPE_F64, 1, shape, &t);
+    double before[8] = { 1, 2, 3, 4, 5, 6, 7, 8 }, after[8];
+    ms_tensor_write(ctx, t, before, sizeof before);
+    ms_rand_options o = { MS_RAND_UNIFORM, -1e308, 1e308, 1, 0 };
+    CHECK(ms_rand(ctx, t, &o) == MS_E_ARG && contains(ms_last_error(), "ms_rand:"), "[-1e308, 1e308): %s",
+          ms_last_error());
+    ms_tensor_read(ctx, t, after, sizeof after);
+    CHECK(memcmp(before, after, sizeof before) == 0, "dst unchanged");
+    ms_rand_options ok = { MS_RAND_UNIFORM, -1e307, 1e307, 1, 0 };
+    CHECK(ms_rand(ctx, t, &ok) == MS_OK, "[-1e307, 1e307)");
+    ms_tensor_read(ctx, t, after, sizeof after);
+    int spread = 0;
+    for (int i = 1; i < 8; i++) spread += after[i] != after[0];
+    CHECK(spread > 0, "values spread over the range");
+    ms_tensor_free(t);
+    ms_ctx_free(ctx);
+}
+
 int main(void)
 {
     test_status_names();
@@ -221,5 +247,6 @@ int main(void)
     test_huge_allocation();
     test_transfer_size_overflow();
     test_slice_huge_step();
+    test_rand_range_overflow();
     return CHECK_REPORT();
 }
