@@ -95,7 +95,9 @@ MS_API ms_status ms_tensor_from_dlpack(ms_ctx *ctx, void *managed, ms_tensor **o
     if (t->ndim > 0 && t->shape == NULL) return MS_FAIL(ctx, MS_E_ARG, "%s: shape is NULL", fn);
     char *data = t->data ? (char *)t->data + t->byte_offset : NULL;
     ms_tensor *x;
-    MS_TRY(ms_tensor_wrap(ctx, data, dt, t->ndim, t->shape, t->strides, &x));
+    const ms_status st = ms_tensor_wrap(ctx, data, dt, t->ndim, t->shape, t->strides, &x);
+    /* the wrap's message names ms_tensor_wrap, which the caller did not call: name this call too */
+    if (st != MS_OK) return MS_FAIL(ctx, st, "%s: %s", fn, ms_last_error());
     x->storage->release = call_deleter;
     x->storage->release_arg = m;
     *out = x;

@@ -116,8 +116,12 @@ static void test_import_cpu(void)
     make_producer(&bad, buf + 7, kDLCPU, 0, (DLDataType){ kDLFloat, 64, 1 }, 1, (int64_t[]){ 3 }, (int64_t[]){ -1 }, 0,
                         &deleted);
     CHECK(ms_tensor_from_dlpack(ctx, &bad.m, &t) == MS_E_LAYOUT, "negative stride refused");
+    /* the message names the call made (it named ms_tensor_wrap, which the caller never called) */
+    CHECK(contains(ms_last_error(), "ms_tensor_from_dlpack:") && contains(ms_ctx_last_error(ctx),
+          "ms_tensor_from_dlpack:") && contains(ms_last_error(), "negative stride"), "message: %s", ms_last_error());
     make_producer(&bad, buf, kDLCPU, 0, (DLDataType){ kDLFloat, 64, 1 }, 1, (int64_t[]){ 2 }, NULL, 3, &deleted);
     CHECK(ms_tensor_from_dlpack(ctx, &bad.m, &t) == MS_E_LAYOUT, "misaligned byte_offset refused");
+    CHECK(contains(ms_last_error(), "ms_tensor_from_dlpack:"), "message: %s", ms_last_error());
     make_producer(&bad, buf, kDLCPU, 0, (DLDataType){ kDLFloat, 64, 1 }, 1, (int64_t[]){ 2 }, NULL, 0, &deleted);
     bad.m.dl_tensor.ndim = 9;
     CHECK(ms_tensor_from_dlpack(ctx, &bad.m, &t) == MS_E_ARG, "9 dims refused");
