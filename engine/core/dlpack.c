@@ -93,6 +93,9 @@ MS_API ms_status ms_tensor_from_dlpack(ms_ctx *ctx, void *managed, ms_tensor **o
     if (t->ndim < 0 || t->ndim > MS_MAX_DIMS)
         return MS_FAIL(ctx, MS_E_ARG, "%s: %d dims (at most %d)", fn, t->ndim, MS_MAX_DIMS);
     if (t->ndim > 0 && t->shape == NULL) return MS_FAIL(ctx, MS_E_ARG, "%s: shape is NULL", fn);
+    if (t->data && t->byte_offset > UINTPTR_MAX - (uintptr_t)t->data)   /* the sum would wrap to another address */
+        return MS_FAIL(ctx, MS_E_LAYOUT, "%s: data %p + byte_offset %llu runs past the address space", fn, t->data,
+                       (unsigned long long)t->byte_offset);
     char *data = t->data ? (char *)t->data + t->byte_offset : NULL;
     ms_tensor *x;
     const ms_status st = ms_tensor_wrap(ctx, data, dt, t->ndim, t->shape, t->strides, &x);

@@ -122,6 +122,14 @@ static void test_import_cpu(void)
     make_producer(&bad, buf, kDLCPU, 0, (DLDataType){ kDLFloat, 64, 1 }, 1, (int64_t[]){ 2 }, NULL, 3, &deleted);
     CHECK(ms_tensor_from_dlpack(ctx, &bad.m, &t) == MS_E_LAYOUT, "misaligned byte_offset refused");
     CHECK(contains(ms_last_error(), "ms_tensor_from_dlpack:"), "message: %s", ms_last_error());
+    /* a byte_offset that carries data + byte_offset past the end of the address space (here to address 8): the
+    ** pointer sum wrapped and the tensor viewed memory that is not the producer's */
+    make_producer(&bad, buf, kDLCPU, 0, (DLDataType){ kDLFloat, 64, 1 }, 1, (int64_t[]){ 2 }, NULL,
+                  (uint64_t)0 - (uint64_t)(uintptr_t)buf + 8, &deleted);
+    t = (ms_tensor *)0x1;
+    CHECK(ms_tensor_from_dlpack(ctx, &bad.m, &t) == MS_E_LAYOUT && t == NULL, "byte_offset past the address space");
+    CHECK(contains(ms_last_error(), "byte_offset"), "message: %s", ms_last_error());
+    if (t && t != (ms_tensor *)0x1) { ms_tensor_free(t); deleted = 0; }
     make_producer(&bad, buf, kDLCPU, 0, (DLDataType){ kDLFloat, 64, 1 }, 1, (int64_t[]){ 2 }, NULL, 0, &deleted);
     bad.m.dl_tensor.ndim = 9;
     CHECK(ms_tensor_from_dlpack(ctx, &bad.m, &t) == MS_E_ARG, "9 dims refused");
