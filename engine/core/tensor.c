@@ -506,6 +506,10 @@ MS_API ms_status ms_tensor_write(ms_ctx *ctx, ms_tensor *dst, const void *host_s
 {
     MS_TRY(check_transfer(ctx, "ms_tensor_write", dst, host_src, nbytes));
     if (nbytes == 0) return MS_OK;
+    for (int i = 0; i < dst->ndim; i++)   /* refused here, not by the scatter below, so the message names this call */
+        if (dst->shape[i] > 1 && dst->strides[i] == 0)
+            return MS_FAIL(ctx, MS_E_LAYOUT, "ms_tensor_write: dst %s is an expanded view (stride 0 in dim %d); "
+                           "its elements share memory", ms_tshape(dst), i);
     if (ms_tensor_contiguous_p(dst))
         return dst->ctx->backend->memcpy_from_host(dst->ctx, ms_tensor_ptr(dst), host_src, nbytes);
     /* strided destination: stage contiguously on the device, then scatter with a copy */

@@ -237,6 +237,26 @@ static void test_rand_range_overflow(void)
     ms_ctx_free(ctx);
 }
 
+/* Writing an expanded (stride-0) view is refused; the message named ms_copy, the call's internal scatter. */
+static void test_write_expanded(void)
+{
+    ms_ctx *ctx;
+    ms_ctx_new("cpu", NULL, &ctx);
+    int64_t one[1] = { 1 }, three[1] = { 3 };
+    ms_tensor *t, *e;
+    ms_tensor_new(ctx, MS_DTYPE_F32, 1, one, &t);
+    ms_fill(ctx, t, 5, NULL);
+    ms_tensor_expand(ctx, t, 1, three, &e);
+    float w[3] = { 1, 2, 3 }, r = 0;
+    CHECK(ms_tensor_write(ctx, e, w, sizeof w) == MS_E_LAYOUT && contains(ms_last_error(), "ms_tensor_write:") &&
+          contains(ms_ctx_last_error(ctx), "ms_tensor_write:"), "write into an expanded view: %s", ms_last_error());
+    ms_tensor_read(ctx, t, &r, sizeof r);
+    CHECK(r == 5, "unchanged: %g", r);
+    ms_tensor_free(e);
+    ms_tensor_free(t);
+    ms_ctx_free(ctx);
+}
+
 int main(void)
 {
     test_status_names();
@@ -248,5 +268,6 @@ int main(void)
     test_transfer_size_overflow();
     test_slice_huge_step();
     test_rand_range_overflow();
+    test_write_expanded();
     return CHECK_REPORT();
 }
