@@ -466,8 +466,10 @@ MS_API ms_status ms_tensor_contiguous(ms_ctx *ctx, const ms_tensor *src, ms_tens
     if (ctx == NULL) ctx = src->ctx;
     if (ms_tensor_contiguous_p(src)) return view_of(ctx, fn, src, out);
     ms_tensor *t;
-    MS_TRY(ms_tensor_alloc(src->ctx, src->dtype, src->ndim, src->shape, &t));
-    ms_status st = ms_copy(src->ctx, t, src);
+    ms_status st = ms_tensor_alloc(src->ctx, src->dtype, src->ndim, src->shape, &t);
+    /* the allocator's message names the device, not the call */
+    if (st != MS_OK) return MS_FAIL(ctx, st, "%s: %s", fn, ms_last_error());
+    st = ms_copy(src->ctx, t, src);
     if (st != MS_OK) { ms_tensor_free(t); return st; }
     *out = t;
     return MS_OK;
@@ -496,8 +498,9 @@ MS_API ms_status ms_tensor_read(ms_ctx *ctx, const ms_tensor *src, void *host_ds
     MS_TRY(check_transfer(ctx, "ms_tensor_read", src, host_dst, nbytes));
     if (nbytes == 0) return MS_OK;
     ms_tensor *c;
-    MS_TRY(ms_tensor_contiguous(src->ctx, src, &c));
-    ms_status st = c->ctx->backend->memcpy_to_host(c->ctx, host_dst, ms_tensor_ptr(c), nbytes);
+    ms_status st = ms_tensor_contiguous(src->ctx, src, &c);   /* a strided src is staged contiguously first */
+    if (st != MS_OK) return MS_FAIL(ctx, st, "ms_tensor_read: %s", ms_last_error());
+    st = c->ctx->backend->memcpy_to_host(c->ctx, host_dst, ms_tensor_ptr(c), nbytes);
     ms_tensor_free(c);
     return st;
 }
@@ -514,8 +517,9 @@ MS_API ms_status ms_tensor_write(ms_ctx *ctx, ms_tensor *dst, const void *host_s
         return dst->ctx->backend->memcpy_from_host(dst->ctx, ms_tensor_ptr(dst), host_src, nbytes);
     /* strided destination: stage contiguously on the device, then scatter with a copy */
     ms_tensor *c;
-    MS_TRY(ms_tensor_alloc(dst->ctx, dst->dtype, dst->ndim, dst->shape, &c));
-    ms_status st = dst->ctx->backend->memcpy_from_host(dst->ctx, ms_tensor_ptr(c), host_src, nbytes);
+    ms_status st = ms_tensor_alloc(dst->ctx, dst->dtype, dst->ndim, dst->shape, &c);
+    if (st != MS_OK) return MS_FAIL(ctx, st, "ms_tensor_write: %s", ms_last_error());
+    st = dst->ctx->backend->memcpy_from_host(dst->ctx, ms_tensor_ptr(c), host_src, nbytes);
     if (st == MS_OK) st = ms_copy(dst->ctx, dst, c);
     ms_tensor_free(c);
     return st;

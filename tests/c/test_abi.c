@@ -257,6 +257,29 @@ static void test_write_expanded(void)
     ms_ctx_free(ctx);
 }
 
+/* A strided transfer stages through a temporary; when that cannot be allocated the message named no call at all
+** ("out of memory on cpu: ..."), against the header's rule. */
+static void test_staging_oom_names_the_call(void)
+{
+    ms_ctx *ctx;
+    ms_ctx_options o = { .mem_limit = 64 };
+    ms_ctx_new("cpu", &o, &ctx);
+    int64_t shape[2] = { 4, 4 };
+    ms_tensor *t, *tr, *c = NULL;
+    ms_tensor_new(ctx, MS_DTYPE_F32, 2, shape, &t);
+    ms_tensor_transpose(ctx, t, 0, 1, &tr);
+    float host[16] = { 0 };
+    CHECK(ms_tensor_read(ctx, tr, host, sizeof host) == MS_E_OOM && contains(ms_last_error(), "ms_tensor_read:") &&
+          contains(ms_ctx_last_error(ctx), "ms_tensor_read:"), "read: %s", ms_last_error());
+    CHECK(ms_tensor_write(ctx, tr, host, sizeof host) == MS_E_OOM && contains(ms_last_error(), "ms_tensor_write:"),
+          "write: %s", ms_last_error());
+    CHECK(ms_tensor_contiguous(ctx, tr, &c) == MS_E_OOM && c == NULL && contains(ms_last_error(),
+          "ms_tensor_contiguous:"), "contiguous: %s", ms_last_error());
+    ms_tensor_free(tr);
+    ms_tensor_free(t);
+    ms_ctx_free(ctx);
+}
+
 int main(void)
 {
     test_status_names();
@@ -269,5 +292,6 @@ int main(void)
     test_slice_huge_step();
     test_rand_range_overflow();
     test_write_expanded();
+    test_staging_oom_names_the_call();
     return CHECK_REPORT();
 }
