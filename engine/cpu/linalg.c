@@ -126,8 +126,14 @@ ms_status ms_cpu_matmul(ms_ctx *ctx, ms_tensor *dst, const ms_tensor *a, const m
     if (!c_direct) ldc = n;
     operand pa = plan_operand(&ma, ct, order), pb = plan_operand(&mb, ct, order);
 
-    size_t sa = pa.direct || k == 0 ? 0 : (size_t)(m * k) * esz, sb = pb.direct || k == 0 ? 0 : (size_t)(k * n) * esz;
-    size_t sc = c_direct ? 0 : (size_t)(m * n) * esz, total = sa + sb + sc;
+    /* (m, n, k < 2^31, but the products of expanded operands' dims times 8 bytes can pass size_t) */
+    size_t sa = 0, sb = 0, sc = 0, total = 0;
+    if ((!pa.direct && k != 0 && __builtin_mul_overflow((size_t)(m * k), esz, &sa)) ||
+        (!pb.direct && k != 0 && __builtin_mul_overflow((size_t)(k * n), esz, &sb)) ||
+        (!c_direct && __builtin_mul_overflow((size_t)(m * n), esz, &sc)) ||
+        __builtin_add_overflow(sa, sb, &total) || __builtin_add_overflow(total, sc, &total) || total > SIZE_MAX / 2)
+        return MS_FAIL(ctx, MS_E_OOM, "matmul: the dense copies of [%lld x %lld] @ [%lld x %lld] do not fit memory",
+                       (long long)m, (long long)k, (long long)k, (long long)n);
     char *mem = NULL;
     if (total) MS_TRY(ms_ctx_alloc(ctx, total, (void **)&mem));
     void *ta = mem, *tb = mem + sa, *tc = mem + sa + sb;
@@ -264,9 +270,13 @@ ms_status ms_cpu_eigh(ms_ctx *ctx, ms_tensor *w, ms_tensor *v, const ms_tensor *
         lwork = (int)(q > (double)min_lwork ? q : (double)min_lwork);
         if (liwork < min_liwork) liwork = (int)min_liwork;
     }
-    size_t s_mats = (size_t)(nbatch * n * n) * esz, s_vals = (size_t)(nbatch * n) * esz;
-    size_t s_work = (size_t)lwork * esz, s_iwork = (size_t)liwork * sizeof(int);
-    size_t total = s_mats + s_vals + s_work + s_iwork;
+    size_t s_mats, s_vals, s_work = (size_t)lwork * esz, s_iwork = (size_t)liwork * sizeof(int), total;
+    int64_t nmat;
+    if (__builtin_mul_overflow(nbatch, n * n, &nmat) || __builtin_mul_overflow((size_t)nmat, esz, &s_mats) ||
+        __builtin_mul_overflow((size_t)(nbatch * n), esz, &s_vals) || __builtin_add_overflow(s_mats, s_vals, &total) ||
+        __builtin_add_overflow(total, s_work + s_iwork, &total) || total > SIZE_MAX / 2)
+        return MS_FAIL(ctx, MS_E_OOM, "eigh: the copies of %lld matrices of %lld x %lld do not fit memory",
+                       (long long)nbatch, (long long)n, (long long)n);
     char *mem;
     MS_TRY(ms_ctx_alloc(ctx, total, (void **)&mem));
     char *mats = mem, *vals = mem + s_mats, *work = vals + s_vals;

@@ -170,6 +170,29 @@ static void test_casts(ms_ctx *ctx)
     ms_tensor_free(tf);
 }
 
+/* matmul gathers operands that BLAS cannot read in place (expanded ones) into dense copies: with m = 2^30 + 1 and
+** k = 2^31 - 1 an f64 copy of A is 2^64 + 2^33 - 8 bytes, which wrapped to an 8 GB allocation that the gather then
+** overran.  It is refused before anything is allocated or written (dst is a wrapped one-element buffer: the call
+** must not touch it). */
+static void test_matmul_scratch_overflow(ms_ctx *ctx)
+{
+    static double mem[2] = { 1, 7 };   /* A and B read mem[0]; dst starts at mem[1], past them */
+    const int64_t m = ((int64_t)1 << 30) + 1, k = INT32_MAX;
+    int64_t sa[2] = { m, k }, sb[2] = { k, 1 }, sc[2] = { m, 1 }, zero[2] = { 0, 0 }, dense[2] = { 1, 1 };
+    ms_tensor *a = NULL, *b = NULL, *c = NULL;
+    CHECK(ms_tensor_wrap(ctx, &mem[0], MS_DTYPE_F64, 2, sa, zero, &a) == MS_OK &&
+          ms_tensor_wrap(ctx, &mem[0], MS_DTYPE_F64, 2, sb, zero, &b) == MS_OK &&
+          ms_tensor_wrap(ctx, &mem[1], MS_DTYPE_F64, 2, sc, dense, &c) == MS_OK, "wraps: %s", ms_last_error());
+    if (a && b && c) {
+        ms_status st = ms_matmul(ctx, c, a, b, NULL);
+        CHECK(st == MS_E_OOM && strstr(ms_last_error(), "do not fit memory") != NULL && mem[1] == 7,
+              "a copy past size_t: %s %s", ms_status_name(st), ms_last_error());
+    }
+    ms_tensor_free(a);
+    ms_tensor_free(b);
+    ms_tensor_free(c);
+}
+
 int main(void)
 {
     test_f16_all_patterns();
@@ -181,6 +204,7 @@ int main(void)
     if (ctx) {
         test_rand_formula(ctx);
         test_casts(ctx);
+        test_matmul_scratch_overflow(ctx);
         ms_ctx_free(ctx);
     }
     CHECK(f32_bits(ms_f16_to_f32(0x3c00)) == 0x3f800000u, "f16 1.0 is f32 1.0");
