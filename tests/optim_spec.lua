@@ -218,6 +218,35 @@ describe("ms.optim.new", function()
     assert.same(ms.ones({ 4, 4 }):totable(), w.param:totable())
   end)
 
+  it("refuses parameters and gradients that share memory across parameters, at registration and after set_grad", function()
+    -- one gradient buffer given to two parameters was scaled twice by clipping and counted twice in the norm; a
+    -- parameter inside another's memory was written through both
+    local buf = ms.randn({ 2, 8 }, { seed = H.seed() })
+    local pa, pb = ms.randn({ 8 }), ms.randn({ 8 })
+    H.expect_error(function()
+      ms.optim.new("adamw", { { name = "a", param = pa, grad = buf[0] }, { name = "b", param = pb, grad = buf[0] } })
+    end, "shares memory with parameter")
+    H.expect_error(function()
+      ms.optim.new("sgd", { { name = "a", param = pa, grad = pb }, { name = "b", param = pb, grad = buf[1] } })
+    end, "shares memory with parameter")
+    local big = ms.randn({ 12 })
+    H.expect_error(function()
+      ms.optim.new("sgd", { { name = "a", param = big:narrow(0, 0, 8), grad = buf[0] },
+                            { name = "b", param = big:narrow(0, 4, 8), grad = buf[1] } })
+    end, "parameter 'b': its param shares memory with parameter 'a''s param")
+    -- disjoint views of one flat buffer (a bucketed trainer's gradients) are fine, and so are tied parameters
+    local opt = ms.optim.new("adamw", { { name = "a", param = pa, grad = buf[0] }, { name = "b", param = pb, grad = buf[1] },
+                                        { name = "tied", param = pa, grad = buf[0] } })
+    assert.is_true(opt:step())
+    local a1, b1 = pa:clone(), pb:clone()
+    opt:set_grad("b", buf[0])
+    H.expect_error(function() opt:step() end, "shares memory with parameter")
+    assert.same(a1:totable(), pa:totable())
+    assert.same(b1:totable(), pb:totable())
+    opt:set_grad("b", buf[1])
+    assert.is_true(opt:step())
+  end)
+
   it("needs a recipe with a number option 'lr'", function()
     local r = { name = "nolr", options = {}, route = function() return "r" end, routes = { r = { step = function() end } } }
     H.expect_error(function() ms.optim.new(r, { param("w", { 2 }) }) end, "recipe nolr has no number option 'lr'")

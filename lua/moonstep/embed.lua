@@ -125,7 +125,7 @@ local function parse_tags(s)
   return tags
 end
 
-local dtype_bytes = { f32 = 4, f64 = 8, bf16 = 2, f16 = 2, i32 = 4, u8 = 1 }
+local dtype_bytes = tensor.dtype_bytes
 -- Replaced gradients may hold a trainer's memory (a DLPack import keeps it until its handle goes) that the
 -- collector cannot see: collect once this many bytes of them have been let go.
 local RELEASED_BUDGET = 256 * 2 ^ 20

@@ -169,6 +169,37 @@ local function same_shape(a, b)
   return true
 end
 
+-- [lo, hi): the byte addresses of a contiguous tensor's elements (nil for an empty or strided one, whose
+-- elements may interleave with another tensor's without sharing any)
+local function byte_span(t)
+  if t:numel() == 0 or not t:is_contiguous() then return nil end
+  local lo = tonumber(ffi.cast("uintptr_t", C.ms_tensor_data_ptr(tensor.handle(t))))
+  return lo, lo + t:numel() * tensor.dtype_bytes[t:dtype()]
+end
+
+-- Parameters and gradients (tied parameters counted once) must not share memory: a shared gradient is scaled
+-- twice by clipping and grad_scale and counted twice in the norm, and a step through one parameter would write
+-- another's.  list: {name =, param =, grad =} entries.
+local function check_disjoint(list, level)
+  local spans = {}
+  for _, e in ipairs(list) do
+    for _, what in ipairs { "param", "grad" } do
+      local t = e[what]
+      local lo, hi
+      if t ~= nil then lo, hi = byte_span(t) end
+      if lo then spans[#spans + 1] = { lo, hi, e.name, what } end
+    end
+  end
+  table.sort(spans, function(a, b) return a[1] < b[1] end)
+  local far   -- of the spans so far, the one reaching furthest
+  for _, s in ipairs(spans) do
+    if far and s[1] < far[2] then
+      error(("parameter '%s': its %s shares memory with parameter '%s''s %s"):format(s[3], s[4], far[3], far[4]), level)
+    end
+    if far == nil or s[2] > far[2] then far = s end
+  end
+end
+
 local function data_key(t)
   return tostring(core.ffi.cast("uintptr_t", core.C.ms_tensor_data_ptr(tensor.handle(t)))) .. ":" ..
          table.concat(t:shape(), "x") .. ":" .. t:dtype()
@@ -506,6 +537,8 @@ function M.new(recipe, params, options, settings)
     end
   end
 
+  check_disjoint(entries, 3)
+
   if self.dist then
     dist_check(self, entries)
     if self.dist.mode == "owner" then assign_owners(entries, self.world.size) end
@@ -682,6 +715,10 @@ end
 -- rebuilt only after set_grad
 function Optimizer:_runs()
   if self.runs_version == self.grads_version then return self.runs, self.active end
+  -- set_grad checked each gradient against its own parameter; against the others here, once per change
+  local given = {}
+  for i, m in ipairs(self.members) do given[i] = { name = m.name, param = m.model_param or m.param, grad = m.grad } end
+  check_disjoint(given, 4)
   local runs, active = {}, {}
   for _, g in ipairs(self.groups) do
     local n = 0

@@ -191,6 +191,7 @@ end
 -- and collect once a budget is passed (twice: the first cycle clears the weak handle entry, the second
 -- runs the handle's finalizer).
 local dtype_bytes = { f32 = 4, f64 = 8, bf16 = 2, f16 = 2, i32 = 4, u8 = 1 }
+M.dtype_bytes = dtype_bytes
 local gc_budget, gc_debt = 256 * 2 ^ 20, 0
 
 function M.empty(shape, opts)
