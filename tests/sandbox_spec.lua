@@ -275,6 +275,27 @@ describe("the recipe sandbox", function()
     assert.is_true(o:stats().last.reports.ok)
   end)
 
+  it("sizes string results from arguments the C functions convert (numeric strings, numbers)", function()
+    -- (string.rep reads a count "4194304" as 4194304, and numbers become strings of up to 24 bytes: the size
+    -- checks must count them as the C functions will, or one call builds past the limit before the hook looks)
+    local bombs = {
+      { "return string.rep('x', '4194304')", "string.rep" },
+      { "return ('x'):rep(' 0x400000 ')", "string.rep" },
+      { "return string.rep(-1.2345678901234e-300, 50000)", "string.rep" },
+      { "return ('x'):rep(2^16, -1.2345678901234e-300)", "string.rep" },
+      { "local s = ('x'):rep(2^19); return string.gsub(123456789012, '', s)", "string.gsub" },
+      { "local s = ('x'):rep(2^19); return s:gsub('x', -1.2345678901234e-300)", "string.gsub" },
+      { "local s = ('x'):rep(2^19); return s:gsub('x', function() return -1.2345678901234e-300 end)", "string.gsub" },
+      { "local s = ('x'):rep(2^19); return s:gsub('x', {x = -1.2345678901234e-300})", "string.gsub" },
+    }
+    for _, b in ipairs(bombs) do
+      fails(function() run({ step = b[1] }, { sandbox = { memory = 2 ^ 20 } }) end, b[2], 10)
+    end
+    local o = run({ step = "ctx.report('ok', ('ab'):rep('3') == 'ababab' and string.rep(12, 2) == '1212' and "
+                         .. "select(2, ('aaa'):gsub('a', 7)) == 3)" }, { sandbox = { memory = 2 ^ 20 } })
+    assert.is_true(o:stats().last.reports.ok)
+  end)
+
   it("enforces the engine allocation quota, releasing what the recipe lets go", function()
     fails(function() run { init = "ms.zeros({1e12})" } end, "engine allocation quota", 2)
     fails(function() run { step = "local keep = {} for i = 1, 1e4 do keep[i] = ms.zeros({2^20}) end" } end,

@@ -148,13 +148,20 @@ local function check_pattern(what, s, p, init, plain)
   end
 end
 
+-- the length of v as the string functions take it: numbers are converted to strings (and numeric strings to
+-- numbers where a count is expected: tonumber, as the C functions read them)
+local function str_len(v)
+  if type(v) == "string" then return #v end
+  if type(v) == "number" then return #real_tostring(v) end
+  return 0
+end
+
 local safe_string = {
   byte = string.byte, char = string.char, len = string.len, lower = string.lower, upper = string.upper,
   reverse = string.reverse, sub = string.sub,
   rep = function(s, n, sep)
-    if type(n) == "number" and n > 0 then
-      too_big("string.rep", (type(s) == "string" and #s or 16) * n + (type(sep) == "string" and #sep or 0) * n)
-    end
+    local count = tonumber(n)
+    if count and count > 0 then too_big("string.rep", (str_len(s) + str_len(sep)) * count) end
     return str_rep(s, n, sep)
   end,
   find = function(s, p, init, plain) check_pattern("string.find", s, p, init, plain) return str_find(s, p, init, plain) end,
@@ -162,17 +169,17 @@ local safe_string = {
   gmatch = function(s, p) check_pattern("string.gmatch", s, p) return str_gmatch(s, p) end,
   gsub = function(s, p, repl, n)
     check_pattern("string.gsub", s, p)
-    if type(s) == "string" then
-      if type(repl) == "string" then
-        too_big("string.gsub", #s + (#s + 1) * #repl)
+    if type(s) == "string" or type(s) == "number" then
+      if type(repl) == "string" or type(repl) == "number" then
+        too_big("string.gsub", str_len(s) + (str_len(s) + 1) * str_len(repl))
       elseif type(repl) == "table" or type(repl) == "function" then
         -- each replacement comes from recipe data: count the bytes as they are produced
-        local total, lookup = #s, repl
+        local total, lookup = str_len(s), repl
         repl = function(...)
           local v
           if type(lookup) == "table" then v = lookup[(...)] else v = lookup(...) end
-          if type(v) == "string" then
-            total = total + #v
+          if type(v) == "string" or type(v) == "number" then
+            total = total + str_len(v)
             too_big("string.gsub", total)
           end
           return v
