@@ -304,6 +304,22 @@ describe("schedules and the learning rate", function()
     H.expect_error(function() mult({ kind = "wsd", stable_steps = 1, decay_steps = 1, min_lr_ratio = 2 }, 1) end, "min_lr_ratio")
   end)
 
+  it("refuses NaN and infinite schedule values (a range check lets NaN through, an integer check inf)", function()
+    local function mult(s, step) return (ms.schedule.compile(s))(step) end
+    H.expect_error(function() mult({ kind = "cosine", total_steps = 10, min_lr_ratio = 0 / 0 }, 1) end, "min_lr_ratio")
+    H.expect_error(function() mult({ kind = "wsd", stable_steps = 1, decay_steps = 1, min_lr_ratio = 0 / 0 }, 1) end,
+                   "min_lr_ratio")
+    H.expect_error(function() mult({ kind = "linear_warmup", warmup_steps = math.huge }, 1) end, "warmup_steps")
+    H.expect_error(function() mult({ kind = "cosine", total_steps = math.huge }, 1) end, "total_steps")
+    H.expect_error(function() mult({ kind = "wsd", stable_steps = math.huge, decay_steps = 1 }, 1) end, "stable_steps")
+    H.expect_error(function() mult({ kind = "wsd", stable_steps = 1, decay_steps = math.huge }, 1) end, "decay_steps")
+    H.expect_error(function() mult(function() return math.huge end, 3) end, "schedule function returned inf at step 3")
+    local p = param("w", { 3 })
+    H.expect_error(function()
+      ms.optim.new("sgd", { p }, {}, { schedule = { kind = "cosine", total_steps = 10, min_lr_ratio = 0 / 0 } })
+    end, "min_lr_ratio")
+  end)
+
   it("hands recipes the step, the scheduled lr, device scalars and the plan; set_lr overrides", function()
     local r, seen = recorder()
     local p = param("w", { 3 })

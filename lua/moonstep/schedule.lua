@@ -27,8 +27,8 @@ function M.compile(s)
   if type(s) == "function" then
     return function(step)
       local m = s(step)
-      if type(m) ~= "number" or m ~= m or m < 0 then
-        error(("schedule function returned %s at step %d (a non-negative number is needed)"):format(tostring(m), step), 0)
+      if type(m) ~= "number" or not (m >= 0 and m < math.huge) then
+        error(("schedule function returned %s at step %d (a finite non-negative number is needed)"):format(tostring(m), step), 0)
       end
       return m
     end, "function"
@@ -45,14 +45,14 @@ function M.compile(s)
   local function int(name, default)
     local v = s[name]
     if v == nil then v = default end
-    if type(v) ~= "number" or v < 0 or v ~= math.floor(v) then
-      error(("schedule %s: %s must be a non-negative integer (got %s)"):format(s.kind, name, tostring(v)), 0)
+    if type(v) ~= "number" or not (v >= 0 and v < math.huge) or v ~= math.floor(v) then
+      error(("schedule %s: %s must be a finite non-negative integer (got %s)"):format(s.kind, name, tostring(v)), 0)
     end
     return v
   end
   local function ratio()
     local r = s.min_lr_ratio or 0
-    if type(r) ~= "number" or r < 0 or r > 1 then
+    if type(r) ~= "number" or not (r >= 0 and r <= 1) then
       error(("schedule %s: min_lr_ratio must be in [0, 1] (got %s)"):format(s.kind, tostring(r)), 0)
     end
     return r
