@@ -434,6 +434,33 @@ describe("the step guard", function()
   end)
 end)
 
+describe("step(args) refused", function()
+  it("changes no gradient when one of args.grads, or grad_scale, is bad", function()
+    -- (one gradient each way round, so that the good one is replaced first whatever order pairs() takes)
+    for _, bad_name in ipairs { "a", "b" } do
+      local a, b = param("a", { 3 }), param("b", { 3 })
+      fill_grads({ a, b }, H.seed())
+      local opt = ms.optim.new("sgd", { a, b }, { lr = 0.1 })
+      local other = ms.full({ 3 }, 100)
+      local grads = { a = other, b = other }
+      grads[bad_name] = ms.ones({ 4 })
+      H.expect_error(function() opt:step { grads = grads } end, "grad shape [4]")
+      H.expect_error(function() opt:step { grads = { a = other, b = other, nope = other } } end, "nope")
+      H.expect_error(function() opt:step { grads = { a = other, b = other }, grad_scale = -1 } end, "grad_scale")
+      assert.equals(a.grad, opt.by_name.a.member.grad)
+      assert.equals(b.grad, opt.by_name.b.member.grad)
+      assert.equals(0, opt:stats().step)
+      -- a parameter without a gradient stays without one (and its own step count unchanged)
+      local c = { name = "c", param = ms.ones({ 3 }) }
+      local opt2 = ms.optim.new("sgd", { a, c }, { lr = 0.1 })
+      H.expect_error(function() opt2:step { grads = { c = other }, grad_scale = 0 } end, "grad_scale")
+      assert.is_nil(opt2.by_name.c.member.grad)
+      opt2:step()
+      assert.same({ 1, 1, 1 }, c.param:totable())
+    end
+  end)
+end)
+
 describe("fused recipes through the runtime", function()
   local function sgd_reference(p, grads, o)
     local buf, out = nil, {}

@@ -839,9 +839,18 @@ function Optimizer:step(args)
     end
   end
   args = args or {}
-  if args.grads then for name, g in pairs(args.grads) do self:set_grad(name, g) end end
   local grad_scale = args.grad_scale
   check_grad_scale(grad_scale, 2)
+  if args.grads ~= nil then
+    -- every gradient checked before any is set: a refused step changes nothing
+    if type(args.grads) ~= "table" then error("step: grads must be a table {name = tensor}", 2) end
+    for name, g in pairs(args.grads) do
+      local e = self.by_name[name] or self.by_name[self.aliases[name] or ""]
+      if not e then error("step: grads: no parameter named '" .. tostring(name) .. "'", 2) end
+      self:_check_grad(name, e.param, g, 2)
+    end
+    for name, g in pairs(args.grads) do self:set_grad(name, g) end
+  end
   local cap = tonumber(C.ms_ctx_is_capturing(self.ctx_h))
   if cap ~= 0 then return self:_step_in_capture(cap, grad_scale) end
   if self.graphs or self.settings.device_checks then return self:_step_device(grad_scale) end
