@@ -693,6 +693,34 @@ describe("checkpoints", function()
     assert.equals(2, opt2.step_count)
   end)
 
+  it("keeps infinite and NaN state numbers (a 'best so far' that starts at math.huge)", function()
+    local r = {
+      name = "nonfinite", options = { lr = { default = 1, type = "number" } },
+      route = function() return "s" end,
+      routes = { s = {
+        init = function(g)
+          g.state.best, g.state.low, g.state.ratio, g.state.n = math.huge, -math.huge, 0 / 0, 0
+          for _, m in ipairs(g) do m.state.worst = -math.huge end
+        end,
+        step = function(g) g.state.n = g.state.n + 1 end,
+      } },
+    }
+    local opt = ms.optim.new(r, { param("w", { 2 }) })
+    opt:step()
+    local path = os.tmpname()
+    opt:save(path)
+    local opt2 = ms.optim.new(r, { param("w", { 2 }) })
+    local st = opt2.groups[1].state
+    st.best, st.low, st.ratio, opt2.members[1].state.worst = 1, 2, 3, 4
+    opt2:load(path)
+    os.remove(path)
+    assert.equals(math.huge, st.best)
+    assert.equals(-math.huge, st.low)
+    assert.is_true(st.ratio ~= st.ratio)
+    assert.equals(1, st.n)
+    assert.equals(-math.huge, opt2.members[1].state.worst)
+  end)
+
   it("refuses corrupt checkpoint metadata before changing anything, the global generator included", function()
     local path, bad = os.tmpname(), os.tmpname()
     local opt = ms.optim.new("sgd", { param("a", { 3 }) }, { momentum = 0.9 })

@@ -1655,11 +1655,20 @@ end
 function Optimizer:save(path)
   local tensors, scalars, groups = self:_state_entries()
   local splits, slots, parts = self:_layout()
+  -- JSON has no infinities or NaN: such state numbers go to `nonfinite` by name, as "inf", "-inf" or "nan"
+  local nonfinite
+  for name, v in pairs(scalars) do
+    if type(v) == "number" and not (v > -math.huge and v < math.huge) then
+      nonfinite = nonfinite or {}
+      nonfinite[name] = v ~= v and "nan" or (v > 0 and "inf" or "-inf")
+      scalars[name] = nil
+    end
+  end
   local meta = {
     moonstep = ms.version, schema = M.SCHEMA,
     recipe = { name = self.recipe.name, version = self.recipe.version or 0, hash = self.recipe_hash },
     options = self.options, step = self.step_count, skipped = self:_skipped_total(), lr_override = self.lr_override,
-    schedule = self.schedule_kind, rng = ms.rng_state(), scalars = scalars, groups = groups,
+    schedule = self.schedule_kind, rng = ms.rng_state(), scalars = scalars, nonfinite = nonfinite, groups = groups,
     slots = next(slots) and slots or nil, lags = self:_lags(),
   }
   if not self.dist then
@@ -1877,6 +1886,9 @@ function Optimizer:load(path, opts)
   return self:_load_apply(plan)
 end
 
+-- the state numbers JSON cannot hold, as save() names them in the metadata's `nonfinite`
+local NONFINITE = { inf = math.huge, ["-inf"] = -math.huge, nan = 0 / 0 }
+
 -- load's checks (errors at `level`): what it will copy and set, nothing changed yet
 function Optimizer:_load_plan(path, opts, level)
   local force = opts and opts.force
@@ -1935,6 +1947,11 @@ function Optimizer:_load_plan(path, opts, level)
   for name, v in pairs(scalars) do
     for _, f in ipairs(files) do
       local fv = f.meta.scalars and f.meta.scalars[name]
+      local nf = fv == nil and type(f.meta.nonfinite) == "table" and f.meta.nonfinite[name] or nil
+      if nf ~= nil then
+        fv = NONFINITE[nf]
+        if fv == nil then error(("%s: state value '%s' is %s, not \"inf\", \"-inf\" or \"nan\""):format(f.path, name, tostring(nf)), level) end
+      end
       if fv ~= nil then values[name] = fv break end
     end
     if values[name] == nil then error(("%s: state value '%s' is missing from the checkpoint"):format(path, name), level) end
