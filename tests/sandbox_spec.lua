@@ -235,6 +235,29 @@ describe("the recipe sandbox", function()
     assert.equals(6, o:stats().last.reports.stacks)
   end)
 
+  it("counts the iterations of C loops whose counts the recipe passes (sinkgd iters, root and power steps)", function()
+    -- (one call runs them all in C, out of the hook's reach: iters = 2^31 - 1 would run for hours; each
+    -- iteration now counts as one hook period, so 1e6 instructions allow 1000 of them per call)
+    local calls = {
+      "ms.sinkgd_step{params = {ms.randn({2, 2})}, grads = {ms.randn({2, 2})}, lr = 0.1, iters = 2e6}",
+      "ms.sinkgd_step{params = {ms.randn({2, 2})}, grads = {ms.randn({2, 2})}, lr = 0.1, mode = 'spectral', " ..
+        "specnorm_u = {ms.zeros({2})}, iters = 1, sn_iters = 2e6}",
+      "ms.inv_root(ms.eye(2):reshape({1, 2, 2}), {method = 'ndb', steps = 2e6, scaling = 'fro'})",
+      "ms.inv_root(ms.eye(2):reshape({1, 2, 2}), {method = 'cn', steps = 1, pi_steps = 2e6})",
+      "ms.spectrum_estimate(ms.eye(2):reshape({1, 2, 2}), {steps = 2e6})",
+      -- a recipe's pcall does not swallow it
+      "pcall(ms.sinkgd_step, {params = {ms.randn({2, 2})}, grads = {ms.randn({2, 2})}, lr = 0.1, iters = 2e6})",
+      -- nor do calls that each stay below the limit add up past it
+      "for i = 1, 20 do ms.sinkgd_step{params = {ms.randn({2, 2})}, grads = {ms.randn({2, 2})}, lr = 0.1, iters = 1e5} end",
+    }
+    for _, c in ipairs(calls) do
+      fails(function() run({ step = c }, { sandbox = { instructions = 1e6 } }) end, "instruction limit", 10)
+    end
+    local o = run({ step = "ms.sinkgd_step{params = {ms.randn({2, 2})}, grads = {ms.randn({2, 2})}, lr = 0.1, iters = 500} " ..
+                           "ctx.report('ok', true)" }, { sandbox = { instructions = 1e6 } })
+    assert.is_true(o:stats().last.reports.ok)
+  end)
+
   it("bounds what reading a tensor back into Lua may build, expanded views included", function()
     -- an expanded view costs no engine memory, so no quota: reading 2^26 elements of one back built a 512 MB
     -- Lua table (in compiled code, out of the hook's reach) under the 256 MB memory limit, and the call succeeded

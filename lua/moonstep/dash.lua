@@ -223,6 +223,9 @@ function M.inv_root(a, opts)
   o.allow_tf32 = opts.tf32 and 1 or 0
   o.evd_shift = opts.evd_shift == false and 0 or 1
   o.seed = opts.seed or 0
+  if opts.method ~= "evd" then
+    tensor.charge_work("inv_root", o.steps + (opts.scaling ~= "fro" and o.pi_steps or 0))
+  end
   local index, ids = i32_of(opts.index, a), i32_of(opts.rng_ids, a)
   o.index = opt_handle(index)
   o.rng_ids = opt_handle(ids)
@@ -245,6 +248,7 @@ function M.spectrum_estimate(a, opts)
   o.bf16 = opts.bf16 and 1 or 0
   o.root = opts.root or 4
   o.seed = opts.seed or 0
+  tensor.charge_work("spectrum_estimate", o.steps)
   local ids = i32_of(opts.rng_ids, a)
   o.rng_ids = opt_handle(ids)
   local lam_max = opts.lam_max or tensor.empty({ n }, { dtype = "f32", ctx = a:context() })

@@ -189,6 +189,7 @@ function M.sinkgd_step(a)
   if not target then error("sinkgd_step: target must be 'unit' or 'muon' (got " .. tostring(a.target) .. ")", 2) end
   o.mode, o.target = mode, target
   o.iters, o.sn_iters = a.iters or 5, a.sn_iters or 1
+  tensor.charge_work("sinkgd_step", o.iters + (mode ~= sinkgd_modes.base and o.sn_iters or 0))
   o.eps, o.weight_decay = a.eps or 1e-8, a.weight_decay or 0
   o.stochastic_round = a.stochastic_round and 1 or 0
   o.seed = a.seed or 0

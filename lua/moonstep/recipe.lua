@@ -88,6 +88,9 @@ Limits, enforced while untrusted code runs (M.call):
                 a full collection first, so garbage does not count).  String functions that can build a
                 large result in one C call (rep, gsub, format, table.concat) check its size beforehand,
                 and pattern functions refuse patterns whose backtracking cost on the subject is too large.
+                A C primitive whose loop count the recipe passes (ms.sinkgd_step's iters and sn_iters,
+                ms.inv_root's steps and pi_steps, ms.spectrum_estimate's steps) runs out of the hook's reach:
+                each of its iterations counts as HOOK_EVERY instructions, checked before the call.
   quota         bytes of engine memory held by tensors the recipe allocated (live, per optimizer: a
                 charge is released when the tensor and all its views are collected).
 Once a limit trips, the sandbox's pcall/xpcall re-raise the error, so a recipe cannot swallow it.
@@ -349,6 +352,17 @@ new_guard = function(name, limits, params)
     if bytes > g.memory then
       error(("%s: %s of %.0f bytes exceeds the recipe's memory limit of %.0f bytes"):format(g.name, what, bytes,
             g.memory), 0)
+    end
+  end
+  -- iterations of a C loop the recipe sized (moonstep.tensor.charge_work): each counts as one hook period of
+  -- instructions, since no hook runs inside the call; past the limit it trips like the hook (no pcall keeps it)
+  g.work = function(what, iterations)
+    g.count = g.count + iterations
+    if g.count * HOOK_EVERY > g.instructions then
+      g.why = ("instruction limit of %.0f exceeded: %s asks for %.0f iterations (each counts as %d instructions)")
+              :format(g.instructions, what, iterations, HOOK_EVERY)
+      g.tripped = ("%s: %s"):format(g.name, g.why)
+      error(g.tripped, 0)
     end
   end
   g.charge = function(t, bytes)

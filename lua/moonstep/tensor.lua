@@ -33,6 +33,13 @@ local alloc_guard = nil
 local anchor = setmetatable({}, { __mode = "k" })    -- Tensor -> charge token (see moonstep.recipe)
 function M.set_alloc_guard(g) local old = alloc_guard; alloc_guard = g; return old end
 function M.set_anchor(t, token) anchor[t] = token end
+-- iterations of a C loop whose count the caller chose (ms.sinkgd_step's iters, ms.inv_root's steps), counted
+-- against an untrusted recipe's instruction limit (guard.work) before the call: the hook cannot stop a C call
+function M.charge_work(what, iterations)
+  if alloc_guard and alloc_guard.work and type(iterations) == "number" and iterations > 0 then
+    alloc_guard.work(what, iterations)
+  end
+end
 
 -- ---------------------------------------------------------------------------------------------------
 -- dtypes
