@@ -234,6 +234,12 @@ describe("ms.optim.new", function()
       ms.optim.new("sgd", { { name = "a", param = big:narrow(0, 0, 8), grad = buf[0] },
                             { name = "b", param = big:narrow(0, 4, 8), grad = buf[1] } })
     end, "parameter 'b': its param shares memory with parameter 'a''s param")
+    -- the same weights given again as another view (a tie is the same tensor) would be stepped twice
+    local w = ms.randn({ 4, 4 })
+    H.expect_error(function()
+      ms.optim.new("sgd", { { name = "w", param = w, grad = ms.randn({ 4, 4 }) },
+                            { name = "w_flat", param = w:reshape({ 16 }), grad = ms.randn({ 16 }) } })
+    end, "parameter 'w_flat': its param shares memory with parameter 'w''s param")
     -- disjoint views of one flat buffer (a bucketed trainer's gradients) are fine, and so are tied parameters
     local opt = ms.optim.new("adamw", { { name = "a", param = pa, grad = buf[0] }, { name = "b", param = pb, grad = buf[1] },
                                         { name = "tied", param = pa, grad = buf[0] } })

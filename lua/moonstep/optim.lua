@@ -187,10 +187,11 @@ local function check_disjoint(list, level)
       local t = e[what]
       local lo, hi
       if t ~= nil then lo, hi = byte_span(t) end
-      if lo then spans[#spans + 1] = { lo, hi, e.name, what } end
+      if lo then spans[#spans + 1] = { lo, hi, e.name, what, #spans } end
     end
   end
-  table.sort(spans, function(a, b) return a[1] < b[1] end)
+  -- (equal starts in the order given, so the message names the later one)
+  table.sort(spans, function(a, b) if a[1] ~= b[1] then return a[1] < b[1] end return a[5] < b[5] end)
   local far   -- of the spans so far, the one reaching furthest
   for _, s in ipairs(spans) do
     if far and s[1] < far[2] then
