@@ -1047,9 +1047,9 @@ end
 -- fits its members for certain while grads_version is the one it was checked at (an O(1) test per replay);
 -- after a set_grad the members are compared one by one (entry_change).
 local function record_members(e, active, version)
-  e.members, e.grads, e.params, e.gsig, e.psig, e.glay, e.play = {}, {}, {}, {}, {}, {}, {}
+  e.members, e.grads, e.params, e.gsig, e.psig, e.glay, e.play, e.lags = {}, {}, {}, {}, {}, {}, {}, {}
   for i, m in ipairs(active) do
-    e.members[i], e.grads[i], e.params[i] = m, m.grad, m.param
+    e.members[i], e.grads[i], e.params[i], e.lags[i] = m, m.grad, m.param, m.lag
     e.gsig[i], e.psig[i] = tensor_sig(m.grad), tensor_sig(m.param)
     e.glay[i], e.play[i] = tensor_layout(m.grad), tensor_layout(m.param)
   end
@@ -1064,6 +1064,10 @@ local function entry_change(e, active)
   end
   for i, m in ipairs(active) do
     if m ~= e.members[i] then return ("parameter '%s' now has a gradient, '%s' had one at the capture"):format(m.name, e.members[i].name) end
+    -- a graph holds each member's steps without a gradient as a constant (its own step count, ctx.step_of)
+    if m.lag ~= e.lags[i] then
+      return ("parameter '%s' has gone %d steps without a gradient, %d at the capture"):format(m.name, m.lag, e.lags[i])
+    end
     local g = m.grad
     if g ~= e.grads[i] then
       if not same_layout(g, e.glay[i]) then
@@ -1971,6 +1975,7 @@ function Optimizer:_load_apply(plan)
     m.lag, m.absent_from = lags and lags[m.name] or 0, m.grad == nil and meta.step or nil
     self:_lag_scalar(m.lag)
   end
+  self.grads_version = self.grads_version + 1   -- captured graphs compare their members' lags again
   self.skipped = meta.skipped or 0
   if self.skipped_t then self.skipped_t:fill_(0) end
   self.lr_override = meta.lr_override
