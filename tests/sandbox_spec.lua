@@ -339,6 +339,17 @@ describe("the recipe sandbox", function()
     assert.equals(64 * 2 ^ 20 + 16 * 2 ^ 20, g.quota)
   end)
 
+  it("reports only plain values to the trainer, no recipe function or table holding one", function()
+    -- a function reported would run later in the trainer's hands, without the hook, the limits or the safe strings
+    local before = snapshot()
+    fails(function() run({ step = [[ctx.report("later", function() while true do end end)]] }) end, "ctx.report")
+    fails(function() run({ step = [[ctx.report("t", { f = function() while true do end end })]] }) end, "ctx.report")
+    fails(function() run({ step = [[ctx.report(1, 2)]] }) end, "under a number key")
+    same_as(before)
+    local opt = run({ step = [[ctx.report("n", 3) ctx.report("s", "x") ctx.report("b", true)]] })
+    assert.same({ n = 3, s = "x", b = true }, opt:stats().last.reports)
+  end)
+
   it("checks its settings", function()
     H.expect_error(function() run({}, { sandbox = { instructions = -1 } }) end, "sandbox limit instructions")
     H.expect_error(function() run({}, { sandbox = { cpu = 1 } }) end, "unknown sandbox limit 'cpu'")

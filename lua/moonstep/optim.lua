@@ -699,7 +699,16 @@ local function step_ctx(self, step, lr)
   return setmetatable({
     step = step, lr = lr, lr_t = self.lr_t, step_t = self.step_t, context = self.ctx, device = self.device_name,
     world = { rank = self.world.rank, size = self.world.size },
-    report = function(key, value) report[key] = value end,
+    report = self.guard and function(key, value)
+      -- an untrusted recipe's report reaches the trainer: a function there (or in a table) would run the recipe's
+      -- code later, outside the sandbox's limits
+      local tv = type(value)
+      if type(key) ~= "string" or not (tv == "number" or tv == "string" or tv == "boolean" or ms.is_tensor(value)) then
+        error(("ctx.report: an untrusted recipe reports numbers, strings, booleans or tensors under string keys "
+               .. "(got %s under a %s key)"):format(tv, type(key)), 2)
+      end
+      report[key] = value
+    end or function(key, value) report[key] = value end,
     -- a member's own step count (device scalar, number): the steps it had a gradient in (bias corrections)
     step_of = function(m) return self:_step_of(m, step, done) end,
   }, self.ctx_mt)
