@@ -22,8 +22,9 @@ local registry = setmetatable({}, { __mode = "k" })   -- tensor -> { dim =, offs
 local dims = { rows = true, cols = true, none = true }
 
 local function integer(v, what)
-  if type(v) ~= "number" or v ~= math.floor(v) or v < 0 then
-    error(("shard.set: %s must be an integer >= 0 (got %s)"):format(what, tostring(v)), 3)
+  -- (inf == floor(inf): the bound keeps it out, and past 2^53 a double no longer holds every integer)
+  if type(v) ~= "number" or v ~= math.floor(v) or v < 0 or v >= 2 ^ 53 then
+    error(("shard.set: %s must be an integer in [0, 2^53) (got %s)"):format(what, tostring(v)), 3)
   end
   return v
 end
