@@ -11,6 +11,13 @@ describe("moonstep.json", function()
     assert.equals(2 ^ -40, json.decode(json.encode(2 ^ -40)))
   end)
 
+  it("encodes json.empty_array as [] (an empty table is {}), and keeps it read-only", function()
+    assert.equals('{"e":{},"shape":[]}', json.encode({ shape = json.empty_array, e = {} }))
+    assert.equals("[[],1]", json.encode({ json.empty_array, 1 }))
+    assert.has_error(function() json.empty_array[1] = 2 end)
+    assert.equals("[]", json.encode(json.empty_array))
+  end)
+
   it("decodes escapes and surrogate pairs", function()
     assert.equals("A\240\159\152\128", json.decode('"\\u0041\\ud83d\\ude00"'))
     assert.equals(json.null, json.decode("[null]")[1])

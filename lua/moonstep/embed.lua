@@ -80,6 +80,9 @@ local function decode(text)
 end
 
 -- what JSON can hold: non-finite numbers as strings, tensors as their values (small ones) or a summary
+-- info's and stats' lists, which must stay JSON arrays when empty (a 0-dim parameter's shape, no parameters)
+local array_keys = { shape = true, local_shape = true, params = true, groups = true }
+
 local function for_json(v, depth)
   local tv = type(v)
   if tv == "number" then
@@ -96,7 +99,10 @@ local function for_json(v, depth)
   if tv == "table" and depth < 16 then
     local out = {}
     for k, x in pairs(v) do
-      if type(k) == "string" or type(k) == "number" then out[k] = for_json(x, depth + 1) end
+      if type(k) == "string" or type(k) == "number" then
+        out[k] = for_json(x, depth + 1)
+        if array_keys[k] and type(x) == "table" and next(x) == nil then out[k] = json.empty_array end
+      end
     end
     return out
   end

@@ -35,6 +35,7 @@ local function encode(v, seen)
     return ("%.17g"):format(v)
   elseif tv == "string" then return encode_string(v)
   elseif tv == "table" then
+    if v == M.empty_array then return "[]" end
     if seen[v] then error("json: cannot encode a table that contains itself", 0) end
     seen[v] = true
     local out = {}
@@ -163,6 +164,14 @@ function decode_value(s, i, depth)
     return tonumber(num), i + #num
   end
 end
+
+--- A sentinel for an empty JSON array: an empty Lua table encodes as {}, which for a 0-dim tensor's shape or a
+--- list with nothing in it is the wrong type in other languages.  Read-only, like json.null.
+M.empty_array = setmetatable({}, {
+  __tostring = function() return "[]" end,
+  __newindex = function() error("json.empty_array is read-only", 2) end,
+  __metatable = false,
+})
 
 --- A sentinel for JSON null inside arrays and objects.
 -- Read-only and with its metatable hidden: the sentinel is shared by every caller, sandboxed recipes included.

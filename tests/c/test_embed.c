@@ -1181,6 +1181,32 @@ static bool dist_run(int rank, ms_comm *comm, float params[DIST_PARAMS][DIST_MAX
     return st == MS_OK;
 }
 
+/* info's lists stay JSON arrays when empty: a 0-dim parameter's shape, an optimizer with no parameters (a
+** Lua table cannot tell [] from {}, and Python read them as dicts) */
+static void test_info_arrays(void)
+{
+    ms_optimizer *opt = NULL;
+    char *info = NULL;
+    CHECK(ms_optimizer_new(cpu, "adamw", NULL, NULL, &opt) == MS_OK && ms_optimizer_info(opt, &info) == MS_OK,
+          "info with no parameters: %s", ms_last_error());
+    CHECK(contains(info, "\"params\":[]") && contains(info, "\"groups\":[]"), "empty lists: %s", info);
+    ms_string_free(info);
+    ms_optimizer_free(opt);
+    float s = 0.5f, gs = 0.25f;
+    ms_tensor *ts = NULL, *tgs = NULL;
+    CHECK(ms_tensor_wrap(cpu, &s, MS_DTYPE_F32, 0, NULL, NULL, &ts) == MS_OK &&
+          ms_tensor_wrap(cpu, &gs, MS_DTYPE_F32, 0, NULL, NULL, &tgs) == MS_OK, "0-dim: %s", ms_last_error());
+    info = NULL;
+    CHECK(ms_optimizer_new(cpu, "adamw", NULL, NULL, &opt) == MS_OK &&
+          ms_optimizer_add_param(opt, "scale", ts, tgs, NULL) == MS_OK && ms_optimizer_info(opt, &info) == MS_OK,
+          "info with a 0-dim parameter: %s", ms_last_error());
+    CHECK(contains(info, "\"shape\":[]") && !contains(info, "\"shape\":{}"), "a 0-dim shape: %s", info);
+    ms_string_free(info);
+    ms_optimizer_free(opt);
+    ms_tensor_free(ts);
+    ms_tensor_free(tgs);
+}
+
 /* One rank of the two (this program, started by test_two_ranks): its slices into dir/rank<r>.bin. */
 static int dist_rank_main(const char *out_dir)
 {
@@ -1345,6 +1371,7 @@ int main(void)
     test_unknown_recipes();
     test_parameter_errors();
     test_recipe_error_mid_step();
+    test_info_arrays();
     test_nonfinite();
     test_capture_on_cpu();
     test_adamw_matches_formula();
