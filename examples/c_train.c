@@ -89,7 +89,16 @@ int main(int argc, char **argv)
 {
     const char *device = argc > 1 ? argv[1] : "cpu";
     const char *recipe = argc > 2 ? argv[2] : "adamw";
-    int steps = argc > 3 ? atoi(argv[3]) : 600;
+    int steps = 600;
+    if (argc > 3) {   /* a count of at least 1 (atoi read "ten" as 0, and the run then reported no progress) */
+        char *end;
+        long v = strtol(argv[3], &end, 10);
+        if (end == argv[3] || *end != '\0' || v < 1 || v > 100000000) {
+            fprintf(stderr, "c_train: steps must be an integer in [1, 1e8] (got '%s')\n", argv[3]);
+            return 2;
+        }
+        steps = (int)v;
+    }
     TRY(ms_ctx_new(device, NULL, &ctx));
     printf("c_train: %s on %s, %d steps\n", recipe, ms_ctx_device_name(ctx), steps);
 

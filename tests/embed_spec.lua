@@ -41,6 +41,14 @@ describe("examples/c_train", function()
     assert.truthy(out:find('no recipe named "no_such_recipe"', 1, true), out)
   end)
 
+  it("refuses a step count that is not a positive integer, and exits 2", function()
+    for _, bad in ipairs { "ten", "0", "-5", "12x" } do
+      local out, rc = run(exe .. " cpu adamw " .. bad)
+      assert.equals(2, rc, out)
+      assert.truthy(out:find("steps must be an integer", 1, true), out)
+    end
+  end)
+
   H.cuda_it("trains on the GPU", function()
     local out, rc = run(exe .. " cuda adamw 400")
     assert.equals(0, rc, out)
