@@ -411,6 +411,17 @@ return {
     end)
   end)
 
+  it("compare's verdict gives no relative difference against a best validation loss of 0", function()
+    local E = require("moonstep.experiment")
+    local rows = { { recipe = "a", val_loss = 0, val_spread = 0 }, { recipe = "b", val_loss = 0.25, val_spread = 0 } }
+    local _, verdict = E.format_table({ seeds = 1, rows = rows })
+    assert.truthy(verdict:find("+0.2500)", 1, true), verdict)
+    assert.falsy(verdict:find("inf") or verdict:find("nan"), verdict)
+    rows[1].val_loss = 0.2
+    _, verdict = E.format_table({ seeds = 1, rows = rows })
+    assert.truthy(verdict:find("+0.0500, 25.0%)", 1, true), verdict)
+  end)
+
   it("info prints the version, build, devices and libraries", function()
     local out, code = ms_run("info")
     assert.equals(0, code)

@@ -464,8 +464,9 @@ function E.format_table(cmp)
   if #ok >= 2 then
     local best, worst = ok[1], ok[#ok]
     local diff = worst.val_loss - best.val_loss
-    verdict = ("best: %s, validation loss %.4f; worst: %s, %.4f (+%.4f, %.1f%%)"):format(best.recipe, best.val_loss,
-      worst.recipe, worst.val_loss, diff, 100 * diff / best.val_loss)
+    -- (a relative difference only against a best loss above 0: 0 would print inf% or nan%)
+    verdict = ("best: %s, validation loss %.4f; worst: %s, %.4f (+%.4f%s)"):format(best.recipe, best.val_loss,
+      worst.recipe, worst.val_loss, diff, best.val_loss > 0 and (", %.1f%%"):format(100 * diff / best.val_loss) or "")
     if multi then
       local s = math.max(best.val_spread, worst.val_spread)
       verdict = verdict .. (s > 0 and ("; the difference is %.1fx the larger seed-to-seed range (%.4f over %d seeds)")
