@@ -361,10 +361,13 @@ return {
   route = function() return "all" end,
   routes = {all = {step = function(group, o, ctx) if ctx.step == 2 then error("broken on purpose") end end}},
 }]])
-      local out, code = ms_run("compare " .. LSQ .. " --recipes " .. q(d .. "/broken.lua") .. ",sgd --steps 5 --out " .. q(d .. "/o"))
+      local out, code = ms_run("compare " .. LSQ .. " --recipes " .. q(d .. "/broken.lua") .. ",sgd --steps 5 --seeds 2 --out " .. q(d .. "/o"))
       assert.equals(1, code)
       has(out, "broken failed (seed 0): recipe 'broken' failed at step 2", "broken       failed:", "only sgd finished")
       assert.truthy(read(d .. "/o/loss.csv"))
+      -- summary.csv counts the seeds that ran, not those asked for
+      local summary = read(d .. "/o/summary.csv")
+      has(summary, "\nsgd,2,", "\nbroken,0,")
     end)
 
     it("checks option assignments against the recipes of the run", function()

@@ -420,6 +420,7 @@ function E.compare(cfg)
       row.describe = res.describe
       row.device = res.device
     end
+    row.seeds = #runs   -- the seeds that ran to the end (a failed run stops its recipe's seeds)
     row.val_loss, row.val_spread = mean(row.vals), spread(row.vals)
     row.final_loss, row.best_loss, row.val_accuracy = mean(row.finals), mean(row.bests), mean(row.accs)
     row.seconds, row.steps_per_s = mean(row.secs), mean(row.rates)
