@@ -576,6 +576,40 @@ describe("cuda memory pool", function()
     assert.is_true(data_ptr(w) == old or data_ptr(w2) == old)
   end)
 
+  cuda_it("does not hand a capture a block another context's stream still reads", function()
+    local A = ms.context { device = "cuda" }
+    local B = ms.context { device = "cuda" }
+    local n = 16 * 2 ^ 20                      -- 64 MB
+    local t = ms.full({ n }, 1, { ctx = A })
+    local spare = ms.empty({ n }, { ctx = A })  -- a cached block of that size for the capture to take
+    A:sync()
+    spare = nil
+    collectgarbage()
+    collectgarbage()
+    local outs = {}
+    for i = 1, 8 do outs[i] = ms.empty({ n }, { ctx = B }) end
+    for _ = 1, 50 do                        -- ~20 ms of B's work queued, all reading t
+      for i = 1, 8 do ms.add(t, t, outs[i]) end
+    end
+    local old = data_ptr(t)
+    local u
+    -- t is freed during the capture while B still reads it: the capture may not reuse its block (its replays
+    -- would write it under B's reads), only the spare one
+    local g = graph.capture(A, function()
+      t = nil
+      collectgarbage()
+      collectgarbage()
+      u = ms.full({ n }, 5, { ctx = A })
+    end)
+    assert.is_true(data_ptr(u) ~= old, "a capture reused a block with pending reads on another stream")
+    g:launch()                              -- at once, while B may still read the old block
+    for i = 1, 8 do assert.equals(2 * n, outs[i]:sum()) end
+    A:sync()
+    B:sync()
+    assert.equals(5 * n, u:sum())
+    g:free()
+  end)
+
   cuda_it("fails at the memory cap, collects garbage and retries, and recovers", function()
     local ctx = ms.context { device = "cuda", mem_limit = 64 * 2 ^ 20 }
     local h = HC(ctx)

@@ -337,10 +337,14 @@ void ms_cuda_pool_free(ms_ctx *ctx, void *ptr)
     if (b && b->state == BLOCK_LIVE) {
         if (pool->capture && b->graph == NULL) b->graph = pool->capture;
         if (b->graph && b->graph == pool->capture) {
-            /* the capture may still write it, later in its own order: reusable by the capture only */
+            /* the capture may still write it, later in its own order: reusable by the capture only -- and not
+            ** even by it while another stream's recorded uses may not have passed (a replay on this stream would
+            ** write it under their reads); such a block waits for the graph's release, then for those uses */
             b->state = BLOCK_KEPT;
-            b->next = pool->cap_free;
-            pool->cap_free = b;
+            if (b->nuse == 0) {
+                b->next = pool->cap_free;
+                pool->cap_free = b;
+            }
         } else if (b->graph) {
             b->state = BLOCK_KEPT;       /* replays of its graph write it: kept until the graph goes */
         } else if (b->nuse > 0) {
