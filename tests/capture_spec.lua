@@ -578,14 +578,13 @@ describe("captured steps on CUDA", function()
     g:free()
   end)
 
-  cuda_it("run inside the stream owner's own capture (joined), replayed by the owner", function()
-    -- the owner here is this spec, capturing through the CUDA runtime as a trainer (torch.cuda.graph) would
+  -- the CUDA runtime the engine uses, for specs that capture as a trainer (torch.cuda.graph) would
+  local function cudart()
     local path
     for line in io.lines("/proc/self/maps") do
       path = path or line:match("(/%S*libcudart%.so[%.%d]*)$")
     end
     assert.truthy(path, "libcudart is mapped into the process")
-    local rt = ffi.load(path)
     pcall(ffi.cdef, [[
       int cudaStreamCreateWithFlags(void **stream, unsigned int flags);
       int cudaStreamBeginCapture(void *stream, int mode);
@@ -596,6 +595,12 @@ describe("captured steps on CUDA", function()
       int cudaGraphDestroy(void *graph);
       int cudaStreamSynchronize(void *stream);
     ]])
+    return ffi.load(path)
+  end
+
+  cuda_it("run inside the stream owner's own capture (joined), replayed by the owner", function()
+    -- the owner here is this spec, capturing through the CUDA runtime as a trainer (torch.cuda.graph) would
+    local rt = cudart()
     local stream = ffi.new("void *[1]")
     assert.equals(0, rt.cudaStreamCreateWithFlags(stream, 1))
     local ctx = ms.context { device = "cuda", stream = stream[0] }
@@ -648,6 +653,39 @@ describe("captured steps on CUDA", function()
     assert.equals(0, left)
     rt.cudaGraphExecDestroy(exec[0])
     rt.cudaGraphDestroy(cgraph[0])
+  end)
+
+  cuda_it("refuse, inside a joined capture, a first call that would set the context up (no driver allocation)", function()
+    -- a context's counters (and cuBLAS/cuSOLVER handles) are made by its first call; inside a trainer's capture
+    -- that cudaMalloc invalidated the trainer's graph instead of failing with a clear error
+    local rt = cudart()
+    local stream = ffi.new("void *[1]")
+    assert.equals(0, rt.cudaStreamCreateWithFlags(stream, 1))
+    local ctx = ms.context { device = "cuda", stream = stream[0] }
+    local h = T.handle_ctx(ctx)
+    local x = ms.randn({ 257 }, { ctx = ctx, seed = H.seed() })
+    local out = ms.zeros({ 1 }, { ctx = ctx })
+    ctx:sync()
+    collectgarbage()
+    collectgarbage("stop")
+    assert.equals(0, rt.cudaStreamBeginCapture(stream[0], 1))   -- thread-local mode
+    local joined = tonumber(C.ms_graph_join(h))
+    local ok, err = pcall(ms.foreach_sumsq, { x }, out)
+    local left = tonumber(C.ms_graph_leave(h))
+    local cgraph = ffi.new("void *[1]")
+    local ended = rt.cudaStreamEndCapture(stream[0], cgraph)
+    collectgarbage("restart")
+    if cgraph[0] ~= nil then rt.cudaGraphDestroy(cgraph[0]) end
+    assert.equals(0, joined)
+    assert.equals(0, left)
+    assert.is_false(ok)
+    assert.truthy(tostring(err):find("cannot be captured", 1, true), tostring(err))
+    assert.equals(0, ended, "the owner's capture was not invalidated")
+    -- outside a capture the same call sets the context up and runs
+    ms.foreach_sumsq({ x }, out)
+    local want = 0
+    for _, v in ipairs(x:tolist_flat()) do want = want + v * v end
+    H.assert_close(out:item(), want, 1e-5, 0, "sum of squares")
   end)
 
   cuda_it("replay from the C embedding without entering Lua, bit for bit, with the step count kept", function()

@@ -216,7 +216,7 @@ ms_status ms_cuda_blas(ms_ctx *ctx, cublasHandle_t *out)
 {
     ms_cuda_ctx *c = ms_cuda(ctx);
     if (c->blas == NULL) {
-        if (c->capture)
+        if (ms_cuda_capturing(ctx))   /* (a joined capture too: the driver cannot allocate there either) */
             return ms_cuda_note_failure(ctx, MS_FAIL(ctx, MS_E_UNSUPPORTED, "cuBLAS on %s: the handle cannot be "
                                                      "created while capturing", ctx->name));
         cublasHandle_t h;
@@ -243,7 +243,7 @@ ms_status ms_cuda_solver(ms_ctx *ctx, cusolverDnHandle_t *out)
 {
     ms_cuda_ctx *c = ms_cuda(ctx);
     if (c->solver == NULL) {
-        if (c->capture)
+        if (ms_cuda_capturing(ctx))
             return ms_cuda_note_failure(ctx, MS_FAIL(ctx, MS_E_UNSUPPORTED, "cuSOLVER on %s: the handle cannot be "
                                                      "created while capturing", ctx->name));
         cusolverDnHandle_t h;

@@ -248,7 +248,7 @@ ms_status ms_cuda_tickets(ms_ctx *ctx, const char *op, unsigned **out)
 {
     ms_cuda_ctx *cc = ms_cuda(ctx);
     if (cc->tickets == NULL) {
-        if (cc->capture)
+        if (ms_cuda_capturing(ctx))   /* its own graph, or a trainer's capture it joined: no cudaMalloc there */
             return ms_cuda_note_failure(ctx, MS_FAIL(ctx, MS_E_UNSUPPORTED, "%s on %s: the first call sets up the "
                                                      "context's counters and cannot be captured; run it once "
                                                      "before capturing", op, ctx->name));
