@@ -120,7 +120,10 @@ ms_status ms_cpu_matmul(ms_ctx *ctx, ms_tensor *dst, const ms_tensor *a, const m
     if (dst->dtype == ct) {
         if ((ldc = rowmajor_ld(m, n, mc.rs, mc.cs)) < 0 && (ldc = colmajor_ld(m, n, mc.rs, mc.cs)) >= 0)
             order = CblasColMajor;
-        if (ldc > INT_MAX) ldc = -1;
+        if (ldc > INT_MAX) {   /* through the dense temporary, which is row-major */
+            ldc = -1;
+            order = CblasRowMajor;
+        }
     }
     const bool c_direct = ldc >= 0;
     if (!c_direct) ldc = n;

@@ -8,6 +8,7 @@
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 
 static uint32_t f32_bits(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
 static float bits_f32(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
@@ -193,6 +194,38 @@ static void test_matmul_scratch_overflow(ms_ctx *ctx)
     ms_tensor_free(c);
 }
 
+/* A dst that BLAS could write column-major but whose leading dimension passes int (strides {1, 2^31}) goes
+** through a dense temporary, which is row-major: the product must be computed row-major too, not in the
+** column-major order chosen before the leading dimension was found too large (that stored C transposed).
+** The 8 GiB span is a sparse anonymous mapping; only the four elements' pages are touched. */
+static void test_matmul_dst_huge_column_stride(ms_ctx *ctx)
+{
+    const int64_t ld = (int64_t)1 << 31;
+    size_t bytes = (size_t)(ld + 2) * sizeof(float);
+    float *mem = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (mem == MAP_FAILED) {
+        printf("skip test_matmul_dst_huge_column_stride: no 8 GiB mapping\n");
+        return;
+    }
+    static float av[4] = { 1, 2, 3, 4 }, bv[4] = { 5, 6, 7, 8 };
+    int64_t shape[2] = { 2, 2 }, dense[2] = { 2, 1 }, cstr[2] = { 1, ld };
+    ms_tensor *a = NULL, *b = NULL, *c = NULL;
+    CHECK(ms_tensor_wrap(ctx, av, MS_DTYPE_F32, 2, shape, dense, &a) == MS_OK &&
+          ms_tensor_wrap(ctx, bv, MS_DTYPE_F32, 2, shape, dense, &b) == MS_OK &&
+          ms_tensor_wrap(ctx, mem, MS_DTYPE_F32, 2, shape, cstr, &c) == MS_OK, "wraps: %s", ms_last_error());
+    if (a && b && c) {
+        ms_status st = ms_matmul(ctx, c, a, b, NULL);
+        float c00 = mem[0], c10 = mem[1], c01 = mem[ld], c11 = mem[ld + 1];
+        CHECK(st == MS_OK && c00 == 19 && c01 == 22 && c10 == 43 && c11 == 50,
+              "dst column stride 2^31: %s, got [[%g, %g], [%g, %g]], want [[19, 22], [43, 50]]", ms_status_name(st),
+              c00, c01, c10, c11);
+    }
+    ms_tensor_free(a);
+    ms_tensor_free(b);
+    ms_tensor_free(c);
+    munmap(mem, bytes);
+}
+
 int main(void)
 {
     test_f16_all_patterns();
@@ -205,6 +238,7 @@ int main(void)
         test_rand_formula(ctx);
         test_casts(ctx);
         test_matmul_scratch_overflow(ctx);
+        test_matmul_dst_huge_column_stride(ctx);
         ms_ctx_free(ctx);
     }
     CHECK(f32_bits(ms_f16_to_f32(0x3c00)) == 0x3f800000u, "f16 1.0 is f32 1.0");
