@@ -429,6 +429,36 @@ scenario("errors", function()
   comm:all_reduce(t)
   check_same(t, ms.full({ 2 }, 2), "after the errors")
 end)
+-- (8) what decides the collectives is compared before anything waits on it: a rank with fewer (or no)
+-- parameters, another distribute, nonfinite or clip_grad_norm, another recipe or options -- each an error on
+-- every rank, with the communicator still usable
+scenario("agree", function()
+  local function expect(fn, ...)
+    local ok, err = pcall(fn)
+    assert(not ok, "no error")
+    for _, s in ipairs { ... } do assert(tostring(err):find(s, 1, true), ("'%s' not in: %s"):format(s, tostring(err))) end
+  end
+  local function p(name, shape) return { name = name, param = ms.zeros(shape), grad = ms.zeros(shape) } end
+  local function new(recipe, params, options, settings)
+    settings = settings or {}
+    settings.comm = comm
+    return function() ms.optim.new(recipe, params, options or {}, settings) end
+  end
+  expect(new("adamw", RANK == 0 and { p("w", { 4, 4 }) } or {}), "rank " .. (1 - RANK) .. " gives " .. (RANK == 0 and 0 or 1),
+         "every rank must give the same parameters")
+  expect(new("adamw", RANK == 0 and { p("w", { 4, 4 }), p("v", { 2, 2 }) } or { p("w", { 4, 4 }) }),
+         "rank " .. (1 - RANK) .. " gives " .. (RANK == 0 and 1 or 2) .. " parameters")
+  expect(new("adamw", { p("w", { 4, 4 }) }, {}, { distribute = RANK == 0 and "owner" or "replicate" }), "setting distribute")
+  expect(new("adamw", { p("w", { 4, 4 }) }, {}, { clip_grad_norm = RANK == 0 and 1 or nil }), "setting clip_grad_norm")
+  expect(new("adamw", { p("w", { 4, 4 }) }, {}, { nonfinite = RANK == 0 and "skip" or "apply" }), "setting nonfinite")
+  expect(new(RANK == 0 and "adamw" or "sinkgd", { p("w", { 4, 4 }) }), "another recipe")
+  expect(new("adamw", { p("w", { 4, 4 }) }, { lr = RANK == 0 and 0.1 or 0.2 }), "other options")
+  -- the world still works, and agreeing ranks still build their optimizers
+  new("adamw", { p("w", { 4, 4 }) }, { lr = 0.1 }, { clip_grad_norm = 1 })()
+  local t = ms.ones({ 2 })
+  comm:all_reduce(t)
+  check_same(t, ms.full({ 2 }, 2), "after the refusals")
+end)
 print("done " .. RANK)
 ]==]
 
@@ -485,6 +515,9 @@ describe("several ranks (settings.comm) on the CPU, through `moonstep launch -n 
   end)
   it("refuses slices that do not tile, parameters that differ between ranks and sharded DASH parameters", function()
     passes("errors")
+  end)
+  it("refuses ranks whose parameter counts, recipe, options or collective settings differ, before any waits", function()
+    passes("agree")
   end)
 end)
 

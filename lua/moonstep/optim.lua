@@ -42,7 +42,7 @@ gradient, as torch's per-parameter state["step"] counts them (bias corrections, 
 Checkpoints keep these counts.
 
 Several ranks (settings.comm of N > 1 ranks).  Every rank makes its optimizer with the same recipe, options,
-settings and parameters (same names, same order); the checks at creation (one all-gather) name what differs.
+settings and parameters (same names, same order); the checks at creation (two all-gathers) name what differs.
   - A parameter entry may carry shard = {dim = "rows"|"cols", offset = k, size = s}: its param (and grad) is
     this rank's slice of a matrix (or stack of matrices) whose dim -2 (rows) or -1 (cols) is s long, starting
     at k.  The ranks' slices must tile [0, s).  Every rank steps its own slice (SinkGD exchanges its norm
@@ -283,11 +283,48 @@ local function shard_entry(self, e, s)
   e.shard = { dim = s.dim, axis = axis, offset = s.offset, size = s.size, len = len, shape = g, numel = numel }
 end
 
+-- What decides which collectives a rank makes, compared first (one all-gather of a fixed size, so that it
+-- cannot mismatch): the number of parameters (the size of the comparison below; none: no comparison at all),
+-- the settings that decide the step's collectives and their results (distribute, nonfinite, clip_grad_norm)
+-- and the recipe and its options (the routes' own collectives).
+local NONFINITE_CODE = { skip = 1, raise = 2, apply = 3 }
+local HEADER_COLS = 6
+local function dist_agree(self, n)
+  local world, rank, s = self.world.size, self.world.rank, self.settings
+  local okj, opts = pcall(json.encode, self.options)
+  local v = { n, self.dist.mode == "owner" and 1 or 2, NONFINITE_CODE[s.nonfinite] or 0, s.clip_grad_norm or 0,
+              name_key(tostring(self.recipe_hash)), okj and name_key(opts) or 0 }
+  local all = self.comm:all_gather(ms.empty({ world * HEADER_COLS }, { dtype = "f64", ctx = self.ctx }),
+                                   ms.tensor(v, { dtype = "f64", ctx = self.ctx })):tolist_flat()
+  local function at(r, c) return all[r * HEADER_COLS + c] end
+  for r = 0, world - 1 do
+    if at(r, 1) ~= n then
+      error(("settings.comm: rank %d gives %d parameters, this rank (%d) %d: every rank must give the same parameters, "
+             .. "in the same order"):format(r, at(r, 1), rank, n), 4)
+    end
+    for c, name in pairs { [2] = "distribute", [3] = "nonfinite", [4] = "clip_grad_norm" } do
+      if at(r, c) ~= v[c] then
+        error(("settings.comm: setting %s differs between rank %d and this rank (%d): every rank must pass the same "
+               .. "settings"):format(name, r, rank), 4)
+      end
+    end
+    if at(r, 5) ~= v[5] then
+      error(("settings.comm: rank %d runs another recipe (or recipe version) than this rank's %s"):format(r,
+            self.recipe.name), 4)
+    end
+    if at(r, 6) ~= v[6] then
+      error(("settings.comm: rank %d gives %s other options than this rank (%d): every rank must pass the same options")
+            :format(r, self.recipe.name, rank), 4)
+    end
+  end
+end
+
 -- The ranks compare their parameters with one all-gather (per parameter: name, global numel, shard dim,
 -- offset, length, size, refused): the same parameters in the same order, sharded alike, slices that tile.
 local CHECK_COLS = 7
 local function dist_check(self, entries)
   local n, world, rank = #entries, self.world.size, self.world.rank
+  dist_agree(self, n)
   if n == 0 then return end
   local v = {}
   for i, e in ipairs(entries) do
