@@ -453,6 +453,13 @@ scenario("agree", function()
   expect(new("adamw", { p("w", { 4, 4 }) }, {}, { nonfinite = RANK == 0 and "skip" or "apply" }), "setting nonfinite")
   expect(new(RANK == 0 and "adamw" or "sinkgd", { p("w", { 4, 4 }) }), "another recipe")
   expect(new("adamw", { p("w", { 4, 4 }) }, { lr = RANK == 0 and 0.1 or 0.2 }), "other options")
+  -- the same numel in another shape or dtype: owners would be assigned differently (2+ dims by numel, the
+  -- others round robin), and the broadcasts would disagree
+  expect(new("adamw", { p("w", RANK == 0 and { 4, 4 } or { 16 }), p("b", { 3 }) }),
+         "parameter 'w' has shape " .. (RANK == 0 and "[4,4]" or "[16]") .. " here but another on rank " .. (1 - RANK))
+  local typed = { p("w", { 4, 4 }) }
+  if RANK == 1 then typed[1].param, typed[1].grad = ms.zeros({ 4, 4 }, { dtype = "bf16" }), ms.zeros({ 4, 4 }, { dtype = "bf16" }) end
+  expect(new("adamw", typed), "parameter 'w' is", RANK == 0 and "bf16 on rank 1" or "f32 on rank 0")
   -- the world still works, and agreeing ranks still build their optimizers
   new("adamw", { p("w", { 4, 4 }) }, { lr = 0.1 }, { clip_grad_norm = 1 })()
   local t = ms.ones({ 2 })

@@ -320,8 +320,12 @@ local function dist_agree(self, n)
 end
 
 -- The ranks compare their parameters with one all-gather (per parameter: name, global numel, shard dim,
--- offset, length, size, refused): the same parameters in the same order, sharded alike, slices that tile.
-local CHECK_COLS = 7
+-- offset, length, size, refused, global shape, dtype): the same parameters in the same order, of the same
+-- shape and dtype (owners are assigned by dims and numel; broadcasts send the dtype), sharded alike, slices
+-- that tile.
+local CHECK_COLS = 9
+local DTYPE_CODE = { f32 = 1, f64 = 2, bf16 = 3, f16 = 4, i32 = 5, u8 = 6 }
+local DTYPE_NAME = { "f32", "f64", "bf16", "f16", "i32", "u8" }
 local function dist_check(self, entries)
   local n, world, rank = #entries, self.world.size, self.world.rank
   dist_agree(self, n)
@@ -332,6 +336,8 @@ local function dist_check(self, entries)
     v[k + 1], v[k + 2] = name_key(e.name), s and s.numel or e.param:numel()
     v[k + 3], v[k + 4] = s and SHARD_CODE[s.dim] or 0, s and s.offset or 0
     v[k + 5], v[k + 6], v[k + 7] = s and s.len or 0, s and s.size or 0, e.shard_error and 1 or 0
+    v[k + 8] = name_key(table.concat(s and s.shape or e.param:shape(), ","))
+    v[k + 9] = DTYPE_CODE[e.param:dtype()] or name_key(e.param:dtype())
   end
   local all = self.comm:all_gather(ms.empty({ world * n * CHECK_COLS }, { dtype = "f64", ctx = self.ctx }),
                                    ms.tensor(v, { dtype = "f64", ctx = self.ctx })):tolist_flat()
@@ -355,6 +361,14 @@ local function dist_check(self, entries)
       if at(r, i, 2) ~= at(rank, i, 2) or at(r, i, 6) ~= at(rank, i, 6) then
         error(("parameter '%s' has %d elements here but %d on rank %d (shapes of the whole parameter)"):format(
               e.name, at(rank, i, 2), at(r, i, 2), r), 3)
+      end
+      if at(r, i, 8) ~= at(rank, i, 8) then
+        error(("parameter '%s' has shape [%s] here but another on rank %d (shapes of the whole parameter)"):format(
+              e.name, table.concat(e.shard and e.shard.shape or e.param:shape(), ","), r), 3)
+      end
+      if at(r, i, 9) ~= at(rank, i, 9) then
+        error(("parameter '%s' is %s here but %s on rank %d"):format(e.name, e.param:dtype(),
+              DTYPE_NAME[at(r, i, 9)] or "another dtype", r), 3)
       end
     end
     local s = e.shard
