@@ -460,6 +460,14 @@ scenario("agree", function()
   local typed = { p("w", { 4, 4 }) }
   if RANK == 1 then typed[1].param, typed[1].grad = ms.zeros({ 4, 4 }, { dtype = "bf16" }), ms.zeros({ 4, 4 }, { dtype = "bf16" }) end
   expect(new("adamw", typed), "parameter 'w' is", RANK == 0 and "bf16 on rank 1" or "f32 on rank 0")
+  -- a rank that refuses its own arguments (checked before any collective) does not leave the others waiting
+  local t0 = os.time()
+  local bad = { p("w", { 4, 4 }) }
+  if RANK == 1 then bad[1].grad = ms.zeros({ 4, 3 }) end
+  expect(new("adamw", bad), RANK == 1 and "grad shape [4,3] != param shape [4,4]" or "rank 1 cannot make its optimizer")
+  expect(new(RANK == 1 and "no_such_recipe" or "adamw", { p("w", { 4, 4 }) }),
+         RANK == 1 and "no_such_recipe" or "rank 1 cannot make its optimizer")
+  assert(os.time() - t0 < 10, "the refusals waited for the timeout")
   -- the world still works, and agreeing ranks still build their optimizers
   new("adamw", { p("w", { 4, 4 }) }, { lr = 0.1 }, { clip_grad_norm = 1 })()
   local t = ms.ones({ 2 })

@@ -287,16 +287,27 @@ end
 -- cannot mismatch): the number of parameters (the size of the comparison below; none: no comparison at all),
 -- the settings that decide the step's collectives and their results (distribute, nonfinite, clip_grad_norm)
 -- and the recipe and its options (the routes' own collectives).
+-- A rank that refused its own arguments before getting here (M.new) takes part with column 7 set, so that
+-- the others raise too instead of waiting.
 local NONFINITE_CODE = { skip = 1, raise = 2, apply = 3 }
-local HEADER_COLS = 6
+local HEADER_COLS = 7
+local function header_gather(comm, ctx, v)
+  return comm:all_gather(ms.empty({ comm:size() * HEADER_COLS }, { dtype = "f64", ctx = ctx }),
+                         ms.tensor(v, { dtype = "f64", ctx = ctx })):tolist_flat()
+end
 local function dist_agree(self, n)
   local world, rank, s = self.world.size, self.world.rank, self.settings
   local okj, opts = pcall(json.encode, self.options)
   local v = { n, self.dist.mode == "owner" and 1 or 2, NONFINITE_CODE[s.nonfinite] or 0, s.clip_grad_norm or 0,
-              name_key(tostring(self.recipe_hash)), okj and name_key(opts) or 0 }
-  local all = self.comm:all_gather(ms.empty({ world * HEADER_COLS }, { dtype = "f64", ctx = self.ctx }),
-                                   ms.tensor(v, { dtype = "f64", ctx = self.ctx })):tolist_flat()
+              name_key(tostring(self.recipe_hash)), okj and name_key(opts) or 0, 0 }
+  if self.progress then self.progress.agreed = true end
+  local all = header_gather(self.comm, self.ctx, v)
   local function at(r, c) return all[r * HEADER_COLS + c] end
+  for r = 0, world - 1 do
+    if at(r, 7) ~= 0 then
+      error(("settings.comm: rank %d cannot make its optimizer (its error says why)"):format(r), 4)
+    end
+  end
   for r = 0, world - 1 do
     if at(r, 1) ~= n then
       error(("settings.comm: rank %d gives %d parameters, this rank (%d) %d: every rank must give the same parameters, "
@@ -502,8 +513,25 @@ function Optimizer:_dist_broadcast(active)
   end)
 end
 
+local build
+
 --- ms.optim.new(recipe, params, options, settings) -> optimizer
 function M.new(recipe, params, options, settings)
+  local s = check_settings(settings)
+  if not (s.comm and s.comm:size() > 1) then return build(recipe, params, options, settings) end
+  -- several ranks: an error before the ranks compare (the recipe, the options, the parameters refused here)
+  -- is told to the others in that comparison, so that they raise too rather than wait in it
+  local progress = {}
+  local ok, res = pcall(build, recipe, params, options, settings, progress)
+  if ok then return res end
+  if not progress.agreed then
+    local ctx = s.comm:context() or ms.device()
+    pcall(header_gather, s.comm, ctx, { 0, 0, 0, 0, 0, 0, 1 })
+  end
+  error(res, 0)
+end
+
+function build(recipe, params, options, settings, progress)
   settings = check_settings(settings)
   recipe = R.resolve(recipe, { trusted = settings.trusted })
   local meta = R.meta[recipe]
@@ -520,6 +548,7 @@ function M.new(recipe, params, options, settings)
     recipe = recipe, recipe_hash = meta.hash, options = opts, settings = settings, step_count = 0,
     skipped = 0, groups = {}, members = {}, by_name = {}, aliases = {}, reports = {}, last = {}, guard = guard,
   }, Optimizer)
+  self.progress = progress
   self.schedule, self.schedule_kind = S.compile(settings.schedule)
 
   -- the context: given, or that of the first parameter
@@ -659,6 +688,7 @@ function M.new(recipe, params, options, settings)
     local view = g.view == nil and g or g.view
     if r.init and view then R.call(guard, r.init, view, g.options) end
   end
+  self.progress = nil
   return self
 end
 
