@@ -376,6 +376,39 @@ while os.time() - t0 < 30 do end                      -- would run 30 s unless s
     assert.is_true(wall < 10, "launch took " .. wall .. " s")
   end)
 
+  it("ties its ranks to itself: a launcher killed from outside takes its ranks with it", function()
+    -- SIGKILL to the launcher alone (not its process group) left the ranks running until their own timeouts
+    local d = H.tmpdir()
+    local s = write_script("orphan.lua", [[
+local ffi = require("ffi")
+pcall(ffi.cdef, "int getpid(void);")
+local f = assert(io.open(os.getenv("MS_PIDDIR") .. "/" .. os.getenv("RANK"), "w"))
+f:write(tostring(ffi.C.getpid()))
+f:close()
+local t0 = os.time()
+while os.time() - t0 < 30 do end                      -- would run 30 s unless stopped
+]])
+    local out = H.shell(([=[
+cd %s
+MS_PIDDIR=%s %s launch -n 2 %s >/dev/null 2>&1 &
+L=$!
+i=0; while [ $i -lt 200 ] && ! { [ -s %s/0 ] && [ -s %s/1 ]; }; do sleep 0.05; i=$((i+1)); done
+kill -9 $L
+wait $L 2>/dev/null
+sleep 1
+# (a rank that ended but that nobody reaped, in a container whose init does not, is a zombie: not alive)
+alive=0; for r in 0 1; do p=$(cat %s/$r 2>/dev/null); [ -n "$p" ] && grep -q '^State:[[:space:]]*[^Z[:space:]]' /proc/$p/status 2>/dev/null && alive=$((alive+1)); done
+for r in 0 1; do p=$(cat %s/$r 2>/dev/null); [ -n "$p" ] && kill -9 "$p" 2>/dev/null; done
+echo "ranks started: $(ls %s | wc -l), alive after the launcher died: $alive"
+]=]):format(H.q(H.root), H.q(d), H.q(H.host), H.q(s), H.q(d), H.q(d), H.q(d), H.q(d), H.q(d)))
+    os.execute("rm -rf " .. H.q(d))
+    assert.is_truthy(out:find("ranks started: 2, alive after the launcher died: 0", 1, true), out)
+    -- a rank whose launcher is gone before it starts ends at once; its own children are not tied to anyone
+    local o2, c2 = H.moonstep(("run %s"):format(q(write_script("gone.lua", "print('ran')"))), "MOONSTEP_LAUNCHER_PID=1")
+    assert.are.equal(143, c2, o2)
+    assert.is_truthy(o2:find("the launcher that started this rank is gone", 1, true), o2)
+  end)
+
   it("passes the script's arguments and refuses bad usage", function()
     local s = write_script("args.lua", 'print("args " .. os.getenv("RANK") .. " " .. table.concat(arg, ","))')
     local out, code = launch(("launch --nproc=2 %s a b"):format(q(s)))

@@ -194,6 +194,7 @@ Runs a Lua script with `ms` loaded.  The script's arguments are in `arg` (arg[0]
     if #pos == 0 then usage_error("run needs a script: moonstep run FILE.lua [args...]", "run") end
     local args = {}
     for i = 2, #pos do args[#args + 1] = pos[i] end
+    M.follow_launcher()
     M.run_script(pos[1], args)
     return 0
   end,
@@ -688,11 +689,31 @@ long readlink(const char *path, char *buf, size_t size);
 int usleep(unsigned int usec);
 long sysconf(int name);
 extern char **environ;
+int getpid(void);
+int getppid(void);
+int prctl(int option, unsigned long arg2, unsigned long arg3, unsigned long arg4, unsigned long arg5);
+int unsetenv(const char *name);
 ]])
 
 -- variables the launcher decides for its ranks (an inherited value would mislead them)
 local launch_owned = { RANK = true, WORLD_SIZE = true, LOCAL_RANK = true, LOCAL_WORLD_SIZE = true,
-                       MASTER_ADDR = true, MASTER_PORT = true, CUDA_VISIBLE_DEVICES = true, NCCL_NVLS_ENABLE = true }
+                       MASTER_ADDR = true, MASTER_PORT = true, CUDA_VISIBLE_DEVICES = true, NCCL_NVLS_ENABLE = true,
+                       MOONSTEP_LAUNCHER_PID = true }
+
+--- In a rank started by `moonstep launch` (MOONSTEP_LAUNCHER_PID): the rank gets SIGTERM when the launcher dies,
+--- however it dies (killed from outside its process group, it could not stop its ranks, which then waited in
+--- the rendezvous or a collective until their timeouts), and ends at once when the launcher is gone already.
+--- The variable is removed, so that the rank's own children are not tied to the launcher.
+function M.follow_launcher()
+  local want = tonumber(os.getenv("MOONSTEP_LAUNCHER_PID") or "")
+  if want == nil then return end
+  ffi.C.unsetenv("MOONSTEP_LAUNCHER_PID")
+  pcall(function() ffi.C.prctl(1, 15, 0, 0, 0) end)   -- PR_SET_PDEATHSIG, SIGTERM (Linux)
+  if ffi.C.getppid() ~= want then
+    io.stderr:write("moonstep: the launcher that started this rank is gone; stopping\n")
+    os.exit(143)
+  end
+end
 
 -- this process's environment minus the launcher's variables, plus `extra` (an array of "K=V")
 local function rank_environment(extra)
@@ -763,6 +784,7 @@ function M.launch(n, script, args, opts)
     local extra = {
       "RANK=" .. r, "WORLD_SIZE=" .. n, "LOCAL_RANK=" .. r, "LOCAL_WORLD_SIZE=" .. n,
       "MASTER_ADDR=127.0.0.1", "MASTER_PORT=" .. port, "NCCL_NVLS_ENABLE=0",
+      "MOONSTEP_LAUNCHER_PID=" .. ffi.C.getpid(),
     }
     if threads then extra[#extra + 1] = "OMP_NUM_THREADS=" .. threads end
     local envp = cstrings(rank_environment(extra), keep)
@@ -818,7 +840,8 @@ OMP_NUM_THREADS (the cores divided by N) unless it is set already.  CUDA_VISIBLE
 rank uses cuda:LOCAL_RANK, or the CPU where no GPU is usable (ms.comm.from_env() does; a CPU communicator
 runs over TCP through rank 0).
 Waits for all ranks and exits with the first non-zero status among them; when a rank fails, the others are
-stopped (SIGTERM, then SIGKILL after 3 s).]=],
+stopped (SIGTERM, then SIGKILL after 3 s).  The ranks get SIGTERM when the launcher itself dies, however it
+dies (on Linux).]=],
   run = function(argv)
     local n, port, i = nil, nil, 1
     while i <= #argv do
