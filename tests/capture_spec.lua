@@ -656,6 +656,50 @@ describe("captured steps on CUDA", function()
     rt.cudaGraphDestroy(cgraph[0])
   end)
 
+  cuda_it("keep the blocks of one joined capture from the allocations of a later one", function()
+    -- a tensor made inside one trainer capture and dropped inside a later one: the first graph's replays still
+    -- write its block, so the second capture may not take it
+    local rt = cudart()
+    local stream = ffi.new("void *[1]")
+    assert.equals(0, rt.cudaStreamCreateWithFlags(stream, 1))
+    local ctx = ms.context { device = "cuda", stream = stream[0] }
+    local h = T.handle_ctx(ctx)
+    local n = 2 ^ 20
+    local spares = {}
+    for i = 1, 3 do spares[i] = ms.empty({ n }, { ctx = ctx }) end   -- cached blocks of the size for the captures
+    ctx:sync()
+    spares = nil
+    collectgarbage()
+    collectgarbage()
+    local function ptr(t) return tonumber(ffi.cast("uintptr_t", C.ms_tensor_data_ptr(T.handle(t)))) end
+    local function foreign(fn)
+      assert.equals(0, rt.cudaStreamBeginCapture(stream[0], 1))
+      local joined = tonumber(C.ms_graph_join(h))
+      local ok, err = pcall(fn)
+      local left = tonumber(C.ms_graph_leave(h))
+      local g = ffi.new("void *[1]")
+      local ended = rt.cudaStreamEndCapture(stream[0], g)
+      assert.equals(0, joined)
+      assert.is_true(ok, tostring(err))
+      assert.equals(0, left)
+      assert.equals(0, ended)
+      return g[0]
+    end
+    local t, u
+    local g1 = foreign(function() t = ms.full({ n }, 1, { ctx = ctx }) end)
+    local old = ptr(t)
+    local g2 = foreign(function()
+      t = nil
+      collectgarbage()
+      collectgarbage()
+      u = ms.full({ n }, 5, { ctx = ctx })
+    end)
+    local new = ptr(u)
+    rt.cudaGraphDestroy(g1)
+    rt.cudaGraphDestroy(g2)
+    assert.is_true(new ~= old, "the second capture took a block the first graph's replays write")
+  end)
+
   cuda_it("refuse, inside a joined capture, a first call that would set the context up (no driver allocation)", function()
     -- a context's counters (and cuBLAS/cuSOLVER handles) are made by its first call; inside a trainer's capture
     -- that cudaMalloc invalidated the trainer's graph instead of failing with a clear error

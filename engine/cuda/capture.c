@@ -4,9 +4,23 @@
 */
 #include "cuda.h"
 
-/* The pool keeps every block allocated or freed during a join "for" this graph, which is never freed: the
-** caller's graph may replay for as long as the context lives.  Only its address is used. */
-static ms_cuda_graph joined_keeper;
+/* The pool keeps every block allocated or freed during a join "for" the join's marker, which lives as long as
+** the context: the caller's graph may replay until then.  Only its address is used.  One marker per join: with
+** one for all joins, a tensor made in one join and dropped in a later one went to the later capture's reuse
+** list, and that graph's replays wrote memory the earlier graph's replays still write. */
+struct ms_cuda_join_marker {
+    ms_cuda_graph               keeper;
+    struct ms_cuda_join_marker *next;
+};
+
+void ms_cuda_join_markers_free(ms_cuda_ctx *c)
+{
+    while (c->joins) {
+        struct ms_cuda_join_marker *next = c->joins->next;
+        free(c->joins);
+        c->joins = next;
+    }
+}
 
 /* The stream's capture status; cudaStreamCaptureStatusNone when the query fails. */
 static enum cudaStreamCaptureStatus stream_status(const ms_ctx *ctx)
@@ -42,7 +56,11 @@ ms_status ms_cuda_graph_join(ms_ctx *ctx)
         return MS_FAIL(ctx, MS_E_UNSUPPORTED, "ms_graph_join: the stream of %s is not being captured (join "
                        "inside a capture begun on that stream)", ctx->name);
     }
-    ms_cuda_pool_capture_begin(ctx, &joined_keeper);
+    struct ms_cuda_join_marker *m = calloc(1, sizeof *m);
+    if (m == NULL) return MS_FAIL(ctx, MS_E_OOM, "ms_graph_join: out of host memory");
+    m->next = c->joins;
+    c->joins = m;
+    ms_cuda_pool_capture_begin(ctx, &m->keeper);
     c->joined = true;
     return MS_OK;
 }

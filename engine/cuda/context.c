@@ -159,6 +159,7 @@ static void cuda_ctx_release(ms_ctx *ctx)
     cudaStreamSynchronize(c->stream);
     release_handles(c);
     ms_cuda_pool_destroy(ctx, c->pool);
+    ms_cuda_join_markers_free(c);
     if (c->own_stream) cudaStreamDestroy(c->stream);
     (void)cudaGetLastError();
     free(c);

@@ -32,6 +32,7 @@ typedef struct ms_cuda_ctx {
     ms_status          capture_status; /* the first failure while capturing */
     char               capture_error[MS_ERRMSG_SIZE];
     bool               joined;         /* between ms_graph_join and ms_graph_leave (engine/cuda/capture.c) */
+    struct ms_cuda_join_marker *joins; /* one per join, freed with the context (capture.c) */
     struct ms_cuda_dash *dash;         /* DASH's eigensolver streams and handles (engine/cuda/dash.c), lazily */
 } ms_cuda_ctx;
 
@@ -143,6 +144,7 @@ void ms_cuda_pool_graph_release(ms_ctx *ctx, ms_cuda_graph *g);
 /* engine/cuda/capture.c: the capture state, joining a caller's capture, profiler ranges */
 ms_capture ms_cuda_capture_state(const ms_ctx *ctx);
 ms_status ms_cuda_graph_join(ms_ctx *ctx);
+void ms_cuda_join_markers_free(ms_cuda_ctx *c);   /* with the context: the joins' pool markers */
 ms_status ms_cuda_graph_leave(ms_ctx *ctx);
 void ms_cuda_profile_push(ms_ctx *ctx, const char *name);
 void ms_cuda_profile_pop(ms_ctx *ctx);
