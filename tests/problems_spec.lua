@@ -120,6 +120,29 @@ describe("built-in problems", function()
     end
   end)
 
+  it("draws other batches at other steps for every seed, large ones included", function()
+    -- the batch positions come from L.rng(seed * 1000003 + step): its seeding must stay exact for large
+    -- seeds, or whole runs cycle through a handful of batches
+    for _, seed in ipairs { 3, 123456789, 2 ^ 31 - 1, 5e9 } do
+      for _, name in ipairs { "mlp", "lm" } do
+        local inst = problems.new(name, SMALL[name], { device = "cpu", seed = seed })
+        local seen, distinct = {}, 0
+        for step = 1, 40 do
+          local l = inst.loss(inst.train_batch(step))
+          if not seen[l] then seen[l] = true distinct = distinct + 1 end
+        end
+        assert.is_true(distinct >= 38, ("%s, seed %d: %d distinct batches in 40 steps"):format(name, seed, distinct))
+      end
+      -- and the uniform stream of one such seed is spread over [0, 1), not stuck on a coarse grid
+      local firsts = {}
+      for step = 1, 64 do firsts[#firsts + 1] = L.rng(seed * 1000003 + step)() end
+      table.sort(firsts)
+      local gaps = 0
+      for i = 2, #firsts do if firsts[i] ~= firsts[i - 1] then gaps = gaps + 1 end end
+      assert.equals(63, gaps, "distinct first draws, seed " .. seed)
+    end
+  end)
+
   it("lsq: the Hessian X^T X / n has the requested condition number", function()
     local inst = problems.new("lsq", { dim = 16, samples = 64, cond = 1000 }, { device = "cpu", dtype = "f64", seed = H.seed() })
     local x = inst.train_data.x

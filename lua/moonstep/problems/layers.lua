@@ -10,14 +10,24 @@ local ms = require("moonstep")
 
 local L = {}
 
+local PM = 2147483647   -- 2^31 - 1, the Park-Miller modulus
+
+-- a * b mod PM, exact in doubles for 0 <= a, b < 2^32 (every partial product stays below 2^48)
+local function mulmod(a, b)
+  local hi, lo = math.floor(b / 65536), b % 65536
+  return ((a * hi) % PM * 65536 + a * lo) % PM
+end
+
 --- A deterministic uniform [0, 1) generator on the host (Park-Miller "minimal standard", exact in doubles),
---- for data sampling and batch positions: the same seed gives the same data on every device.
+--- for data sampling and batch positions: the same seed gives the same data on every device.  The seeding
+--- is exact for every integer seed below 2^53 (the product seed * 2654435761 is reduced piecewise: formed
+--- whole it would be rounded for seeds above about 3.4e6, leaving large seeds a few streams between them).
 function L.rng(seed)
-  local s = (math.floor(seed) * 2654435761 + 12345) % 2147483647
+  local s = (mulmod(math.floor(seed) % PM, 2654435761 % PM) + 12345) % PM
   if s == 0 then s = 1 end
   return function()
-    s = (s * 48271) % 2147483647
-    return s / 2147483647
+    s = (s * 48271) % PM
+    return s / PM
   end
 end
 
