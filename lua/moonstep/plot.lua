@@ -161,7 +161,8 @@ function M.svg(spec)
   local xmin, xmax, ymin, ymax = math.huge, -math.huge, math.huge, -math.huge
   local function ok(y) return finite(y) and (not spec.logy or y > 0) end
   for _, s in ipairs(spec.series) do
-    for _, d in ipairs { s.train, s.val } do
+    for _, kind in ipairs { "train", "val" } do   -- (not ipairs { s.train, s.val }: it stops at a missing train)
+      local d = s[kind]
       if d then
         for j = 1, #d[1] do
           local x, y = d[1][j], d[2][j]
@@ -173,13 +174,18 @@ function M.svg(spec)
       end
     end
   end
-  if xmin > xmax then xmin, xmax, ymin, ymax = 0, 1, 0, 1 end
-  ymin, ymax = spec.ymin or ymin, spec.ymax or ymax
+  -- no drawable point: an empty frame over [0, 1] x [1, 10] (a range that has a logarithm too)
+  if xmin > xmax then xmin, xmax, ymin, ymax = 0, 1, 1, 10 end
+  -- the requested range where it can be drawn: finite, and positive on a log axis (log10 of 0 is -inf,
+  -- and a tick loop from -inf never ends)
+  if ok(spec.ymin) then ymin = spec.ymin end
+  if ok(spec.ymax) then ymax = spec.ymax end
+  if ymax < ymin then ymin, ymax = ymax, ymin end
   if xmax == xmin then xmax = xmin + 1 end
   local ty = spec.logy and math.log10 or function(v) return v end
   local y0, y1 = ty(ymin), ty(ymax)
   if y1 - y0 < 1e-12 then y0, y1 = y0 - 0.5, y1 + 0.5 end
-  if not (spec.ymin or spec.ymax) then
+  if not (ok(spec.ymin) or ok(spec.ymax)) then
     local pad = (y1 - y0) * 0.04
     y0, y1 = y0 - pad, y1 + pad
   end
