@@ -75,13 +75,27 @@ function E.settings(cfg, steps)
   return s
 end
 
--- moving average over `w` steps of losses[1..n]
+-- moving average over `w` steps of losses[1..n].  A running sum that subtracts the value leaving the
+-- window keeps the rounding error of the largest values it ever held (1e-16 of an initial 1e4 swamps a
+-- later loss of 1e-13), so the window sums are made of additions only: the losses are cut into blocks of
+-- w; a window is the tail of one block (suffix sums) plus the head of the next (prefix sums).  O(n).
 local function moving_average(losses, w)
-  local out, acc = {}, 0
-  for i, v in ipairs(losses) do
-    acc = acc + v
-    if i > w then acc = acc - losses[i - w] end
-    out[i] = acc / math.min(i, w)
+  local n = #losses
+  local prefix, suffix = {}, {}
+  for i = 1, n do
+    prefix[i] = ((i - 1) % w == 0) and losses[i] or prefix[i - 1] + losses[i]
+  end
+  for i = n, 1, -1 do
+    suffix[i] = (i % w == 0 or i == n) and losses[i] or suffix[i + 1] + losses[i]
+  end
+  local out = {}
+  for i = 1, n do
+    local start = i - w + 1
+    local sum
+    if start <= 1 then sum = prefix[i]                         -- the first block: all of 1..i
+    elseif (start - 1) % w == 0 then sum = prefix[i]           -- the window is exactly one block
+    else sum = suffix[start] + prefix[i] end                   -- a tail and a head
+    out[i] = sum / math.min(i, w)
   end
   return out
 end
