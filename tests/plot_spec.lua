@@ -39,3 +39,24 @@ describe("plot.svg", function()
     end)
   end
 end)
+
+describe("plot.write with gnuplot", function()
+  local gnuplot = require("moonstep.plot").find_gnuplot()
+  local run = gnuplot and it or pending
+  run("draws series whose names hold quotes and backslashes #external", function()
+    local plot = require("moonstep.plot")
+    local dir = H.tmpdir()
+    for _, name in ipairs { 'say "hi"', [[back\slash]], "it's", [[both "'\n]] } do
+      local files, note = plot.write(dir .. "/loss", {
+        title = 'lm "quoted" \\ title', xlabel = "step", ylabel = "loss",
+        series = { { name = name, train = { { 1, 2, 3 }, { 3, 2, 1 } }, val = { { 3 }, { 1.5 } } } },
+      }, { plotter = "gnuplot" })
+      assert.truthy(note:find("plotted with gnuplot", 1, true), note)
+      local svg = H.read_file(dir .. "/loss.svg")
+      local shown = name:gsub('"', "&quot;")
+      assert.truthy(svg:find(name .. " (train)", 1, true) or svg:find(shown .. " (train)", 1, true),
+        name .. " is not in the legend of " .. files[2])
+    end
+    os.execute("rm -rf " .. H.q(dir))
+  end)
+end)

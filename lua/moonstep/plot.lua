@@ -56,6 +56,12 @@ end
 -- ---------------------------------------------------------------------------------------------------
 -- gnuplot
 -- ---------------------------------------------------------------------------------------------------
+-- a gnuplot string literal: single-quoted, where a backslash is itself and '' is a quote (inside double
+-- quotes a " in a recipe's name ended the string, a syntax error, and a backslash started an escape)
+local function gp_str(s)
+  return "'" .. tostring(s):gsub("[\r\n]", " "):gsub("'", "''") .. "'"
+end
+
 local function gnuplot_script(base, spec)
   local name = base:match("([^/]+)$")
   local out = {}
@@ -73,9 +79,9 @@ local function gnuplot_script(base, spec)
     end
   end
   w("set termoption noenhanced")
-  w(('set title "%s"'):format(spec.title:gsub('"', "'")))
-  w(('set xlabel "%s"'):format(spec.xlabel or "step"))
-  w(('set ylabel "%s"'):format(spec.ylabel or "loss"))
+  w(("set title %s"):format(gp_str(spec.title or "")))
+  w(("set xlabel %s"):format(gp_str(spec.xlabel or "step")))
+  w(("set ylabel %s"):format(gp_str(spec.ylabel or "loss")))
   w("set grid lc rgb '#dddddd'")
   w("set key top right box opaque")
   if spec.logy then w("set logscale y") end
@@ -86,10 +92,12 @@ local function gnuplot_script(base, spec)
   for i, s in ipairs(spec.series) do
     local color = M.palette[(i - 1) % #M.palette + 1]
     if s.train and #s.train[1] > 0 then
-      plots[#plots + 1] = ('$train%d using 1:2 with lines lw 2 lc rgb "%s" title "%s"'):format(i, color, s.train_label or (s.name .. " (train)"))
+      plots[#plots + 1] = ('$train%d using 1:2 with lines lw 2 lc rgb "%s" title %s'):format(i, color,
+        gp_str(s.train_label or (s.name .. " (train)")))
     end
     if s.val and #s.val[1] > 0 then
-      plots[#plots + 1] = ('$val%d using 1:2 with linespoints dt 2 lw 1.5 pt 7 ps 0.7 lc rgb "%s" title "%s"'):format(i, color, s.name .. " (validation)")
+      plots[#plots + 1] = ('$val%d using 1:2 with linespoints dt 2 lw 1.5 pt 7 ps 0.7 lc rgb "%s" title %s'):format(i, color,
+        gp_str(s.name .. " (validation)"))
     end
   end
   local plot_cmd = "plot " .. table.concat(plots, ", \\\n     ")
