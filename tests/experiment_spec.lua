@@ -34,3 +34,59 @@ describe("experiment numbers", function()
     end
   end)
 end)
+
+describe("report files", function()
+  -- a comparison as E.compare returns it, without training: one recipe, one seed, two steps
+  local function comparison(name)
+    local run = { seed = 0, start_step = 1, losses = { 1, 0.5 }, smoothed = { 1, 0.75 }, smooth = 2,
+                  evals = { { step = 2, loss = 0.6, accuracy = 0.5 } } }
+    local row = { recipe = name, seeds = 1, val_loss = 0.6, val_spread = 0, final_loss = 0.75, best_loss = 0.75,
+                  val_accuracy = 0.5, seconds = 0.1, steps_per_s = 20, state_bytes = 64 }
+    return { rows = { row }, runs = { [name] = { run } }, seeds = 1 }
+  end
+
+  -- the fields of one CSV line (RFC 4180: quoted fields, "" inside them)
+  local function fields(line)
+    local out, i = {}, 1
+    while i <= #line + 1 do
+      if line:sub(i, i) == '"' then
+        local s, j = {}, i + 1
+        while true do
+          local c = line:sub(j, j)
+          if c == '"' and line:sub(j + 1, j + 1) == '"' then s[#s + 1] = '"' j = j + 2
+          elseif c == '"' then j = j + 1 break
+          else assert(c ~= "", "unterminated quoted field in " .. line) s[#s + 1] = c j = j + 1 end
+        end
+        out[#out + 1] = table.concat(s)
+        i = j + 1
+      else
+        local j = line:find(",", i, true) or #line + 1
+        out[#out + 1] = line:sub(i, j - 1)
+        i = j + 1
+      end
+    end
+    return out
+  end
+
+  it("quotes recipe names that hold commas or quotes in the CSV files", function()
+    local report = require("moonstep.report")
+    local dir = H.tmpdir()
+    for _, name in ipairs { "plain", 'my,recipe', 'say "hi"' } do
+      local files = report.write(dir, comparison(name), { problem = { name = "p", defaults = {} }, steps = 2, plotter = "builtin" })
+      local lines = {}
+      for l in H.read_file(files.csv):gmatch("[^\n]+") do lines[#lines + 1] = l end
+      assert.equals(3, #lines)
+      local f = fields(lines[3])
+      assert.equals(7, #f, lines[3])
+      assert.equals(name, f[1])
+      assert.equals("2", f[3])
+      lines = {}
+      for l in H.read_file(files.summary):gmatch("[^\n]+") do lines[#lines + 1] = l end
+      f = fields(lines[2])
+      assert.equals(11, #f, lines[2])
+      assert.equals(name, f[1])
+      assert.equals("ok", f[11])
+    end
+    os.execute("rm -rf " .. H.q(dir))
+  end)
+end)

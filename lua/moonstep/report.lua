@@ -16,6 +16,14 @@ local M = {}
 
 local function num(v) return v == nil and "" or ("%.9g"):format(v) end
 
+-- a CSV field (RFC 4180): quoted, with "" for a quote, when it holds a comma, a quote or a line break
+-- (recipe names are whatever a recipe file declares)
+local function field(s)
+  s = tostring(s)
+  if not s:find('[,"\r\n]') then return s end
+  return '"' .. s:gsub('"', '""') .. '"'
+end
+
 local function mkdir_p(dir)
   local rc = os.execute("mkdir -p '" .. dir:gsub("'", "'\\''") .. "' 2>/dev/null")
   if rc ~= 0 and rc ~= true then error(("cannot create output folder '%s'"):format(dir), 0) end
@@ -125,7 +133,7 @@ function M.write(dir, cmp, opts)
       for i, loss in ipairs(r.losses) do
         local step = r.start_step + i - 1
         local ev = ev_at[step]
-        lines[#lines + 1] = ("%s,%d,%d,%s,%s,%s,%s"):format(row.recipe, r.seed, step, num(loss), num(r.smoothed[i]),
+        lines[#lines + 1] = ("%s,%d,%d,%s,%s,%s,%s"):format(field(row.recipe), r.seed, step, num(loss), num(r.smoothed[i]),
           num(ev and ev.loss), num(ev and ev.accuracy))
       end
     end
@@ -135,7 +143,7 @@ function M.write(dir, cmp, opts)
   local s = { "recipe,seeds,val_loss,val_loss_range,final_loss,best_loss,val_accuracy,seconds_per_run,steps_per_s,state_bytes,status" }
   for _, row in ipairs(cmp.rows) do
     local status = row.failed and ("failed: " .. row.failed:gsub("[\r\n,]", " ")) or (row.diverged and ("diverged at step " .. row.diverged) or "ok")
-    s[#s + 1] = ("%s,%d,%s,%s,%s,%s,%s,%s,%s,%s,%s"):format(row.recipe, row.seeds, num(row.val_loss), num(row.val_spread),
+    s[#s + 1] = ("%s,%d,%s,%s,%s,%s,%s,%s,%s,%s,%s"):format(field(row.recipe), row.seeds, num(row.val_loss), num(row.val_spread),
       num(row.final_loss), num(row.best_loss), num(row.val_accuracy), num(row.seconds), num(row.steps_per_s),
       row.state_bytes and tostring(row.state_bytes) or "", status)
   end
