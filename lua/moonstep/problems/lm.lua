@@ -116,30 +116,46 @@ function P.new(o, env)
   local text, source = P.corpus(o.data)
   if #text < 4 * (T + 1) then error(("lm: the data has %d bytes; at least %d are needed"):format(#text, 4 * (T + 1)), 0) end
 
-  -- windows (start offsets) that fit inside one block; every tenth block is the validation split
-  local train_starts, val_starts = {}, {}
+  -- windows (start offsets) that fit inside one block; every tenth block is the validation split.  Each
+  -- split is kept as runs of consecutive starts, one per block (a list of every start took 8 bytes per
+  -- byte of data, and the bytes as a Lua array another 8), and its k-th window is found by bisection
+  local function windows() return { first = {}, before = {}, count = {}, n = 0 } end
+  local function add(w, a, b)
+    if b < a then return end
+    local r = #w.first + 1
+    w.first[r], w.before[r], w.count[r] = a, w.n, b - a + 1
+    w.n = w.n + (b - a + 1)
+  end
+  local function at(w, k)   -- the k-th start, 1 <= k <= w.n, in the order they were added
+    local lo, hi = 1, #w.first
+    while lo < hi do
+      local mid = math.floor((lo + hi + 1) / 2)
+      if w.before[mid] < k then lo = mid else hi = mid - 1 end
+    end
+    return w.first[lo] + (k - w.before[lo] - 1)
+  end
+  local train_w, val_w = windows(), windows()
   local block = math.min(BLOCK, math.max(T + 1, math.floor(#text / 10)))
   for b0 = 0, #text - (T + 1), block do
     local last = math.min(b0 + block, #text) - (T + 1)
-    local dst = (math.floor(b0 / block) % 10 == 9) and val_starts or train_starts
-    for s = b0, last do dst[#dst + 1] = s end
+    add((math.floor(b0 / block) % 10 == 9) and val_w or train_w, b0, last)
   end
-  if #val_starts == 0 then   -- a short file: hold out its last tenth instead
-    local cut = math.floor(#train_starts * 0.9)
-    for i = cut + 1, #train_starts do val_starts[#val_starts + 1] = train_starts[i] train_starts[i] = nil end
+  if val_w.n == 0 then   -- a short file: hold out its last tenth instead
+    local cut = math.floor(train_w.n * 0.9)
+    local head = windows()
+    for r = 1, #train_w.first do
+      local a, c, before = train_w.first[r], train_w.count[r], train_w.before[r]
+      local keep = math.max(0, math.min(c, cut - before))
+      add(head, a, a + keep - 1)
+      add(val_w, a + keep, a + c - 1)
+    end
+    train_w = head
   end
   -- a fixed, evenly spread subset of the validation windows
   local val = {}
-  local nval = math.min(o.val_windows, #val_starts)
-  for i = 0, nval - 1 do val[#val + 1] = val_starts[1 + math.floor(i * #val_starts / nval)] end
+  local nval = math.min(o.val_windows, val_w.n)
+  for i = 0, nval - 1 do val[#val + 1] = at(val_w, 1 + math.floor(i * val_w.n / nval)) end
 
-  -- the bytes as a Lua array (the windows are gathered on the host), read in slices: string.byte
-  -- returns its values on the stack, which has a size limit
-  local bytes = {}
-  for i = 1, #text, 4096 do
-    local chunk = { text:byte(i, math.min(i + 4095, #text)) }
-    for j = 1, #chunk do bytes[i + j - 1] = chunk[j] end
-  end
   local penv = { ctx = ctx, dtype = env.dtype }
   local params, W = {}, {}
   local k = 0
@@ -168,7 +184,7 @@ function P.new(o, env)
 
   local inst = {
     params = params, width = width, source = source, corpus_bytes = #text,
-    train_windows = #train_starts, val_windows = #val,
+    train_windows = train_w.n, val_windows = #val,
     tokens_per_step = o.batch,
   }
 
@@ -189,7 +205,7 @@ function P.new(o, env)
     local rows = {}
     for i, s in ipairs(starts) do
       local row = {}
-      for t = 1, T + 1 do row[t] = bytes[s + t] end
+      for t = 1, T + 1 do row[t] = text:byte(s + t) end
       rows[i] = row
     end
     return inst.batch_of_bytes(rows)
@@ -200,7 +216,7 @@ function P.new(o, env)
   function inst.train_batch(step)
     local u = L.rng(seed * 1000003 + step)
     local starts = {}
-    for i = 1, o.batch do starts[i] = train_starts[1 + math.floor(u() * #train_starts)] end
+    for i = 1, o.batch do starts[i] = at(train_w, 1 + math.floor(u() * train_w.n)) end
     return batch_of(starts)
   end
 
@@ -263,7 +279,7 @@ function P.new(o, env)
     local n = 0
     for _, p in ipairs(params) do n = n + p.param:numel() end
     return ("lm: %d parameters (width %d, %d layers, context %d bytes x %d-dim embeddings); %d bytes of %s, %d training / %d validation windows")
-      :format(n, width, o.layers, T, E, #text, source, #train_starts, #val)
+      :format(n, width, o.layers, T, E, #text, source, train_w.n, #val)
   end
   return inst
 end
