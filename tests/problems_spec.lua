@@ -31,8 +31,14 @@ local function fd_check(name, seed, probes)
     local flat = p.param:view({ p.param:numel() })
     local grad = p.grad:tolist_flat()
     local n = p.param:numel()
-    for _ = 1, math.min(probes, n) do
+    -- half the probes among the coordinates whose gradient is not 0: a sparse gradient (embed_tokens, whose
+    -- rows of bytes absent from the batch are 0, about 88% of them here) is otherwise mostly probed where
+    -- any formula agrees with the finite difference, and a wrong one passed about every other seed
+    local nonzero = {}
+    for j = 1, n do if grad[j] ~= 0 then nonzero[#nonzero + 1] = j - 1 end end
+    for k = 1, math.min(probes, n) do
       local i = math.floor(u() * n)
+      if k % 2 == 1 and #nonzero > 0 then i = nonzero[1 + math.floor(u() * #nonzero)] end
       local x0 = flat[i]:item()
       flat[i] = x0 + h
       local lp = inst.loss(batch)
