@@ -274,6 +274,7 @@ function E.run(cfg)
     end
     if cfg.on_step then cfg.on_step(step, loss, result) end
     if step % eval_every == 0 and step ~= last_step then
+      ctx:sync()   -- the step's device work is the step's time, not the evaluation's (steps/s read high on a GPU)
       seconds = seconds + (E.clock() - t0)
       evaluate(step)
       t0 = E.clock()
