@@ -656,6 +656,19 @@ describe("captured steps on CUDA", function()
     rt.cudaGraphDestroy(cgraph[0])
   end)
 
+  cuda_it("take no runtime error left by the caller's own CUDA calls for a failure of theirs", function()
+    -- a trainer's failed runtime call it never read (here cudaSetDevice of a device that does not exist) stayed
+    -- the runtime's last error, and moonstep's next kernel launch check reported it as its own failure
+    local rt = cudart()
+    pcall(ffi.cdef, "int cudaSetDevice(int device); int cudaGetDevice(int *device);")
+    local dev = ffi.new("int[1]")
+    assert.equals(0, rt.cudaGetDevice(dev))
+    assert.are_not.equal(0, rt.cudaSetDevice(100000))
+    assert.equals(0, rt.cudaGetDevice(dev))
+    local t = ms.full({ 1000 }, 2, { ctx = GPU })
+    assert.equals(2000, t:sum())
+  end)
+
   cuda_it("keep the blocks of one joined capture from the allocations of a later one", function()
     -- a tensor made inside one trainer capture and dropped inside a later one: the first graph's replays still
     -- write its block, so the second capture may not take it
@@ -666,7 +679,8 @@ describe("captured steps on CUDA", function()
     local h = T.handle_ctx(ctx)
     local n = 2 ^ 20
     local spares = {}
-    for i = 1, 3 do spares[i] = ms.empty({ n }, { ctx = ctx }) end   -- cached blocks of the size for the captures
+    -- cached blocks of the size for the captures (filled: the context's first kernels run before any capture)
+    for i = 1, 3 do spares[i] = ms.full({ n }, 0, { ctx = ctx }) end
     ctx:sync()
     spares = nil
     collectgarbage()

@@ -87,6 +87,9 @@ const char *ms_cuda_probe_error(void)
 
 ms_status ms_cuda_enter(ms_ctx *ctx)
 {
+    /* the runtime's last error may be another caller's (a trainer's failed call it never read): left there, it
+    ** was taken for the failure of this op's launch (MSK_CHECK_LAUNCH reads it); sticky errors stay anyway */
+    (void)cudaGetLastError();
     int dev = ms_cuda(ctx)->device, cur = -1;
     if (cudaGetDevice(&cur) != cudaSuccess || cur != dev) MS_CUDA_TRY(ctx, cudaSetDevice(dev));
     return MS_OK;
