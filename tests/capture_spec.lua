@@ -699,15 +699,25 @@ describe("captured steps on CUDA", function()
       assert.equals(0, ended)
       return g[0]
     end
-    local t, u
-    local g1 = foreign(function() t = ms.full({ n }, 1, { ctx = ctx }) end)
-    local old = ptr(t)
-    local g2 = foreign(function()
-      t = nil
-      collectgarbage()
-      collectgarbage()
-      u = ms.full({ n }, 5, { ctx = ctx })
+    local t, u, old
+    -- no finalizer of another test's tensors may run inside the captures: those calls on other streams would
+    -- invalidate a thread-local capture (the second capture collects only t then)
+    collectgarbage()
+    collectgarbage()
+    collectgarbage("stop")
+    local ok, g1, g2 = pcall(function()
+      local a = foreign(function() t = ms.full({ n }, 1, { ctx = ctx }) end)
+      old = ptr(t)
+      local b = foreign(function()
+        t = nil
+        collectgarbage()
+        collectgarbage()
+        u = ms.full({ n }, 5, { ctx = ctx })
+      end)
+      return a, b
     end)
+    collectgarbage("restart")
+    assert.is_true(ok, tostring(g1))
     local new = ptr(u)
     rt.cudaGraphDestroy(g1)
     rt.cudaGraphDestroy(g2)
