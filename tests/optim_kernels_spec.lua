@@ -205,10 +205,10 @@ end
 
 -- ---------------------------------------------------------------------------------------------------
 describe("ms_adamw_step (CPU)", function()
-  local function run_case(pdt, sdt, bias, lr, steps)
+  local function run_case(pdt, sdt, bias, lr, steps, eps)
     local g = adamw_group(pdt, sdt)
     local ref, u = ref_state(g), units(pdt, sdt)
-    local o = { lr = lr, beta1 = 0.9, beta2 = 0.999, eps = 1e-8, weight_decay = 0.05, bias_correction = bias }
+    local o = { lr = lr, beta1 = 0.9, beta2 = 0.999, eps = eps or 1e-8, weight_decay = 0.05, bias_correction = bias }
     for k = 1, steps do
       fresh_grads(g)
       o.step = k
@@ -232,6 +232,16 @@ describe("ms_adamw_step (CPU)", function()
         run_case(pdt, sdt, false, 0.003, STEPS)
       end)
     end
+  end
+
+  -- eps = 1e-8 is invisible next to sqrt(v_hat) >= 0.1 in f32: eps inside the sqrt, or added before the
+  -- division by sqrt(bc2), would pass the cases above.  An eps of the size of sqrt(v_hat) shows where it is.
+  for _, pdt in ipairs { "f32", "f64" } do
+    it(("adds eps after the bias-corrected sqrt(v), as the reference (eps the size of sqrt(v_hat)): %s params")
+       :format(pdt), function()
+      run_case(pdt, "f32", true, 0.01, STEPS, 3 * (0.5 + ms.rand({ 1 }, { dtype = "f64", seed = H.seed() }):item()))
+      run_case(pdt, "f32", false, 0.01, STEPS, 0.3 * (0.5 + ms.rand({ 1 }, { dtype = "f64", seed = H.seed() }):item()))
+    end)
   end
 
   it("updates a member large enough to be split over threads like the reference", function()
