@@ -812,6 +812,57 @@ describe("8-bit AdamW state", function()
     assert(sm[2] > 0)
   end)
 
+  it("rounds a code exactly half way up (torchao's >=); a NaN moment makes its block's scale NaN", function()
+    -- beta1 = 0 makes exp_avg = g exactly; g's largest magnitude 1 makes the block's scale 1, so g is y itself.
+    -- The other elements sit exactly half way between two neighbours of the signed map (ties, which random
+    -- inputs never produce): each must take the upper code.
+    local qs, qu = qmap_ref(true), qmap_ref(false)
+    local block = 64
+    local ties, want_up = {}, {}
+    local c0 = math.floor(urand({ 1 }, "f64", 0, 180):item())
+    for c = c0, 253 do
+      local lo, hi = qs[c + 1], qs[c + 2]
+      local y = F((lo + hi) / 2)
+      if F(y - lo) == F(F(hi - lo) * 0.5) and y > lo and y < hi then
+        ties[#ties + 1], want_up[#want_up + 1] = y, c + 1
+        if #ties == block - 1 then break end
+      end
+    end
+    assert(#ties >= 16, "too few exact midpoints in the map: " .. #ties)
+    local gv = { 1 }
+    for j = 1, block - 1 do gv[j + 1] = ties[(j - 1) % #ties + 1] end
+    local g = ms.tensor(gv)
+    local p = randn({ block })
+    local s = state8({ block }, block, true)
+    local r = { p = vals(p), g = vals(g), cm = vals(s.cm), sm = vals(s.sm), cv = vals(s.cv), sv = vals(s.sv) }
+    local o = { lr = 0.01, beta1 = 0, beta2 = 0.99, eps = 1e-8, weight_decay = 0.1, block_size = block, step = 2 }
+    ref_adamw8(r, o, o.lr, block, qs, qu)
+    ok(adamw8_raw({ params = { p }, grads = { g }, cm = { s.cm }, sm = { s.sm }, cv = { s.cv }, sv = { s.sv } }, o))
+    assert.equals(1, vals(s.sm)[1])
+    local cm = vals(s.cm)
+    for j = 2, block do
+      local k = (j - 2) % #ties + 1
+      assert.equals(want_up[k], cm[j], ("element %d (y = %.9g, half way between codes %d and %d)")
+                    :format(j, ties[k], want_up[k] - 1, want_up[k]))
+    end
+    assert_same(cm, r.cm, "exp_avg codes")
+    assert_same(vals(p), r.p, "param")
+
+    -- a NaN gradient: its block's moments have a NaN absmax (as torch's amax), so the scale is NaN and
+    -- the NaN is not turned into a finite code; the other block is unaffected
+    local p2, g2 = randn({ 2 * block }), randn({ 2 * block })
+    g2:slice(0, 5, 6):copy_(ms.tensor({ 0 / 0 }))
+    local s2 = state8({ 2 * block }, block, true)
+    ok(adamw8_raw({ params = { p2 }, grads = { g2 }, cm = { s2.cm }, sm = { s2.sm }, cv = { s2.cv }, sv = { s2.sv } },
+                  { lr = 0.01, step = 2, block_size = block }))
+    local sm2, sv2 = vals(s2.sm), vals(s2.sv)
+    assert(sm2[1] ~= sm2[1], "exp_avg scale of the block with a NaN gradient: " .. sm2[1])
+    assert(sv2[1] ~= sv2[1], "exp_avg_sq scale of the block with a NaN gradient: " .. sv2[1])
+    assert(sm2[2] == sm2[2] and sv2[2] == sv2[2], "the other block's scales stay finite")
+    local pv2 = vals(p2)
+    assert(pv2[6] ~= pv2[6], "the param with a NaN gradient")
+  end)
+
   it("stays within 2% of the f32-state run after 500 steps of least squares", function()
     -- min ||A W - B||^2 / (2 N) over W [D, D] = 4096 elements (8-bit eligible), from 0; lr 0.01 takes the run
     -- most of the way (~62 of ~64) in 500 steps without letting it settle at the optimum, where both runs would
@@ -876,6 +927,11 @@ describe("8-bit AdamW state", function()
     assert_same(vals(q), vals(p), "skipped param")
     assert_same(vals(s0.cm), snap[1], "skipped codes")
     assert_same(vals(s0.sm), snap[2], "skipped scales")
+    ok(adamw8_raw({ params = { q }, grads = { g }, cm = { s0.cm }, sm = { s0.sm }, cv = { s0.cv }, sv = { s0.sv } },
+                  { lr = 0.1, block_size = 128, skip_t = ms.tensor({ 0 / 0 }) }))
+    assert_same(vals(q), vals(p), "param skipped by a NaN skip_t")
+    assert_same(vals(s0.cm), snap[1], "codes skipped by a NaN skip_t")
+    assert_same(vals(s0.sm), snap[2], "scales skipped by a NaN skip_t")
   end)
 
   describe("validation", function()
