@@ -203,6 +203,18 @@ describe("cpu unary ops", function()
         check_op(x[op](x), ref_map({ #special }, UNARY[op], sx), op .. " of specials")
       end
       assert.same({ 0, 1, 0, 1 }, ms.tensor({ -1000, 1000, -inf, inf }, { dtype = dt }):sigmoid():totable())
+      -- the far negative end, where exp(-x) overflows the compute type but sigmoid(x) = exp(x) / (1 + exp(x))
+      -- is still a (subnormal) number: 1 / (1 + exp(-x)) would give 0 there
+      local far = ({ f32 = -90, bf16 = -90, f64 = -720 })[dt]
+      if far then
+        local xf = far + 0.5 * ms.rand({ 1 }, { dtype = "f64", seed = H.seed() }):item()
+        xf = ms.tensor({ xf }, { dtype = dt }):item()
+        local got, want = ms.tensor({ xf }, { dtype = dt }):sigmoid():item(), math.exp(xf)
+        -- bf16 keeps 8 bits, and there only multiples of its smallest subnormal, 2^-133
+        local tol = dt == "bf16" and 2 ^ -8 * want + 2 ^ -134 or 4e-6 * want   -- f32 at -90: subnormal, ~2^-20 apart
+        assert(got > 0 and math.abs(got - want) <= tol,
+               ("%s: sigmoid(%.17g) = %.17g, want %.17g"):format(dt, xf, got, want))
+      end
       local r = ms.tensor({ NaN, -1, 2 }, { dtype = dt }):relu():totable()
       assert.is_true(r[1] ~= r[1], "relu(NaN) is NaN")
       local sg = ms.tensor({ NaN }, { dtype = dt }):sign():totable()
