@@ -130,6 +130,13 @@ describe("views", function()
     H.expect_error(function() t:view({ 24 }) end, "cannot be made")
     local u = t:view({ 2, 3, 2, 2 })
     assert.same({ 24, 4, 2, 1 }, u:strides())
+    -- a size-1 dim's stride says nothing about the layout (torch's computeStride skips it): [2, 1, 3] with
+    -- strides [3, 6, 1] (a permuted [1, 2, 3]) is dense and views as [6] or [3, 2]
+    local w = arange(6, { 1, 2, 3 }):permute(1, 0, 2)
+    assert.same({ 3, 6, 1 }, w:strides())
+    assert.same({ 0, 1, 2, 3, 4, 5 }, w:view({ 6 }):totable())
+    assert.same({ 1 }, w:view({ 6 }):strides())
+    assert.same({ { 0, 1 }, { 2, 3 }, { 4, 5 } }, w:view({ 3, 2 }):totable())
   end)
 
   it("expand broadcasts with stride 0 and refuses to be written", function()
