@@ -199,6 +199,11 @@ describe("cpu matmul", function()
       ms.matmul(ms.empty({ 3, 0 }, { dtype = dt }), ms.empty({ 0, 4 }, { dtype = dt }), { beta = 2, out = out })
       local got = out:tolist_flat()
       for i = 1, #c0 do assert.equals(2 * c0[i], got[i]) end
+      -- beta 0 ignores dst's old contents here too: NaN (and inf) in it give zeros, not 0 * NaN
+      local dirty = ms.full({ 3, 4 }, NaN, { dtype = dt })
+      dirty[1][2] = math.huge
+      ms.matmul(ms.empty({ 3, 0 }, { dtype = dt }), ms.empty({ 0, 4 }, { dtype = dt }), { out = dirty })
+      assert.same({ { 0, 0, 0, 0 }, { 0, 0, 0, 0 }, { 0, 0, 0, 0 } }, dirty:totable())
       assert.same({ 0, 4 }, ms.matmul(ms.empty({ 0, 3 }, { dtype = dt }), randn({ 3, 4 }, dt)):shape())
     end
   end)
