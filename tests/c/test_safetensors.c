@@ -338,6 +338,9 @@ static void test_load_errors(void)
           "tensor \"a\": data_offsets [4, 0] end before they begin" },
         { "{\"a\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[0,4]}}", 4, MS_E_FORMAT,
           "tensor \"a\": shape [2] of F32 needs 8 bytes but data_offsets [0, 4] hold 4" },
+        /* more bytes than the shape needs is as wrong as fewer */
+        { "{\"a\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[0,8]}}", 8, MS_E_FORMAT,
+          "tensor \"a\": shape [1] of F32 needs 4 bytes but data_offsets [0, 8] hold 8" },
         { "{\"a\":{\"dtype\":\"BF16\",\"shape\":[4611686018427387904,4],\"data_offsets\":[0,0]}}", 0, MS_E_FORMAT,
           "tensor \"a\": shape [4611686018427387904,4] is too large" },
         { "{\"a\":{\"dtype\":\"U8\",\"shape\":[9223372036854775807,2],\"data_offsets\":[0,0]}}", 0, MS_E_FORMAT, "is too large" },
@@ -399,6 +402,9 @@ static void test_load_errors(void)
     EXPECT_LOAD_FAIL("huge header length", MS_E_FORMAT, "header length 1099511627776 is over the limit of 100000000 bytes");
     write_bytes(path, "\x40\0\0\0\0\0\0\0{}", 10);
     EXPECT_LOAD_FAIL("header past EOF", MS_E_FORMAT, "header length 64 runs past the end of the file (10 bytes)");
+    /* past the end by fewer bytes than the 8-byte length itself: the length counts from byte 8 */
+    write_bytes(path, "\x04\0\0\0\0\0\0\0{}", 10);
+    EXPECT_LOAD_FAIL("header just past EOF", MS_E_FORMAT, "header length 4 runs past the end of the file (10 bytes)");
     write_bytes(path, "\x04\0\0\0\0\0\0\0{}\xff ", 12);
     EXPECT_LOAD_FAIL("binary in header", MS_E_FORMAT, "byte 2: unexpected data after the value");
     char p[256];
