@@ -223,6 +223,20 @@ describe("cuda elementwise ops", function()
     end
   end)
 
+  cuda_it("sigmoid's far negative end: the CPU's subnormal values, not 0 (no flush to zero)", function()
+    for _, dt in ipairs { "f32", "bf16", "f64" } do
+      local far = dt == "f64" and -720 or -90
+      local x = ms.rand({ 64 }, { dtype = dt, seed = H.seed(), low = far, high = far + 0.5 })
+      local got, want = flat(gpu(x):sigmoid()), flat(x:sigmoid())
+      for i = 1, #want do
+        -- a few ulps of the libraries' exp apart; bf16's subnormals are 2^-133 apart
+        local tol = dt == "bf16" and 2 ^ -133 or 1e-5 * want[i]
+        assert(got[i] > 0 and math.abs(got[i] - want[i]) <= tol,
+               ("%s sigmoid near %d: element %d is %.17g on the GPU, %.17g on the CPU"):format(dt, far, i, got[i], want[i]))
+      end
+    end
+  end)
+
   cuda_it("binary ops: every op and float dtype, broadcasting, mixed dtypes, in place, NaN", function()
     local ops = { "add", "sub", "mul", "div", "pow", "maximum", "minimum", "eq", "ne", "lt", "le", "gt", "ge" }
     for _, dt in ipairs(FLOATS) do
@@ -425,6 +439,10 @@ describe("cuda matmul, eye, diag, eigh", function()
     -- k = 0
     local z = ms.matmul(ms.zeros({ 5, 0 }, { ctx = GPU }), ms.zeros({ 0, 4 }, { ctx = GPU }))
     assert.same({ 0, 0, 0, 0, 0 }, flat(z:sum(1)))
+    -- k = 0 into a dst holding NaN: beta 0 ignores the old contents (0 * NaN would keep them), as on the CPU
+    local nan_dst = ms.full({ 5, 4 }, 0 / 0, { ctx = GPU })
+    ms.matmul(ms.zeros({ 5, 0 }, { ctx = GPU }), ms.zeros({ 0, 4 }, { ctx = GPU }), { out = nan_dst })
+    assert.same({ 0, 0, 0, 0, 0 }, flat(nan_dst:sum(1)))
   end)
 
   cuda_it("matmul dtypes: f64, bf16 and f16 (f32 accumulation) into any dst, TF32 on request", function()
