@@ -599,13 +599,18 @@ describe("captured steps on CUDA", function()
     return ffi.load(path)
   end
 
-  cuda_it("run inside the stream owner's own capture (joined), replayed by the owner", function()
-    -- the owner here is this spec, capturing through the CUDA runtime as a trainer (torch.cuda.graph) would
-    local rt = cudart()
+  -- a stream of the caller's (non-blocking) and a moonstep context on it, with its handle
+  local function stream_context(rt)
     local stream = ffi.new("void *[1]")
     assert.equals(0, rt.cudaStreamCreateWithFlags(stream, 1))
     local ctx = ms.context { device = "cuda", stream = stream[0] }
-    local h = T.handle_ctx(ctx)
+    return stream, ctx, T.handle_ctx(ctx)
+  end
+
+  cuda_it("run inside the stream owner's own capture (joined), replayed by the owner", function()
+    -- the owner here is this spec, capturing through the CUDA runtime as a trainer (torch.cuda.graph) would
+    local rt = cudart()
+    local stream, ctx, h = stream_context(rt)
     local spec = { { "layers.0.weight", { 40, 24 }, "bf16" }, { "layers.0.bias", { 40 }, "bf16" } }
     local a, b = model(ctx, spec)
     local ref = ms.optim.new("sinkgd", a, { lr = 0.01 }, { ctx = ctx, schedule = SCHEDULE })
@@ -673,10 +678,7 @@ describe("captured steps on CUDA", function()
     -- a tensor made inside one trainer capture and dropped inside a later one: the first graph's replays still
     -- write its block, so the second capture may not take it
     local rt = cudart()
-    local stream = ffi.new("void *[1]")
-    assert.equals(0, rt.cudaStreamCreateWithFlags(stream, 1))
-    local ctx = ms.context { device = "cuda", stream = stream[0] }
-    local h = T.handle_ctx(ctx)
+    local stream, ctx, h = stream_context(rt)
     local n = 2 ^ 20
     local spares = {}
     -- cached blocks of the size for the captures (filled: the context's first kernels run before any capture)
@@ -728,10 +730,7 @@ describe("captured steps on CUDA", function()
     -- a context's counters (and cuBLAS/cuSOLVER handles) are made by its first call; inside a trainer's capture
     -- that cudaMalloc invalidated the trainer's graph instead of failing with a clear error
     local rt = cudart()
-    local stream = ffi.new("void *[1]")
-    assert.equals(0, rt.cudaStreamCreateWithFlags(stream, 1))
-    local ctx = ms.context { device = "cuda", stream = stream[0] }
-    local h = T.handle_ctx(ctx)
+    local stream, ctx, h = stream_context(rt)
     local x = ms.randn({ 257 }, { ctx = ctx, seed = H.seed() })
     local out = ms.zeros({ 1 }, { ctx = ctx })
     ctx:sync()

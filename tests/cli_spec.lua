@@ -21,6 +21,8 @@ end
 
 -- a tiny, quick lsq problem for the commands below
 local LSQ = "--problem lsq --dim 8 --outputs 2 --samples 32 --cond 100 --device cpu"
+-- a short AdamW run of a small MLP, for the checkpoint specs
+local SMALL_MLP = "train --problem mlp --points 20 --hidden 8 --classes 3 --batch 16 --recipe adamw --steps 12 --eval-every 100 "
 
 describe("moonstep command line", function()
   teardown(function()
@@ -158,7 +160,7 @@ return {
 
     it("saves a checkpoint and resumes exactly; refuses another recipe unless --force", function()
       local d = scratch()
-      local common = "train --problem mlp --points 20 --hidden 8 --classes 3 --batch 16 --recipe adamw --steps 12 --eval-every 100 "
+      local common = SMALL_MLP
       local full, c1 = ms_run(common .. "--save " .. q(d .. "/full"))
       assert.equals(0, c1, full)
       local half, c2 = ms_run(common .. "--until 6 --save " .. q(d .. "/half"))
@@ -200,7 +202,7 @@ return {
 
     it("resumes with the recipe options of the checkpoint's run (--opt given to the first run)", function()
       local d = scratch()
-      local common = "train --problem mlp --points 20 --hidden 8 --classes 3 --batch 16 --recipe adamw --steps 12 --eval-every 100 --opt lr=0.01 "
+      local common = SMALL_MLP .. "--opt lr=0.01 "
       local _, c1 = ms_run(common .. "--save " .. q(d .. "/full"))
       assert.equals(0, c1)
       local _, c2 = ms_run(common .. "--until 6 --save " .. q(d .. "/half"))
@@ -221,7 +223,7 @@ return {
 
     it("refuses a checkpoint whose two files are from different steps (a save interrupted between them)", function()
       local d = scratch()
-      local common = "train --problem mlp --points 20 --hidden 8 --classes 3 --batch 16 --recipe adamw --steps 12 --eval-every 100 "
+      local common = SMALL_MLP
       local _, c1 = ms_run(common .. "--until 3 --save " .. q(d .. "/ck"))
       assert.equals(0, c1)
       local _, c2 = ms_run(common .. "--until 6 --save " .. q(d .. "/later"))

@@ -563,17 +563,23 @@ describe("cuda memory pool", function()
     assert.equals(0, stats(ctx).bytes_cached)
   end)
 
+  -- ~20 ms of context B's work queued, all reading t (n elements): its outputs, each t + t
+  local function read_on(B, t, n)
+    local outs = {}
+    for i = 1, 8 do outs[i] = ms.empty({ n }, { ctx = B }) end
+    for _ = 1, 50 do
+      for i = 1, 8 do ms.add(t, t, outs[i]) end
+    end
+    return outs
+  end
+
   cuda_it("does not reuse a block another context's stream still reads", function()
     local A = ms.context { device = "cuda" }
     local B = ms.context { device = "cuda" }
     local n = 16 * 2 ^ 20                      -- 64 MB
     local t = ms.full({ n }, 1, { ctx = A })
     A:sync()
-    local outs = {}
-    for i = 1, 8 do outs[i] = ms.empty({ n }, { ctx = B }) end
-    for _ = 1, 50 do                        -- ~20 ms of B's work queued, all reading t
-      for i = 1, 8 do ms.add(t, t, outs[i]) end
-    end
+    local outs = read_on(B, t, n)
     local old = data_ptr(t)
     t = nil
     collectgarbage()
@@ -604,11 +610,7 @@ describe("cuda memory pool", function()
     spare = nil
     collectgarbage()
     collectgarbage()
-    local outs = {}
-    for i = 1, 8 do outs[i] = ms.empty({ n }, { ctx = B }) end
-    for _ = 1, 50 do                        -- ~20 ms of B's work queued, all reading t
-      for i = 1, 8 do ms.add(t, t, outs[i]) end
-    end
+    local outs = read_on(B, t, n)
     local old = data_ptr(t)
     local u
     -- t is freed during the capture while B still reads it: the capture may not reuse its block (its replays
