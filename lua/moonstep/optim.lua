@@ -740,6 +740,27 @@ function Optimizer:set_grad(name, grad)
   self.grads_version = self.grads_version + 1
 end
 
+-- Whether any member's gradient memory differs from the last overlap check's, noting it.  The same tensor object
+-- is the same memory (tensors never change their layout); another object is compared by its byte span.
+function Optimizer:_grad_spans_changed()
+  local t = self.span_of
+  if t == nil then
+    t = { tensor = {}, lo = {}, hi = {} }
+    self.span_of = t
+  end
+  local changed = false
+  for i, m in ipairs(self.members) do
+    local g = m.grad or false
+    if g ~= t.tensor[i] then
+      local lo, hi = false, false
+      if g then lo, hi = byte_span(g) end
+      if lo ~= t.lo[i] or hi ~= t.hi[i] or t.tensor[i] == nil then changed = true end
+      t.tensor[i], t.lo[i], t.hi[i] = g, lo or false, hi or false
+    end
+  end
+  return changed
+end
+
 -- The optimizer steps member m went without a gradient: its own step count is the optimizer's less this.
 function Optimizer:_lag(m)
   return m.lag + (m.absent_from and self.step_count - m.absent_from or 0)
@@ -806,10 +827,17 @@ end
 -- rebuilt only after set_grad
 function Optimizer:_runs()
   if self.runs_version == self.grads_version then return self.runs, self.active end
-  -- set_grad checked each gradient against its own parameter; against the others here, once per change
-  local given = {}
-  for i, m in ipairs(self.members) do given[i] = { name = m.name, param = m.model_param or m.param, grad = m.grad } end
-  check_disjoint(given, 4)
+  -- set_grad checked each gradient against its own parameter; against the others here, when a gradient's
+  -- memory moved (a trainer handing over new tensors over the same memory each step pays a compare per member)
+  if self:_grad_spans_changed() then
+    local given = {}
+    for i, m in ipairs(self.members) do given[i] = { name = m.name, param = m.model_param or m.param, grad = m.grad } end
+    local ok, err = pcall(check_disjoint, given, 0)
+    if not ok then
+      self.span_of = nil   -- checked again at the next step, whatever changes before it
+      error(err, 0)
+    end
+  end
   local runs, active = {}, {}
   for _, g in ipairs(self.groups) do
     local n = 0
