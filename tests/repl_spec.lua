@@ -74,6 +74,13 @@ describe_tty("the REPL in a terminal #external", function()
     os.execute("rm -rf " .. q(dir))
   end)
 
+  it("runs a line that starts with a Lua label as code, not as a prompt command", function()
+    local out = sh(("cd %s && printf '%%s\\n' '::top:: print(\"label ran\")' ':nosuch' ':quit' | %s"):format(q(root), q(host)))
+    assert.truthy(out:find("\nlabel ran\n", 1, true), out)
+    assert.falsy(out:find("unknown prompt command '::top::", 1, true), out)
+    assert.truthy(out:find("unknown prompt command ':nosuch'", 1, true), out)
+  end)
+
   it("evaluates, prints, survives errors, edits lines and keeps history #external", function()
     local hist = dir .. "/history"
     local t = terminal(q(host), "MOONSTEP_HISTORY=" .. q(hist))

@@ -235,7 +235,7 @@ function M.run()
   while not done do
     local line = readline("> ")
     if line == nil then break end
-    if line:match("^:") then
+    if line:match("^:%a") then   -- a prompt command (a line starting with a Lua label, ::name::, is code)
       command(line, quit)
     else
       local chunk, err = loadstring("return " .. line, "=stdin")
