@@ -38,9 +38,11 @@ local ctx = ms.context { device = "cuda" }
 local h = tensor.handle_ctx(ctx)
 
 -- median milliseconds per call of fn(i) (i = 1, 2, ... rotates the buffer sets)
-local time, release_timer, time_each = dofile((arg and arg[0] and arg[0]:match("^(.*)/") or "bench") .. "/timing.lua")(ctx)
+local here = arg and arg[0] and arg[0]:match("^(.*)/") or "bench"
+local time, release_timer, time_each = dofile(here .. "/timing.lua")(ctx)
+local M = dofile(here .. "/measure.lua")   -- the floor's arithmetic (tests/bench_measure_spec.lua)
 
-local ITERS, LR = 5, 1e-3
+local ITERS, SN_ITERS, LR = 5, 1, 1e-3
 print(("moonstep %s sinkgd bench on %s  [%s]"):format(ms.version, ctx:name(), ms.build_info))
 ms.manual_seed(20261130)
 
@@ -58,7 +60,7 @@ do
   core.check(C.ms_ctx_empty_cache(h))
 end
 
-local function elem_bytes(dtype) return dtype == "f32" and 4 or 2 end
+local elem_bytes = M.elem_bytes
 
 local function make_set(shapes, dtype)
   local s = { p = {}, g = {}, u = {} }
@@ -75,12 +77,11 @@ end
 
 local function step(s, mode)
   ms.sinkgd_step { params = s.p, grads = s.g, specnorm_u = mode == "spectral" and s.u or nil, lr = LR,
-                   mode = mode, iters = ITERS, sn_iters = 1, target = "unit" }
+                   mode = mode, iters = ITERS, sn_iters = SN_ITERS, target = "unit" }
 end
 
 local function floor_ms(gbytes, pbytes, mode)
-  local bytes = (ITERS + 1) * gbytes + 2 * pbytes + (mode == "spectral" and 2 * gbytes or 0)
-  return bytes / bw * 1e3
+  return M.floor_ms(M.sinkgd_floor_bytes(gbytes, pbytes, ITERS, mode == "spectral", SN_ITERS), bw)
 end
 
 local results = { device = ctx:name(), copy_GBps = bw / 1e9, iters = ITERS, rows = {} }
