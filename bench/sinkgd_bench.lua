@@ -8,7 +8,7 @@ of issue 5 and on the whole Llama-3-8B matrix set as one step.
   params and grads, as an AMP run has them, instead of bf16)
   python3 bench/torch_baselines/sinkgd.py ...        -- the pinned PyTorch baselines, own process
 
-Method (DESIGN.md, "Performance"): CUDA events around R back-to-back steps, median of 7 trials after a warm-up
+Method (DESIGN.md, "Performance"): CUDA events around R back-to-back steps, median of 7 trials (the set: 6) after a warm-up
 (each shape also as one captured CUDA graph of a step per set, replayed: the GPU time without the host's); the
 two modes' trials alternate (bench/timing.lua, `each`), so both run at the clocks the GPU's power cap allows at
 that point -- timed one mode after the other, the set's spectral steps ran on a GPU the base steps had pushed
