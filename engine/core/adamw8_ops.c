@@ -183,5 +183,5 @@ MS_API ms_status ms_adamw8_step(ms_ctx *ctx, int n, ms_tensor *const *params, co
     status = ctx->backend->adamw8_step(ctx, n, params, grads, exp_avg, exp_avg_scale, exp_avg_sq, exp_avg_sq_scale,
                                        scales, opts);
     if (status == MS_OK) ms_ctx_count_launch(ctx);
-    return status;
+    return ms_error_name(ctx, status, FN);
 }

@@ -51,6 +51,30 @@ ms_status ms_error_at(ms_ctx *ctx, ms_status st, const char *file, int line, con
     return st;
 }
 
+ms_status ms_error_name(ms_ctx *ctx, ms_status st, const char *fn)
+{
+    if (st == MS_OK || fn == NULL) return st;
+    const size_t fl = strlen(fn);
+    const char *msg = thread_last_error;
+    if (strncmp(msg, fn, fl) == 0 && msg[fl] == ':') return st;
+    /* "eigh: ..." raised for ms_eigh: the short name gives way to the public one */
+    const char *rest = msg;
+    if (fl > 3 && strncmp(fn, "ms_", 3) == 0 && strncmp(msg, fn + 3, fl - 3) == 0 && msg[fl - 3] == ':' &&
+        msg[fl - 2] == ' ')
+        rest = msg + fl - 1;
+    char out[MS_ERRMSG_SIZE];
+    size_t k = fl < sizeof out - 3 ? fl : sizeof out - 3, r = strlen(rest);
+    memcpy(out, fn, k);
+    out[k++] = ':';
+    out[k++] = ' ';
+    if (r > sizeof out - 1 - k) r = sizeof out - 1 - k;   /* cut at the buffer's end */
+    memcpy(out + k, rest, r);
+    out[k + r] = '\0';
+    memcpy(thread_last_error, out, sizeof out);
+    if (ctx) memcpy(ctx->last_error, out, sizeof out);
+    return st;
+}
+
 const char *ms_shape_str(char *buf, size_t n, int ndim, const int64_t *shape)
 {
     size_t k = 0;

@@ -235,6 +235,10 @@ ms_status ms_error_at(ms_ctx *ctx, ms_status st, const char *file, int line, con
     __attribute__((format(printf, 5, 6)));
 #define MS_FAIL(ctx, st, ...) ms_error_at((ctx), (st), __FILE__, __LINE__, __VA_ARGS__)
 #define MS_TRY(expr) do { ms_status ms_try_st_ = (expr); if (ms_try_st_ != MS_OK) return ms_try_st_; } while (0)
+/* Names the public call fn in the message of a failure st that a helper recorded without it (the allocator's
+** "out of memory on cpu: ...", a backend's "eigh: ..."): "fn: " is put in front, in place of a leading
+** "<fn without ms_>: ".  A message that already starts with "fn:" is kept.  Returns st (MS_OK untouched). */
+ms_status ms_error_name(ms_ctx *ctx, ms_status st, const char *fn);
 
 /* Formats a shape as "[2,3,4]" into buf (returns buf). */
 const char *ms_shape_str(char *buf, size_t n, int ndim, const int64_t *shape);

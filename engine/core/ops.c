@@ -123,7 +123,9 @@ ms_status ms_nary_build(ms_ctx *ctx, const char *fn, ms_nary *it, ms_tensor *dst
     return MS_OK;
 }
 
-#define DISPATCH(ctx, call) do { ms_status st_ = (call); if (st_ == MS_OK) ms_ctx_count_launch(ctx); return st_; } while (0)
+/* (every caller has its public name in `fn`: a helper's message that lacks it gets it) */
+#define DISPATCH(ctx, call) do { ms_status st_ = (call); if (st_ == MS_OK) ms_ctx_count_launch(ctx); \
+                                 return ms_error_name((ctx), st_, fn); } while (0)
 
 /* --- copy / fill / random ------------------------------------------------------------------------ */
 
@@ -357,7 +359,7 @@ MS_API ms_status ms_reduce(ms_ctx *ctx, ms_tensor *dst, const ms_tensor *src, ms
     if (len == 0 && (op == MS_REDUCE_MAX || op == MS_REDUCE_MIN || op == MS_REDUCE_AMAX))
         return MS_FAIL(ctx, MS_E_SHAPE, "%s: max/min of zero elements (src %s) is undefined", fn, ms_tshape(src));
     if (ms_tensor_numel(dst) == 0) return MS_OK;
-    return reduce_into(ctx, dst, src, op, dim, NULL);
+    return ms_error_name(ctx, reduce_into(ctx, dst, src, op, dim, NULL), fn);
 }
 
 MS_API ms_status ms_dot(ms_ctx *ctx, ms_tensor *dst, const ms_tensor *a, const ms_tensor *b)
@@ -375,7 +377,7 @@ MS_API ms_status ms_dot(ms_ctx *ctx, ms_tensor *dst, const ms_tensor *a, const m
     if (!same) return MS_FAIL(ctx, MS_E_SHAPE, "%s: a %s and b %s differ in shape", fn, ms_tshape(a), ms_tshape(b));
     if (ms_tensor_overlaps(dst, a) || ms_tensor_overlaps(dst, b))
         return MS_FAIL(ctx, MS_E_LAYOUT, "%s: dst overlaps a source", fn);
-    return reduce_into(ctx, dst, a, MS_REDUCE_SUM, MS_DIM_ALL, b);
+    return ms_error_name(ctx, reduce_into(ctx, dst, a, MS_REDUCE_SUM, MS_DIM_ALL, b), fn);
 }
 
 /* --- linear algebra -------------------------------------------------------------------------------- */

@@ -292,7 +292,9 @@ static ms_status unsupported(ms_ctx *ctx, const char *fn)
     return MS_FAIL(ctx, MS_E_UNSUPPORTED, "%s is not implemented on %s", fn, ctx->name);
 }
 
-#define DISPATCH(ctx, call) do { ms_status st_ = (call); if (st_ == MS_OK) ms_ctx_count_launch(ctx); return st_; } while (0)
+/* (every caller has its public name in `fn`: a helper's message that lacks it gets it) */
+#define DISPATCH(ctx, call) do { ms_status st_ = (call); if (st_ == MS_OK) ms_ctx_count_launch(ctx); \
+                                 return ms_error_name((ctx), st_, fn); } while (0)
 
 /* --- the entry points ------------------------------------------------------------------------------ */
 

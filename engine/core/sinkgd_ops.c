@@ -159,7 +159,7 @@ static ms_status plain_step(ms_ctx *ctx, const char *fn, int n, ms_tensor *const
     ms_status st = ctx->backend->sinkgd_step(ctx, n, params, grads, with_u ? specnorm_u : NULL,
                                              with_t ? md_target_norm : NULL, scales, o);
     if (st == MS_OK) ms_ctx_count_launch(ctx);
-    return st;
+    return ms_error_name(ctx, st, fn);
 }
 
 MS_API ms_status ms_sinkgd_step(ms_ctx *ctx, int n, ms_tensor *const *params, const ms_tensor *const *grads,
@@ -254,5 +254,5 @@ MS_API ms_status ms_sinkgd_step_sharded(ms_ctx *ctx, ms_comm *comm, int n, ms_te
     ms_status st = ctx->backend->sinkgd_step_sharded(ctx, n, params, grads, with_u ? specnorm_u : NULL,
                                                      with_t ? md_target_norm : NULL, scales, shards, opts, &x);
     if (st == MS_OK) ms_ctx_count_launch(ctx);
-    return st;
+    return ms_error_name(ctx, st, SHARDED);
 }
