@@ -769,7 +769,7 @@ typedef struct ms_block {
 /* stack [N, r, c] f32 <- the n = N blocks, block k into stack[k] (values converted to f32 exactly).
 ** Tensors: f32, bf16 or f16; a tensor of 0, 1 or 2 dims may have any layout, one of more dims must be
 ** contiguous (MS_E_LAYOUT).  Blocks must lie inside their tensor (MS_E_SHAPE) and may overlap (they are only read).
-** One launch per call on CUDA.  Errors: MS_E_ARG (NULL, n != N), MS_E_SHAPE, MS_E_DTYPE, MS_E_LAYOUT,
+** One launch per call on CUDA.  Errors: MS_E_ARG (NULL, n < 0), MS_E_SHAPE (n != N, ...), MS_E_DTYPE, MS_E_LAYOUT,
 ** MS_E_DEVICE. */
 MS_API ms_status ms_blocks_gather(ms_ctx *ctx, ms_tensor *stack, int n, const ms_block *blocks);
 
@@ -793,7 +793,7 @@ typedef struct ms_blocks_apply_options {
 ** contiguous when stochastic rounding applies: the Philox counter of ms_adamw_step with e = the element's
 ** row-major index in its tensor and `member` = k, the block's index in the call (or rng_ids[k]), rounded to
 ** bf16/f16 as ms_adamw_step rounds.
-** Errors: MS_E_ARG (NULL, n != N, lr or weight_decay out of range), MS_E_SHAPE, MS_E_DTYPE, MS_E_LAYOUT,
+** Errors: MS_E_ARG (NULL, n < 0, lr or weight_decay out of range), MS_E_SHAPE (n != N, ...), MS_E_DTYPE, MS_E_LAYOUT,
 ** MS_E_DEVICE. */
 MS_API ms_status ms_blocks_apply(ms_ctx *ctx, int n, const ms_block *blocks, const ms_tensor *stack,
                                  const ms_tensor *scale, const ms_blocks_apply_options *opts);
