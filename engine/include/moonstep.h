@@ -341,7 +341,8 @@ MS_API ms_status ms_diag(ms_ctx *ctx, ms_tensor *dst, const ms_tensor *src);
 ** only).  f32 or f64 (all three the same dtype).  A non-converged batch member gives MS_E_NUMERIC, with
 ** *info (may be NULL) set to the LAPACK/cuSOLVER info of the first failing member, and a message naming it;
 ** a non-finite entry in the lower triangle is MS_E_NUMERIC with *info = -5 (as LAPACKE's NaN check reports).
-** w and v are left unchanged on any failure. */
+** w and v must be contiguous (MS_E_LAYOUT otherwise; a is read in any layout).  w and v are left unchanged on
+** any failure. */
 MS_API ms_status ms_eigh(ms_ctx *ctx, ms_tensor *w, ms_tensor *v, const ms_tensor *a, int *info);
 
 /* ---------------------------------------------------------------------------------------------------
