@@ -51,6 +51,18 @@ static bool same_view(const ms_tensor *a, const ms_tensor *b)
     return true;
 }
 
+/* A device scalar of an elementwise op, which is read while dst is written: it must not share memory with dst
+** (backends may read it after part of dst was stored), unless dst is its own one-element view (in place). */
+static ms_status check_scalar_dst(ms_ctx *ctx, const char *fn, const char *what, const ms_tensor *t,
+                                  const ms_tensor *dst)
+{
+    MS_TRY(check_scalar(ctx, fn, what, t));
+    if (t && ms_tensor_overlaps(dst, t) && !same_view(dst, t))
+        return MS_FAIL(ctx, MS_E_LAYOUT, "%s: %s shares memory with dst %s (the scalar is read while dst is written)",
+                       fn, what, ms_tshape(dst));
+    return MS_OK;
+}
+
 static ms_status check_dst_layout(ms_ctx *ctx, const char *fn, const ms_tensor *dst)
 {
     for (int i = 0; i < dst->ndim; i++)
@@ -191,7 +203,7 @@ MS_API ms_status ms_fill(ms_ctx *ctx, ms_tensor *dst, double value, const ms_ten
     static const char fn[] = "ms_fill";
     ms_nary it;
     MS_TRY(ms_nary_build(ctx, fn, &it, dst, 0, NULL));
-    MS_TRY(check_scalar(ctx, fn, "value_t", value_t));
+    MS_TRY(check_scalar_dst(ctx, fn, "value_t", value_t, dst));
     if (it.numel == 0) return MS_OK;
     DISPATCH(ctx, ctx->backend->fill(ctx, &it, (ms_scalar){ value, value_t }));
 }
@@ -256,7 +268,7 @@ MS_API ms_status ms_binary_scalar(ms_ctx *ctx, ms_tensor *dst, const ms_tensor *
     if ((unsigned)op >= MS_BINARY_COUNT) return MS_FAIL(ctx, MS_E_ARG, "%s: unknown op %d", fn, (int)op);
     ms_nary it;
     MS_TRY(ms_nary_build(ctx, fn, &it, dst, 1, &a));
-    MS_TRY(check_scalar(ctx, fn, "s_t", s_t));
+    MS_TRY(check_scalar_dst(ctx, fn, "s_t", s_t, dst));
     if (it.numel == 0) return MS_OK;
     DISPATCH(ctx, ctx->backend->binary_scalar(ctx, &it, (ms_scalar){ s, s_t }, op, scalar_first != 0));
 }
@@ -278,7 +290,7 @@ MS_API ms_status ms_lerp(ms_ctx *ctx, ms_tensor *dst, const ms_tensor *a, const 
     static const char fn[] = "ms_lerp";
     ms_nary it;
     MS_TRY(ms_nary_build(ctx, fn, &it, dst, 2, (const ms_tensor *[]){ a, b }));
-    MS_TRY(check_scalar(ctx, fn, "w_t", w_t));
+    MS_TRY(check_scalar_dst(ctx, fn, "w_t", w_t, dst));
     if (it.numel == 0) return MS_OK;
     DISPATCH(ctx, ctx->backend->lerp(ctx, &it, (ms_scalar){ w, w_t }));
 }
@@ -288,7 +300,7 @@ static ms_status addc(ms_ctx *ctx, const char *fn, ms_tensor *dst, const ms_tens
 {
     ms_nary it;
     MS_TRY(ms_nary_build(ctx, fn, &it, dst, 3, (const ms_tensor *[]){ a, b, c }));
-    MS_TRY(check_scalar(ctx, fn, "v_t", v_t));
+    MS_TRY(check_scalar_dst(ctx, fn, "v_t", v_t, dst));
     if (it.numel == 0) return MS_OK;
     DISPATCH(ctx, ctx->backend->addc(ctx, &it, (ms_scalar){ v, v_t }, divide));
 }

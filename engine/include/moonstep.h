@@ -224,7 +224,8 @@ MS_API ms_status ms_tensor_write(ms_ctx *ctx, ms_tensor *dst, const void *host_s
 ** otherwise.  Elementwise ops broadcast their sources to dst's shape (NumPy rules), accept any float
 ** dtype for dst and sources (computed in f64 when any of them is f64 or i32, otherwise in f32; bf16/f16
 ** stored with round-to-nearest-even), and may run in place (dst the same view as a source).  A dst that
-** partially overlaps a source, or has stride-0 (expanded) dims, is refused (MS_E_LAYOUT).
+** partially overlaps a source, shares memory with a device scalar (value_t, s_t, w_t, v_t; unless dst is
+** that scalar's own one-element view), or has stride-0 (expanded) dims, is refused (MS_E_LAYOUT).
 ** All tensors of one call must live on ctx's device (MS_E_DEVICE), except in ms_copy.
 ** ------------------------------------------------------------------------------------------------- */
 

@@ -226,6 +226,46 @@ static void test_matmul_dst_huge_column_stride(ms_ctx *ctx)
     munmap(mem, bytes);
 }
 
+/* A device scalar (value_t, s_t, w_t, v_t) is read by the op while dst is written: one that shares memory with dst
+** is refused (MS_E_LAYOUT), as the optimizer steps refuse a scalar that shares memory with a written tensor.  On
+** the CPU the scalar was read once before the loop; the CUDA kernels read it in every block, after earlier blocks
+** may have written it.  Nothing is written on the refusal.  A one-element dst that is the scalar's own view is
+** the in-place case, and stays allowed. */
+static void test_scalar_tensor_overlapping_dst(ms_ctx *ctx)
+{
+    float x[4] = { 2, 3, 4, 5 }, y[4] = { 1, 1, 1, 1 }, z[4] = { 1, 1, 1, 1 };
+    int64_t s4[1] = { 4 }, s1[1] = { 1 };
+    ms_tensor *tx = NULL, *x0 = NULL, *x3 = NULL, *ty = NULL, *tz = NULL;
+    CHECK(ms_tensor_wrap(ctx, x, MS_DTYPE_F32, 1, s4, NULL, &tx) == MS_OK &&
+          ms_tensor_wrap(ctx, x, MS_DTYPE_F32, 1, s1, NULL, &x0) == MS_OK &&
+          ms_tensor_wrap(ctx, x + 3, MS_DTYPE_F32, 1, s1, NULL, &x3) == MS_OK &&
+          ms_tensor_wrap(ctx, y, MS_DTYPE_F32, 1, s4, NULL, &ty) == MS_OK &&
+          ms_tensor_wrap(ctx, z, MS_DTYPE_F32, 1, s4, NULL, &tz) == MS_OK, "wraps: %s", ms_last_error());
+    if (!(tx && x0 && x3 && ty && tz)) return;
+    struct call { const char *fn; ms_status st; } got[5];
+    got[0] = (struct call){ "ms_fill", ms_fill(ctx, tx, 0, x3) };
+    got[1] = (struct call){ "ms_binary_scalar", ms_binary_scalar(ctx, tx, tx, 0, x0, MS_BINARY_MUL, 0) };
+    got[2] = (struct call){ "ms_lerp", ms_lerp(ctx, tx, ty, tz, 0, x0) };
+    got[3] = (struct call){ "ms_addcmul", ms_addcmul(ctx, tx, tx, ty, tz, 0, x3) };
+    got[4] = (struct call){ "ms_addcdiv", ms_addcdiv(ctx, tx, tx, ty, tz, 0, x0) };
+    for (int i = 0; i < 5; i++) {
+        CHECK(got[i].st == MS_E_LAYOUT, "%s with its scalar inside dst: %s", got[i].fn, ms_status_name(got[i].st));
+    }
+    CHECK(x[0] == 2 && x[1] == 3 && x[2] == 4 && x[3] == 5, "refused calls left dst alone: %g %g %g %g", x[0], x[1],
+          x[2], x[3]);
+    /* the scalar's own one-element view as dst: in place */
+    ms_status st = ms_binary_scalar(ctx, x0, x0, 0, x0, MS_BINARY_MUL, 0);
+    CHECK(st == MS_OK && x[0] == 4, "x0 <- x0 * x0 in place: %s %g", ms_status_name(st), x[0]);
+    /* a scalar elsewhere in the same memory as a source (not dst) is still fine */
+    st = ms_binary_scalar(ctx, ty, tx, 0, x3, MS_BINARY_MUL, 0);
+    CHECK(st == MS_OK && y[0] == 20 && y[3] == 25, "y <- x * x[3]: %s %g %g", ms_status_name(st), y[0], y[3]);
+    ms_tensor_free(tx);
+    ms_tensor_free(x0);
+    ms_tensor_free(x3);
+    ms_tensor_free(ty);
+    ms_tensor_free(tz);
+}
+
 int main(void)
 {
     test_f16_all_patterns();
@@ -239,6 +279,7 @@ int main(void)
         test_casts(ctx);
         test_matmul_scratch_overflow(ctx);
         test_matmul_dst_huge_column_stride(ctx);
+        test_scalar_tensor_overlapping_dst(ctx);
         ms_ctx_free(ctx);
     }
     CHECK(f32_bits(ms_f16_to_f32(0x3c00)) == 0x3f800000u, "f16 1.0 is f32 1.0");
