@@ -186,6 +186,15 @@ def _as_list(v):
     return list(v) if isinstance(v, (list, tuple)) else [v]
 
 
+def _path(p, what):
+    """A filesystem path (str, bytes or os.PathLike) as the bytes the OS takes: os.fsencode, so names that are
+    not UTF-8 (str with surrogate escapes, raw bytes) reach the file they name."""
+    try:
+        return os.fsencode(p)
+    except TypeError:
+        raise TypeError("%s must be a path (str, bytes or os.PathLike; got %s)" % (what, type(p).__name__)) from None
+
+
 def _utf8(s, what):
     if not isinstance(s, str):
         raise TypeError("%s must be a string (got %s)" % (what, type(s).__name__))
@@ -626,7 +635,7 @@ class Optimizer:
         self.context = context
         self._order = _StreamOrder(self._framework, context) if context.is_cuda else None
         handle = ctypes.c_void_p()
-        _check(_lib.ms_optimizer_new(context._h, _utf8(os.fspath(recipe), "recipe"), _json(options), _json(settings),
+        _check(_lib.ms_optimizer_new(context._h, _path(recipe, "recipe"), _json(options), _json(settings),
                                      ctypes.byref(handle)))
         self._opt = handle
         context._users.add(self)   # context.close() is refused while this optimizer is open
@@ -721,10 +730,10 @@ class Optimizer:
         _check(_lib.ms_optimizer_set_lr(self._handle(), float(value)))
 
     def save(self, path):
-        _check(self._ordered(_lib.ms_optimizer_save, self._handle(), _utf8(os.fspath(path), "path")))
+        _check(self._ordered(_lib.ms_optimizer_save, self._handle(), _path(path, "path")))
 
     def load(self, path):
-        _check(self._ordered(_lib.ms_optimizer_load, self._handle(), _utf8(os.fspath(path), "path")))
+        _check(self._ordered(_lib.ms_optimizer_load, self._handle(), _path(path, "path")))
 
     def _json(self, fn):
         out = ctypes.c_void_p()

@@ -419,6 +419,24 @@ def a_read_only_gradient_is_refused_since_steps_rescale_gradients_in_place():
     opt.close()
 
 
+@test
+def save_and_load_take_any_filesystem_path():
+    # os.fspath gives str or bytes; a name that is not UTF-8 decodes to surrogates (os.fsdecode): all are paths
+    import pathlib
+    w, g = np.zeros(4, np.float32), np.ones(4, np.float32)
+    opt = moonstep.Optimizer({"w": (w, g)}, "adamw", {"lr": 0.1})
+    opt.step()
+    with tempfile.TemporaryDirectory() as d:
+        for path in (pathlib.Path(d, "caf\u00e9.safetensors"), os.path.join(d, "caf\u00e9.safetensors").encode(),
+                     os.fsdecode(os.path.join(d.encode(), b"x\xff.safetensors")),
+                     os.path.join(d.encode(), b"raw\xff.safetensors")):
+            opt.save(path)
+            assert os.path.exists(path), path
+            opt.load(path)
+        assert opt.stats()["step"] == 1
+    opt.close()
+
+
 def main():
     return run()
 
