@@ -5,7 +5,7 @@
     opt = moonstep.Optimizer({"w": (w, gw)}, "adamw", options={"lr": 1e-2},
                              settings={"schedule": {"kind": "cosine", "warmup_steps": 10, "total_steps": 500}})
     for step in range(500):
-        gw[:] = ...          # gradients into the registered buffer
+        gw[:] = 2 * (w - 1)  # the gradient (here of |w - 1|^2), into the registered buffer
         opt.step()           # w is updated in place
 
 Parameters and gradients are never copied: NumPy arrays are wrapped (ms_tensor_wrap, on a CPU context);

@@ -437,6 +437,19 @@ def save_and_load_take_any_filesystem_path():
     opt.close()
 
 
+@test
+def the_module_docstring_example_runs_as_written():
+    # the example at the top of moonstep's docstring (help(moonstep)), its indented block, run on the CPU
+    import textwrap
+    lines = moonstep.__doc__.split("\n")
+    start = next(i for i, line in enumerate(lines) if line.startswith("    "))
+    end = next(i for i in range(start, len(lines)) if not lines[i].strip())
+    scope = {}
+    exec(compile(textwrap.dedent("\n".join(lines[start:end])), "moonstep.__doc__", "exec"), scope)
+    assert scope["opt"].stats()["step"] == 500
+    scope["opt"].close()
+
+
 def main():
     return run()
 
