@@ -682,3 +682,33 @@ describe("cpu dot", function()
     assert.is_true(n ~= n, "dot with NaN is NaN")
   end)
 end)
+
+-- moonstep.h, "Ops": a scalar takes the computation's precision, so with f32 tensors an f64 scalar (a host
+-- double or an f64 device scalar) is rounded to f32 first.  2^24 + (1 + 2^-30) is a tie in f32 once the scalar
+-- is 1 (kept at 2^24, even), and 2^24 + 2 in f64: the two rules differ in the result.
+describe("scalar precision", function()
+  local function check(dev)
+    local ctx = ms.device(dev)
+    local ch = T.handle_ctx(ctx)
+    local s = 1 + 2 ^ -30
+    local a = ms.tensor({ 2 ^ 24, 2 ^ 24 + 2 }, { dtype = "f32", ctx = ctx })
+    local ones = ms.ones({ 2 }, { ctx = ctx })
+    for _, sdt in ipairs { "f64", "f32" } do
+      local s_t = ms.tensor({ s }, { dtype = sdt, ctx = ctx })
+      local calls = {
+        { "ms_binary_scalar, host", function(d) return C.ms_binary_scalar(ch, T.handle(d), T.handle(a), s, nil, C.MS_BINARY_ADD, 0) end },
+        { "ms_binary_scalar, s_t", function(d) return C.ms_binary_scalar(ch, T.handle(d), T.handle(a), 0, T.handle(s_t), C.MS_BINARY_ADD, 0) end },
+        { "ms_addcmul, host", function(d) return C.ms_addcmul(ch, T.handle(d), T.handle(a), T.handle(ones), T.handle(ones), s, nil) end },
+        { "ms_addcmul, v_t", function(d) return C.ms_addcmul(ch, T.handle(d), T.handle(a), T.handle(ones), T.handle(ones), 0, T.handle(s_t)) end },
+      }
+      for _, c in ipairs(calls) do
+        local d = ms.full({ 2 }, -7, { ctx = ctx })
+        assert.equals(C.MS_OK, c[2](d), c[1])
+        local got = d:totable()
+        assert.are.same({ 2 ^ 24, 2 ^ 24 + 4 }, got, ("%s (%s scalar) on %s"):format(c[1], sdt, dev))
+      end
+    end
+  end
+  it("an f64 scalar with f32 tensors is rounded to f32 (CPU)", function() check("cpu") end)
+  H.cuda_it("an f64 scalar with f32 tensors is rounded to f32 (CUDA, as the CPU)", function() check("cuda") end)
+end)

@@ -86,6 +86,48 @@ describe("status codes", function()
     assert.equals(C.MS_E_LAYOUT, C.ms_fill(cpu(), h(e), 1, nil))
   end)
 
+  -- dst of shape [3, 3] over 5 floats with strides [1, 1]: elements (0, 1) and (1, 0) are one address
+  local function self_overlapping(ctx_h, buf, shape, strides)
+    local sh, st = ffi.new("int64_t[2]", shape), ffi.new("int64_t[2]", strides)
+    assert.equals(C.MS_OK, C.ms_tensor_wrap(ctx_h, buf, C.MS_DTYPE_F32, 2, sh, st, core.out_tensor))
+    return ffi.gc(core.out_tensor[0], C.ms_tensor_free)
+  end
+  it("MS_E_LAYOUT: a destination two of whose elements share an address, through every writing call", function()
+    local buf = ffi.new("float[16]")
+    for i = 0, 15 do buf[i] = i + 0.5 end
+    local function unchanged()
+      for i = 0, 15 do assert.equals(i + 0.5, buf[i]) end
+    end
+    local d = self_overlapping(cpu(), buf, { 3, 3 }, { 1, 1 })
+    local src, one = ms.ones({ 3, 3 }), ms.ones({ 1 })
+    local host = ffi.new("float[9]")
+    local list = ffi.new("ms_tensor *[1]", d)
+    local calls = {
+      { "ms_fill", function() return C.ms_fill(cpu(), d, 2, nil) end },
+      { "ms_copy", function() return C.ms_copy(cpu(), d, h(src)) end },
+      { "ms_binary_scalar", function() return C.ms_binary_scalar(cpu(), d, h(src), 2, nil, C.MS_BINARY_MUL, 0) end },
+      { "ms_reduce", function() return C.ms_reduce(cpu(), d, h(ms.ones({ 3, 3, 2 })), C.MS_REDUCE_SUM, 2) end },
+      { "ms_matmul", function() return C.ms_matmul(cpu(), d, h(src), h(src), nil) end },
+      { "ms_tensor_write", function() return C.ms_tensor_write(cpu(), d, host, 36) end },
+      { "ms_foreach_scale", function() return C.ms_foreach_scale(cpu(), 1, list, 2, h(one)) end },
+    }
+    for _, c in ipairs(calls) do
+      assert.equals(C.MS_E_LAYOUT, c[2](), c[1])
+      assert.truthy(last():find(c[1] .. ": ", 1, true), last())
+      assert.truthy(last():find("[3,3] has strides [1,1], under which two elements can share an address (dim 1's stride 1",
+                                1, true), last())
+      unchanged()
+    end
+    -- strides that interleave without touching are refused as well (documented); nested ones are written
+    local inter = self_overlapping(cpu(), buf, { 2, 3 }, { 4, 3 })
+    assert.equals(C.MS_E_LAYOUT, C.ms_fill(cpu(), inter, 2, nil))
+    assert.truthy(last():find("dim 0's stride 4 lies within the span", 1, true), last())
+    unchanged()
+    local nested = self_overlapping(cpu(), buf, { 2, 2 }, { 3, 2 })   -- elements 0, 2, 3, 5
+    assert.equals(C.MS_OK, C.ms_fill(cpu(), nested, -1, nil))
+    for i = 0, 15 do assert.equals((i == 0 or i == 2 or i == 3 or i == 5) and -1 or i + 0.5, buf[i]) end
+  end)
+
   it("names every status", function()
     for _, s in ipairs { "MS_OK", "MS_E_ARG", "MS_E_SHAPE", "MS_E_DTYPE", "MS_E_DEVICE", "MS_E_OOM", "MS_E_NUMERIC",
                          "MS_E_IO", "MS_E_FORMAT", "MS_E_UNSUPPORTED", "MS_E_LAYOUT", "MS_E_BACKEND" } do

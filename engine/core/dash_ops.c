@@ -128,10 +128,9 @@ static ms_status check_block(ms_ctx *ctx, const char *fn, int k, const ms_block 
         return MS_FAIL(ctx, MS_E_LAYOUT, "%s: block %d's tensor %s has %d dims and is not contiguous; it is viewed "
                        "as [d0, d1 * ... * dk], which needs a contiguous tensor", fn, k, ms_tshape(t), t->ndim);
     if (written) {
-        for (int d = 0; d < t->ndim; d++)
-            if (t->shape[d] > 1 && t->strides[d] == 0)
-                return MS_FAIL(ctx, MS_E_LAYOUT, "%s: block %d's tensor %s is an expanded view (stride 0 in dim %d); "
-                               "it cannot be updated", fn, k, ms_tshape(t), d);
+        char tw[64];
+        snprintf(tw, sizeof tw, "block %d's tensor", k);
+        MS_TRY(ms_check_writable(ctx, fn, tw, t));
         if (stochastic && t->dtype != MS_DTYPE_F32 && !ms_tensor_contiguous_p(t))
             return MS_FAIL(ctx, MS_E_LAYOUT, "%s: block %d's tensor %s (%s) is not contiguous; stochastic rounding "
                            "keys on the element's index and needs a contiguous tensor", fn, k, ms_tshape(t),

@@ -263,6 +263,9 @@ static inline void *ms_tensor_ptr(const ms_tensor *t)
     return (char *)t->storage->data + t->offset * (int64_t)ms_dtype_size(t->dtype);
 }
 bool ms_tensor_contiguous_p(const ms_tensor *t);
+/* MS_E_LAYOUT when t cannot be written element by element: two of its elements may share an address (stride
+** 0 or strides that do not nest); who names t in the message ("dst"). */
+ms_status ms_check_writable(ms_ctx *ctx, const char *fn, const char *who, const ms_tensor *t);
 static inline bool ms_dtype_is_float(ms_dtype dt)
 {
     return dt == MS_DTYPE_F32 || dt == MS_DTYPE_F64 || dt == MS_DTYPE_BF16 || dt == MS_DTYPE_F16;

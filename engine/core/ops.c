@@ -63,15 +63,6 @@ static ms_status check_scalar_dst(ms_ctx *ctx, const char *fn, const char *what,
     return MS_OK;
 }
 
-static ms_status check_dst_layout(ms_ctx *ctx, const char *fn, const ms_tensor *dst)
-{
-    for (int i = 0; i < dst->ndim; i++)
-        if (dst->shape[i] > 1 && dst->strides[i] == 0)
-            return MS_FAIL(ctx, MS_E_LAYOUT, "%s: dst %s is an expanded view (stride 0 in dim %d); writing it "
-                           "would race", fn, ms_tshape(dst), i);
-    return MS_OK;
-}
-
 ms_status ms_nary_build(ms_ctx *ctx, const char *fn, ms_nary *it, ms_tensor *dst, int nsrc,
                         const ms_tensor *const *srcs)
 {
@@ -79,7 +70,7 @@ ms_status ms_nary_build(ms_ctx *ctx, const char *fn, ms_nary *it, ms_tensor *dst
     MS_TRY(check_ctx(ctx, fn));
     MS_TRY(check_tensor(ctx, fn, "dst", dst));
     for (int k = 0; k < nsrc; k++) MS_TRY(check_tensor(ctx, fn, nsrc == 1 ? "src" : names[k + 1], srcs[k]));
-    MS_TRY(check_dst_layout(ctx, fn, dst));
+    MS_TRY(ms_check_writable(ctx, fn, "dst", dst));
     memset(it, 0, sizeof *it);
     it->nops = nsrc + 1;
     const ms_tensor *ops[MS_NARY_MAX] = { dst };
@@ -214,7 +205,7 @@ MS_API ms_status ms_rand(ms_ctx *ctx, ms_tensor *dst, const ms_rand_options *opt
     MS_TRY(check_ctx(ctx, fn));
     MS_TRY(check_tensor(ctx, fn, "dst", dst));
     MS_TRY(check_float(ctx, fn, "dst", dst));
-    MS_TRY(check_dst_layout(ctx, fn, dst));
+    MS_TRY(ms_check_writable(ctx, fn, "dst", dst));
     ms_rand_options o = { MS_RAND_UNIFORM, 0.0, 1.0, 0, 0 };
     if (opts) o = *opts;
     if (o.dist != MS_RAND_UNIFORM && o.dist != MS_RAND_NORMAL)
@@ -342,7 +333,7 @@ MS_API ms_status ms_reduce(ms_ctx *ctx, ms_tensor *dst, const ms_tensor *src, ms
     MS_TRY(check_tensor(ctx, fn, "src", src));
     if ((unsigned)op >= MS_REDUCE_COUNT) return MS_FAIL(ctx, MS_E_ARG, "%s: unknown op %d", fn, (int)op);
     MS_TRY(check_float(ctx, fn, "dst", dst));
-    MS_TRY(check_dst_layout(ctx, fn, dst));
+    MS_TRY(ms_check_writable(ctx, fn, "dst", dst));
     if (ms_tensor_overlaps(dst, src)) return MS_FAIL(ctx, MS_E_LAYOUT, "%s: dst overlaps src", fn);
     int64_t len;
     if (dim == MS_DIM_ALL) {
@@ -431,7 +422,7 @@ MS_API ms_status ms_matmul(ms_ctx *ctx, ms_tensor *dst, const ms_tensor *a, cons
             if (ts != ds && ts != 1) goto badbatch;
         }
     }
-    MS_TRY(check_dst_layout(ctx, fn, dst));
+    MS_TRY(ms_check_writable(ctx, fn, "dst", dst));
     if (ms_tensor_overlaps(dst, a) || ms_tensor_overlaps(dst, b))
         return MS_FAIL(ctx, MS_E_LAYOUT, "%s: dst overlaps a or b", fn);
     if (ms_tensor_numel(dst) == 0) return MS_OK;
@@ -446,7 +437,7 @@ MS_API ms_status ms_eye(ms_ctx *ctx, ms_tensor *dst)
     static const char fn[] = "ms_eye";
     MS_TRY(check_ctx(ctx, fn));
     MS_TRY(check_tensor(ctx, fn, "dst", dst));
-    MS_TRY(check_dst_layout(ctx, fn, dst));
+    MS_TRY(ms_check_writable(ctx, fn, "dst", dst));
     if (dst->ndim < 2) return MS_FAIL(ctx, MS_E_SHAPE, "%s: dst %s needs at least 2 dims", fn, ms_tshape(dst));
     if (ms_tensor_numel(dst) == 0) return MS_OK;
     DISPATCH(ctx, ctx->backend->eye(ctx, dst));
@@ -458,7 +449,7 @@ MS_API ms_status ms_diag(ms_ctx *ctx, ms_tensor *dst, const ms_tensor *src)
     MS_TRY(check_ctx(ctx, fn));
     MS_TRY(check_tensor(ctx, fn, "dst", dst));
     MS_TRY(check_tensor(ctx, fn, "src", src));
-    MS_TRY(check_dst_layout(ctx, fn, dst));
+    MS_TRY(ms_check_writable(ctx, fn, "dst", dst));
     if (ms_tensor_overlaps(dst, src)) return MS_FAIL(ctx, MS_E_LAYOUT, "%s: dst overlaps src", fn);
     bool embed = dst->ndim == src->ndim + 1, extract = src->ndim == dst->ndim + 1;
     const ms_tensor *vec = embed ? src : dst, *mat = embed ? dst : src;

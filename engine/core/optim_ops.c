@@ -40,16 +40,6 @@ static ms_status check_contiguous(ms_ctx *ctx, const char *fn, const char *who, 
                    ms_shape_str(strides, sizeof strides, t->ndim, t->strides));
 }
 
-/* A tensor written element by element in any layout: no dim of size > 1 may have stride 0. */
-static ms_status check_writable(ms_ctx *ctx, const char *fn, const char *who, const ms_tensor *t)
-{
-    for (int d = 0; d < t->ndim; d++)
-        if (t->shape[d] > 1 && t->strides[d] == 0)
-            return MS_FAIL(ctx, MS_E_LAYOUT, "%s: %s %s is an expanded view (stride 0 in dim %d); writing it would "
-                           "race", fn, who, ms_tshape(t), d);
-    return MS_OK;
-}
-
 static bool same_shape(const ms_tensor *a, const ms_tensor *b)
 {
     if (a->ndim != b->ndim) return false;
@@ -341,7 +331,7 @@ MS_API ms_status ms_foreach_scale(ms_ctx *ctx, int n, ms_tensor *const *tensors,
         member_name(who, sizeof who, i, "tensor");
         MS_TRY(check_on_device(ctx, fn, who, tensors[i]));
         MS_TRY(check_float_dtype(ctx, fn, who, tensors[i]));
-        MS_TRY(check_writable(ctx, fn, who, tensors[i]));
+        MS_TRY(ms_check_writable(ctx, fn, who, tensors[i]));
     }
     span stack[STACK_SPANS], *sp = NULL, *heap = NULL;
     MS_TRY(spans_get(ctx, fn, (int64_t)n + 1, stack, &sp, &heap));

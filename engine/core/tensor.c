@@ -205,6 +205,42 @@ bool ms_tensor_contiguous_p(const ms_tensor *t)
     return true;
 }
 
+/* A tensor that is written element by element must not reach one address from two elements.  The dims of
+** size > 1, taken by increasing stride, must nest: each stride beyond the span of the dims before it.  That
+** is exact for stride 0 (an expanded view), for equal strides, and for every view that slicing, transposing
+** or permuting a dense tensor makes; strides that only interleave (shape [2,3], strides [4,3]) are refused
+** too, as a layout no moonstep op writes. */
+ms_status ms_check_writable(ms_ctx *ctx, const char *fn, const char *who, const ms_tensor *t)
+{
+    if (ms_tensor_numel(t) == 0) return MS_OK;
+    int dims[MS_MAX_DIMS], n = 0;
+    for (int i = 0; i < t->ndim; i++) {
+        if (t->shape[i] == 1) continue;
+        if (t->strides[i] == 0)
+            return MS_FAIL(ctx, MS_E_LAYOUT, "%s: %s %s is an expanded view (stride 0 in dim %d); writing it would "
+                           "race", fn, who, ms_tshape(t), i);
+        int k = n++;   /* insertion by stride, the earlier dim first among equals */
+        while (k > 0 && t->strides[dims[k - 1]] > t->strides[i]) {
+            dims[k] = dims[k - 1];
+            k--;
+        }
+        dims[k] = i;
+    }
+    int64_t span = 0;   /* the largest offset the dims so far reach (fits: ms_tensor_wrap checked the extent) */
+    for (int k = 0; k < n; k++) {
+        const int d = dims[k];
+        if (t->strides[d] <= span) {
+            char strides[16 * MS_MAX_DIMS + 4];
+            return MS_FAIL(ctx, MS_E_LAYOUT, "%s: %s %s has strides %s, under which two elements can share an "
+                           "address (dim %d's stride %lld lies within the span of the dims of smaller stride); "
+                           "writing it would race", fn, who, ms_tshape(t),
+                           ms_shape_str(strides, sizeof strides, t->ndim, t->strides), d, (long long)t->strides[d]);
+        }
+        span += (t->shape[d] - 1) * t->strides[d];
+    }
+    return MS_OK;
+}
+
 MS_API int ms_tensor_is_contiguous(const ms_tensor *t) { return t ? ms_tensor_contiguous_p(t) : 0; }
 MS_API int ms_tensor_owns_memory(const ms_tensor *t) { return t ? t->storage->owned : 0; }
 MS_API ms_ctx *ms_tensor_ctx(const ms_tensor *t) { return t ? t->ctx : NULL; }
@@ -509,10 +545,8 @@ MS_API ms_status ms_tensor_write(ms_ctx *ctx, ms_tensor *dst, const void *host_s
 {
     MS_TRY(check_transfer(ctx, "ms_tensor_write", dst, host_src, nbytes));
     if (nbytes == 0) return MS_OK;
-    for (int i = 0; i < dst->ndim; i++)   /* refused here, not by the scatter below, so the message names this call */
-        if (dst->shape[i] > 1 && dst->strides[i] == 0)
-            return MS_FAIL(ctx, MS_E_LAYOUT, "ms_tensor_write: dst %s is an expanded view (stride 0 in dim %d); "
-                           "its elements share memory", ms_tshape(dst), i);
+    /* refused here, not by the scatter below, so the message names this call */
+    MS_TRY(ms_check_writable(ctx, "ms_tensor_write", "dst", dst));
     if (ms_tensor_contiguous_p(dst))
         return dst->ctx->backend->memcpy_from_host(dst->ctx, ms_tensor_ptr(dst), host_src, nbytes);
     /* strided destination: stage contiguously on the device, then scatter with a copy */

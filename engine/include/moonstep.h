@@ -223,9 +223,13 @@ MS_API ms_status ms_tensor_write(ms_ctx *ctx, ms_tensor *dst, const void *host_s
 ** Every op writes into a caller-provided destination of the right shape and returns MS_E_SHAPE
 ** otherwise.  Elementwise ops broadcast their sources to dst's shape (NumPy rules), accept any float
 ** dtype for dst and sources (computed in f64 when any of them is f64 or i32, otherwise in f32; bf16/f16
-** stored with round-to-nearest-even), and may run in place (dst the same view as a source).  A dst that
-** partially overlaps a source, shares memory with a device scalar (value_t, s_t, w_t, v_t; unless dst is
-** that scalar's own one-element view), or has stride-0 (expanded) dims, is refused (MS_E_LAYOUT).
+** stored with round-to-nearest-even), and may run in place (dst the same view as a source).  Scalars
+** (value, s, w, v, or the device scalars value_t, s_t, w_t, v_t, whatever their dtype) take the
+** computation's precision: with f32 tensors an f64 scalar is rounded to f32 first.  A dst that partially
+** overlaps a source, shares memory with a device scalar (unless dst is that scalar's own one-element view),
+** or could reach one address from two elements (stride-0 dims of an expanded view, or strides that do not
+** nest: taken by increasing stride, each must pass the span of the dims before it) is refused (MS_E_LAYOUT);
+** so is such a tensor wherever a call writes one (ms_tensor_write, the multi-tensor steps, blocks_apply).
 ** All tensors of one call must live on ctx's device (MS_E_DEVICE), except in ms_copy.
 ** ------------------------------------------------------------------------------------------------- */
 
