@@ -324,9 +324,16 @@ function methods:load(path)
     local ok, err = file_readable(path)
     if not ok then fail(C.MS_E_IO, "cannot read checkpoint %s: %s", path, tostring(err)) end
   end
-  if self.opt then return self.opt:load(path) end
-  local opt = build(self)
-  opt:load(path)
+  local opt = self.opt or build(self)
+  local ok, err = pcall(opt.load, opt, path)
+  if not ok then
+    -- the Lua optimizer's advice for another recipe's checkpoint is an option ms_optimizer_load does not have
+    if type(err) == "string" then
+      err = err:gsub("; pass {force = true} to load it anyway", "; ms_optimizer_load takes only checkpoints of the "
+                     .. "recipe it runs (the same name and content hash)")
+    end
+    error(err, 0)
+  end
   self.opt, self.probe = opt, nil
 end
 
