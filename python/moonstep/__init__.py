@@ -27,6 +27,7 @@ import ctypes
 import ctypes.util
 import gc
 import json
+import math
 import os
 import tempfile
 import warnings
@@ -173,8 +174,31 @@ def _check(status):
         raise MoonstepError(_lib.ms_status_name(status).decode(), _lib.ms_last_error().decode(errors="replace"))
 
 
-def _json(value):
-    """JSON text of options or settings; NumPy and torch scalars and arrays become numbers and lists."""
+def _nonfinite(v, where):
+    """Where a NaN or infinity lies in v (a JSON-bound value), as ("'lr'", "nan") or ("'betas'", "item 2 ..."):
+    None when there is none."""
+    if hasattr(v, "tolist") and not isinstance(v, (str, bytes)):
+        v = v.tolist()
+    if isinstance(v, float) and not math.isfinite(v):
+        return where, repr(v)
+    items = v.items() if isinstance(v, dict) else enumerate(v, 1) if isinstance(v, (list, tuple)) else ()
+    for k, x in items:
+        found = _nonfinite(x, "%s item %d" % (where, k) if isinstance(k, int) else
+                           "'%s'" % k if where == "" else "%s ['%s']" % (where, k))
+        if found:
+            return found
+    return None
+
+
+def _json(value, what):
+    """JSON text of options or settings (what: "option" or "setting"); NumPy and torch scalars and arrays become
+    numbers and lists.  JSON has no NaN or infinity, so one is refused here, named as the engine names a bad
+    value (MS_E_ARG), where the engine would only see text that is not JSON."""
+    found = _nonfinite(value or {}, "")
+    if found:
+        raise MoonstepError("MS_E_ARG", "ms_optimizer_new: %s %s: a finite number is needed (got %s)"
+                            % (what, found[0], found[1]))
+
     def plain(x):
         if hasattr(x, "tolist"):
             return x.tolist()
@@ -635,7 +659,7 @@ class Optimizer:
         self.context = context
         self._order = _StreamOrder(self._framework, context) if context.is_cuda else None
         handle = ctypes.c_void_p()
-        _check(_lib.ms_optimizer_new(context._h, _path(recipe, "recipe"), _json(options), _json(settings),
+        _check(_lib.ms_optimizer_new(context._h, _path(recipe, "recipe"), _json(options, "option"), _json(settings, "setting"),
                                      ctypes.byref(handle)))
         self._opt = handle
         context._users.add(self)   # context.close() is refused while this optimizer is open

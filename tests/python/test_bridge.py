@@ -140,7 +140,13 @@ def errors_name_the_problem():
     expect_error("MS_E_ARG", "option 'lr'", moonstep.Optimizer, {"w": (w, g)}, "adamw", {"lr": "fast"})
     expect_error("MS_E_ARG", "option 'betas' needs 2 numbers", moonstep.Optimizer, {"w": (w, g)}, "adamw",
                  {"betas": [0.9]})
-    expect_error("MS_E_FORMAT", "not valid JSON", moonstep.Optimizer, {"w": (w, g)}, "adamw", {"lr": float("nan")})
+    # JSON has no NaN or infinity: named as the engine names a bad value, not as text that is not JSON
+    expect_error("MS_E_ARG", "ms_optimizer_new: option 'lr': a finite number is needed (got nan)", moonstep.Optimizer,
+                 {"w": (w, g)}, "adamw", {"lr": float("nan")})
+    expect_error("MS_E_ARG", "option 'betas' item 2: a finite number is needed (got inf)", moonstep.Optimizer,
+                 {"w": (w, g)}, "adamw", {"betas": (0.9, np.float32("inf"))})
+    expect_error("MS_E_ARG", "setting 'clip_grad_norm': a finite number is needed (got -inf)", moonstep.Optimizer,
+                 {"w": (w, g)}, "adamw", None, {"clip_grad_norm": np.array(-np.inf)})
     expect_error("MS_E_ARG", "unknown setting 'schedul'", moonstep.Optimizer, {"w": (w, g)}, "adamw", None,
                  {"schedul": "cosine"})
     expect_error("MS_E_ARG", "no recipe named \"adamv\"", moonstep.Optimizer, {"w": (w, g)}, "adamv")
