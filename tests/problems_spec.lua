@@ -149,6 +149,20 @@ describe("built-in problems", function()
     end
   end)
 
+  it("mlp: no step's batch generator is one the data sets were made with", function()
+    -- seed 0 (the default) once gave steps 1 and 2 the training and validation sets' own generators
+    local mlp = require("moonstep.problems.mlp")
+    for _, seed in ipairs { 0, 1, 2, 17, 4242 } do
+      local data = {}
+      for stream = 1, 2 do data[L.rng(mlp.data_seed(seed, stream))()] = stream end
+      for step = 1, 20000 do
+        local first = L.rng(mlp.batch_seed(seed, step))()
+        assert.is_nil(data[first], ("seed %d, step %d draws with data stream %s's generator"):format(seed, step,
+                                                                                         tostring(data[first])))
+      end
+    end
+  end)
+
   it("lsq: the Hessian X^T X / n has the requested condition number", function()
     local inst = problems.new("lsq", { dim = 16, samples = 64, cond = 1000 }, { device = "cpu", dtype = "f64", seed = H.seed() })
     local x = inst.train_data.x

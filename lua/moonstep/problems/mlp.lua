@@ -52,13 +52,19 @@ local function spirals(o, n, u)
   return feats, labels
 end
 
+-- The generators' seeds: the data sets' (stream 1 training, 2 validation) and each step's batch.  The data
+-- seeds are negated: as seed * 7919 + stream they met the batch seeds seed * 1000003 + step at seed 0 (the
+-- default), whose steps 1 and 2 then drew their points with the generators that made the two sets.
+function P.data_seed(seed, stream) return -(seed * 7919 + stream) end
+function P.batch_seed(seed, step) return seed * 1000003 + step end
+
 function P.new(o, env)
   local ctx, seed = env.ctx, env.seed
   local penv = { ctx = ctx, dtype = env.dtype }
   local K, H = o.classes, o.hidden
 
   local function dataset(n, stream)
-    local f, l = spirals(o, n, L.rng(seed * 7919 + stream))
+    local f, l = spirals(o, n, L.rng(P.data_seed(seed, stream)))
     return { x = ms.tensor(f, penv), y = L.onehot(l, K, penv), labels = l, feats = f, n = #l }
   end
   local train, val = dataset(o.points, 1), dataset(math.max(50, math.floor(o.points / 2)), 2)
@@ -86,7 +92,7 @@ function P.new(o, env)
 
   --- A minibatch of training points drawn from (seed, step).
   function inst.train_batch(step)
-    local u = L.rng(seed * 1000003 + step)
+    local u = L.rng(P.batch_seed(seed, step))
     local f, l = {}, {}
     for i = 1, math.min(o.batch, train.n) do
       local j = 1 + math.floor(u() * train.n)
