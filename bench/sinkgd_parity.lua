@@ -8,7 +8,8 @@ host:
 
 bf16 gradients, f32 params (so the update is not lost under the param's rounding), sinkhorn_iters 5, lr 1e-3,
 no weight decay, base and spectral (unit target, one power step from the same random u).  Fresh random
-inputs; the check is |dp_moonstep - dp_torch| <= 3e-2 max |dp_torch| per matrix set.
+inputs; the check is |dp_moonstep - dp_torch| <= 3e-2 max |dp_torch| per matrix set, the same for the
+spectral step's new u against the baseline's, and u untouched by a base step.
 ]]
 local ms = require("moonstep")
 local dir = assert(arg and arg[1], "usage: moonstep bench/sinkgd_parity.lua DIR")

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Second half of bench/sinkgd_parity.lua: runs the pinned baseline's sinkgd_step (bench/torch_baselines/sinkgd.py)
-on the inputs moonstep saved and compares the updates.  Exit status 1 when any check fails."""
+on the inputs moonstep saved and compares the updates and the power vectors u.  Exit status 1 when any check fails."""
 import json, os, struct, sys
 import torch
 
@@ -43,6 +43,20 @@ def main():
             bad += not ok
             print(f"  {tag:>12} {mode:>8}: max |dp - dp_torch| = {err:.3e}, largest update {scale:.3e}, "
                   f"ratio {rel:.2e}  {'ok' if ok else 'FAIL'}")
+            # the persisted power vector: the baseline's new u (spectral; a unit vector per matrix, so the same
+            # bound on its largest element), and untouched by a base step
+            u_ms = ts[tag + "." + mode + ".u"].cuda()
+            if mode == "base":
+                ok = torch.equal(u_ms, ts[tag + ".u"].cuda())
+                print(f"  {tag:>12} {mode:>8}: u unchanged  {'ok' if ok else 'FAIL'}")
+            else:
+                uerr = (u_ms.double() - u.double()).abs().max().item()
+                uscale = u.double().abs().max().item()
+                urel = uerr / uscale if uscale > 0 else uerr
+                ok = urel <= 3e-2 and urel == urel
+                print(f"  {tag:>12} {mode:>8}: max |u - u_torch| = {uerr:.3e}, largest |u| {uscale:.3e}, "
+                      f"ratio {urel:.2e}  {'ok' if ok else 'FAIL'}")
+            bad += not ok
     print(f"sinkgd parity with the pinned baseline: {'PASS' if bad == 0 else f'{bad} FAILED'}")
     sys.exit(1 if bad else 0)
 

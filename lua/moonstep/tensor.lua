@@ -3,7 +3,8 @@ moonstep.tensor -- the Tensor and Context objects of the Lua surface.
 
 A Tensor is a Lua table whose engine handle (ms_tensor *) lives in a private weak table of this module:
 the object itself holds no cdata, so code that only sees tensors (an untrusted recipe) cannot reach a
-pointer.  Dims are 0-based as in PyTorch and the C ABI; negative dims count from the end.
+pointer.  Dims are 0-based as in PyTorch and the C ABI; negative dims count from the end.  Being a table, a
+tensor has no usable `#` on a stock LuaJIT (always 0, see Tensor.__len): t:size(0) is its length.
 ]]
 local core = require("moonstep.core")
 local ffi, C = core.ffi, core.C
@@ -793,6 +794,8 @@ Tensor.__newindex = function(self, k, v)
   end
   error("tensors have no assignable fields (tried to set '" .. tostring(k) .. "')", 2)
 end
+-- #t: LuaJIT keeps Lua 5.1's length for tables, which never calls __len, so on a stock LuaJIT #t is 0 (the
+-- length of the table's empty array part); t:size(0) is dim 0.  Under LUAJIT_ENABLE_LUA52COMPAT it is dim 0.
 Tensor.__len = function(self) local s = self:shape() return s[1] or 0 end
 
 local function fmt_values(vals)
