@@ -33,6 +33,8 @@ Routing, first rule that applies (tags are given with the parameter: {name=, par
   4. a dim equal to one of adamw_dims (e.g. the vocab) -> adamw
   5. name contains embed_tokens, lm_head, wte, word_embeddings or modules_to_save -> adamw
   6. otherwise -> dash
+A parameter tagged "no_decay" (the Python bridge's param groups with weight_decay 0) takes no weight decay on
+either route.
 
 Options (DASH's names; defaults from its paper grid, research/dash.md §4; every knob explicit):
   lr                         base learning rate (the runtime's schedule scales it)                 1e-3
@@ -707,6 +709,25 @@ local dash_route = {
   end,
 }
 
+-- the route of parameter p, by the rules of the header
+local function pick_route(p, o)
+  local tagged_a, tagged_d = p.tags.adamw, p.tags.dash
+  if tagged_a and tagged_d then error(("dash: parameter '%s' is tagged both adamw and dash"):format(p.name), 0) end
+  if tagged_a then return "adamw" end
+  if p.ndim == 0 then return "adamw" end
+  if tagged_d then return "dash" end
+  local ndim = 0   -- DASH's rank of the parameter: its squeezed shape's
+  for _, d in ipairs(p.shape) do if d ~= 1 then ndim = ndim + 1 end end
+  if ndim <= 1 then return o.algo_one_dim == "shampoo" and "dash" or "adamw" end
+  if matches(p.name, o.dash_patterns) then return "dash" end
+  if matches(p.name, o.adamw_patterns) then return "adamw" end
+  for _, d in ipairs(p.shape) do
+    for _, a in ipairs(o.adamw_dims) do if d == a then return "adamw" end end
+  end
+  if contains_any(p.name, DEFAULT_ADAMW_NAMES) then return "adamw" end
+  return "dash"
+end
+
 return {
   name = "dash",
   version = 1,
@@ -775,21 +796,9 @@ return {
   end,
 
   route = function(p, o)
-    local tagged_a, tagged_d = p.tags.adamw, p.tags.dash
-    if tagged_a and tagged_d then error(("dash: parameter '%s' is tagged both adamw and dash"):format(p.name), 0) end
-    if tagged_a then return "adamw" end
-    if p.ndim == 0 then return "adamw" end
-    if tagged_d then return "dash" end
-    local ndim = 0   -- DASH's rank of the parameter: its squeezed shape's
-    for _, d in ipairs(p.shape) do if d ~= 1 then ndim = ndim + 1 end end
-    if ndim <= 1 then return o.algo_one_dim == "shampoo" and "dash" or "adamw" end
-    if matches(p.name, o.dash_patterns) then return "dash" end
-    if matches(p.name, o.adamw_patterns) then return "adamw" end
-    for _, d in ipairs(p.shape) do
-      for _, a in ipairs(o.adamw_dims) do if d == a then return "adamw" end end
-    end
-    if contains_any(p.name, DEFAULT_ADAMW_NAMES) then return "adamw" end
-    return "dash"
+    local r = pick_route(p, o)
+    if p.tags.no_decay then return r, r == "dash" and { weight_decay = 0 } or { adamw_weight_decay = 0 } end
+    return r
   end,
 
   routes = {

@@ -22,7 +22,8 @@ runs the iteration in bf16 for speed; here it runs in the parameter's dtype unle
 
 Routing: parameters with 2 or more dims whose names contain none of embed_tokens, lm_head, wte,
 word_embeddings, embed (and are not tagged "adam") take the "muon" route; the rest take "adamw", with its own
-learning rate (adam_lr, scaled by the same schedule as lr), betas, eps and weight decay.
+learning rate (adam_lr, scaled by the same schedule as lr), betas, eps and weight decay.  A parameter tagged
+"no_decay" (the Python bridge's param groups with weight_decay 0) takes no weight decay on either route.
 
 A worked example of a recipe on public primitives only: matmul (with transposes, alpha and beta), lerp,
 elementwise ops, reductions, and the fused AdamW kernel for the auxiliary route.  The learning rate comes
@@ -63,6 +64,15 @@ local function newton_schulz(u, steps, dtype)
   return tall and x:t() or x
 end
 
+-- the route of parameter p, by the rules of the header
+local function pick_route(p, o)
+  if p.ndim < 2 or p.tags.adam then return "adamw" end
+  for _, n in ipairs(EMBEDDING_NAMES) do
+    if p.name:find(n, 1, true) then return "adamw" end
+  end
+  return "muon"
+end
+
 return {
   name = "muon",
   version = 1,
@@ -81,11 +91,9 @@ return {
   },
 
   route = function(p, o)
-    if p.ndim < 2 or p.tags.adam then return "adamw" end
-    for _, n in ipairs(EMBEDDING_NAMES) do
-      if p.name:find(n, 1, true) then return "adamw" end
-    end
-    return "muon"
+    local r = pick_route(p, o)
+    if p.tags.no_decay then return r, r == "muon" and { weight_decay = 0 } or { adam_weight_decay = 0 } end
+    return r
   end,
 
   routes = {

@@ -19,6 +19,7 @@ Options:
   state_dtype   dtype of the momentum buffer: "f32" or "bf16"                          default "f32"
   stochastic_round  round bf16/f16 parameters stochastically when storing them         default false
   seed          key of the stochastic rounding                                         default 0
+A parameter tagged "no_decay" (the Python bridge's param groups with weight_decay 0) takes no weight decay.
 ]]
 return {
   name = "sgd",
@@ -41,8 +42,12 @@ return {
     end
   end,
 
-  -- every parameter takes the same route; a recipe may split them (see adamw.lua's no_decay rule)
-  route = function(p, o) return "sgd" end,
+  -- every parameter takes the same route; one tagged "no_decay" (the Python bridge's param groups with
+  -- weight_decay 0) forms a group without weight decay
+  route = function(p, o)
+    if p.tags.no_decay then return "sgd", { weight_decay = 0 } end
+    return "sgd"
+  end,
 
   routes = {
     sgd = {

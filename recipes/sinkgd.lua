@@ -36,6 +36,7 @@ Routing, first rule that applies (tags are given with the parameter: {name=, par
   5. a dim equal to one of adamw_dims (e.g. the vocab)  -> adamw
   6. name contains embed_tokens, lm_head, wte, word_embeddings or modules_to_save  -> adamw
   7. otherwise                                          -> sinkgd
+A parameter tagged "no_decay" (the Python bridge's param groups with weight_decay 0) takes no weight decay.
 Patterns are Lua patterns (string.find), e.g. "tok_embeddings", "^output%.weight$", "wpe".  axolotl matches
 PEFT heads by the suffix "modules_to_save.default.weight"; here any name containing "modules_to_save" (any
 adapter name) goes to AdamW.
@@ -125,6 +126,31 @@ local function uses_8bit(m, o)
   return s == nil or (s.dim == "rows" and m.info.ndim == 2 and s.offset * m.info.shape[2] % o.block_size == 0)
 end
 
+-- the route of parameter p, by the rules of the header (rule 1 to 7)
+local function pick_route(p, o)
+  local tagged_a, tagged_s = p.tags.adamw, p.tags.sinkgd
+  if tagged_a and tagged_s then
+    error(("sinkgd: parameter '%s' is tagged both adamw and sinkgd"):format(p.name), 0)
+  end
+  if tagged_s and p.ndim < 2 then
+    error(("sinkgd: parameter '%s' is tagged sinkgd but has shape [%s]; SinkGD needs >= 2 dims")
+          :format(p.name, table.concat(p.shape, ",")), 0)
+  end
+  if tagged_a then return "adamw" end
+  if tagged_s then return "sinkgd" end
+  if p.ndim < 2 then return "adamw" end
+  if matches(p.name, o.sinkgd_patterns) then return "sinkgd" end
+  if matches(p.name, o.adamw_patterns) then return "adamw" end
+  for _, d in ipairs(p.shape) do
+    for _, a in ipairs(o.adamw_dims) do
+      if d == a then return "adamw" end
+    end
+  end
+  if contains_any(p.name, DEFAULT_ADAMW_NAMES) then return "adamw" end
+  return "sinkgd"
+end
+
+
 return {
   name = "sinkgd",
   version = 1,
@@ -161,26 +187,9 @@ return {
   end,
 
   route = function(p, o)
-    local tagged_a, tagged_s = p.tags.adamw, p.tags.sinkgd
-    if tagged_a and tagged_s then
-      error(("sinkgd: parameter '%s' is tagged both adamw and sinkgd"):format(p.name), 0)
-    end
-    if tagged_s and p.ndim < 2 then
-      error(("sinkgd: parameter '%s' is tagged sinkgd but has shape [%s]; SinkGD needs >= 2 dims")
-            :format(p.name, table.concat(p.shape, ",")), 0)
-    end
-    if tagged_a then return "adamw" end
-    if tagged_s then return "sinkgd" end
-    if p.ndim < 2 then return "adamw" end
-    if matches(p.name, o.sinkgd_patterns) then return "sinkgd" end
-    if matches(p.name, o.adamw_patterns) then return "adamw" end
-    for _, d in ipairs(p.shape) do
-      for _, a in ipairs(o.adamw_dims) do
-        if d == a then return "adamw" end
-      end
-    end
-    if contains_any(p.name, DEFAULT_ADAMW_NAMES) then return "adamw" end
-    return "sinkgd"
+    local r = pick_route(p, o)
+    if r == "sinkgd" and p.tags.no_decay then return r, { weight_decay = 0 } end
+    return r
   end,
 
   routes = {

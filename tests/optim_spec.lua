@@ -163,6 +163,49 @@ describe("option specs", function()
   end)
 end)
 
+describe("the no_decay tag", function()
+  -- every recipe with weight decay honours it (the Python bridge tags a param group with weight_decay 0 so):
+  -- a tagged parameter with weight decay set steps bit for bit as with weight decay 0, and an untagged one
+  -- does not.  w is 2-D (each recipe's main route), b 1-D (the AdamW route of sinkgd, muon and dash).
+  local cases = {
+    { "sgd", { weight_decay = 0.1, momentum = 0.9 }, { "weight_decay" } },
+    { "adamw", { weight_decay = 0.1 }, { "weight_decay" } },
+    { "lion", { weight_decay = 0.1 }, { "weight_decay" } },
+    { "sinkgd", { weight_decay = 0.1, lr = 0.05, sinkgd_lr_scale = 1 }, { "weight_decay" } },
+    { "muon", { weight_decay = 0.1, adam_weight_decay = 0.1 }, { "weight_decay", "adam_weight_decay" } },
+    { "dash", { weight_decay = 0.1, adamw_weight_decay = 0.1, start_prec_step = 1 },
+      { "weight_decay", "adamw_weight_decay" } },
+  }
+  for _, case in ipairs(cases) do
+    local recipe, opts, keys = case[1], case[2], case[3]
+    it(recipe .. ": a parameter tagged no_decay takes no weight decay, on every route", function()
+      local w0, b0 = randn({ 12, 16 }), randn({ 16 })
+      local gw, gb = {}, {}
+      for s = 1, 2 do gw[s], gb[s] = randn({ 12, 16 }), randn({ 16 }) end
+      local function run(o, tags)
+        local ps = { { name = "layers.0.w", param = w0:clone(), grad = ms.zeros({ 12, 16 }), tags = tags },
+                     { name = "layers.0.b", param = b0:clone(), grad = ms.zeros({ 16 }), tags = tags } }
+        local opt = ms.optim.new(recipe, ps, o)
+        for s = 1, 2 do
+          ps[1].grad:copy_(gw[s])
+          ps[2].grad:copy_(gb[s])
+          opt:step()
+        end
+        return ps[1].param:totable(), ps[2].param:totable()
+      end
+      local none = {}
+      for k, v in pairs(opts) do none[k] = v end
+      for _, k in ipairs(keys) do none[k] = 0 end
+      local wn, bn = run(none, nil)
+      local wt, bt = run(opts, { "no_decay" })
+      assert.are.same(wn, wt, "tagged matrix against weight decay 0")
+      assert.are.same(bn, bt, "tagged vector against weight decay 0")
+      local wd = run(opts, nil)
+      assert.are_not.same(wn, wd, "an untagged matrix takes the weight decay")
+    end)
+  end
+end)
+
 describe("ms.optim.new", function()
   it("checks parameters and settings", function()
     local p = param("w", { 3, 4 })
