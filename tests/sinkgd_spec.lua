@@ -1028,6 +1028,13 @@ describe("the sinkgd recipe", function()
     assert.equals(3, s.sinkhorn_iters)
     assert.same({ 0.8, 0.95 }, s.betas)
     assert.same({ "tok_embeddings", "^output%." }, s.adamw_patterns)
+    -- the flag words axolotl's optim_args strings take ("1", "true", "yes", "on", any case, blanks around)
+    local w = ms.recipe.options(recipe, { sinkgd_spectral_norm = "on", sinkgd_md_sphere = " Yes ", sinkgd_fused_kernel = "ON",
+                                          bf16_stochastic_round = "off" })
+    assert.is_true(w.sinkgd_spectral_norm)
+    assert.is_true(w.sinkgd_md_sphere)
+    assert.is_true(w.sinkgd_fused_kernel)
+    assert.is_false(w.bf16_stochastic_round)
   end)
 
   it("refuses bad options, naming them", function()

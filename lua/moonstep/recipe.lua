@@ -545,7 +545,10 @@ local function strict_number(s)
   return tonumber(t)
 end
 
-local booleans = { ["true"] = true, ["false"] = false, ["1"] = true, ["0"] = false, yes = true, no = false }
+-- config-file flag words, any case, blanks around dropped; "on" / "off" too, as axolotl's optim_args strings
+-- (its _as_bool) take them
+local booleans = { ["true"] = true, ["false"] = false, ["1"] = true, ["0"] = false, yes = true, no = false, on = true,
+                   off = false }
 
 -- the strings of a list option: a table that is a sequence of non-empty strings, or "a, b" (blanks around an
 -- item dropped, empty items skipped); returns a fresh table, or nil and why
@@ -588,7 +591,7 @@ M.types = {
   end,
   boolean = function(v)
     if type(v) == "string" then
-      local b = booleans[v:lower()]
+      local b = booleans[v:match("^%s*(.-)%s*$"):lower()]
       if b == nil then return nil, "a boolean is needed (true/false)" end
       return b
     end
