@@ -917,7 +917,8 @@ def _make_torch_optimizer():
 
         params: model.named_parameters() (names reach the recipe's routing and the checkpoints), tensors
         (named "0", "1", ...), or param groups {"params": [...], "weight_decay": 0} (such a group's parameters
-        are tagged "no_decay") with an optional "tags" list.  param_groups[0]["lr"] is the learning rate of
+        are tagged "no_decay", which every built-in recipe honours: no weight decay on any route) with an
+        optional "tags" list.  param_groups[0]["lr"] is the learning rate of
         every step (torch LR schedulers set it); the settings take no "schedule".
 
         capturable=True (settings["device_checks"]: the non-finite check on the device, no host sync per step)
