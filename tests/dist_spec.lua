@@ -474,6 +474,33 @@ scenario("agree", function()
   comm:all_reduce(t)
   check_same(t, ms.full({ 2 }, 2), "after the refusals")
 end)
+-- (9) gradients given to different parameters on the two ranks: every rank refuses the step (host checks,
+-- with and without clipping), nothing changes, and the next step runs
+scenario("grad_sets", function()
+  for _, settings in ipairs { {}, { nonfinite = "apply", clip_grad_norm = 100 } } do
+    local function p(name, shape) return { name = name, param = ms.randn(shape, { seed = 7 }), grad = ms.ones(shape) } end
+    local ps = { p("w", { 4, 4 }), p("v", { 3, 2 }), p("b", { 4 }) }
+    settings.comm = comm
+    local opt = ms.optim.new("adamw", ps, { lr = 0.1 }, settings)
+    assert(opt:step() == true)
+    local before = {}
+    for i, e in ipairs(ps) do before[i] = e.param:clone() end
+    for _, drop in ipairs { { "v" }, { "w", "v", "b" } } do   -- one parameter, then all of them, on rank 1
+      if RANK == 1 then for _, n in ipairs(drop) do opt:set_grad(n, nil) end end
+      local ok, err = pcall(opt.step, opt)
+      assert(not ok, "the step ran")
+      assert(tostring(err):find("step 2: the ranks give gradients to different parameters (this rank to "
+                                .. ((RANK == 1 and 3 - #drop) or 3) .. ")", 1, true), tostring(err))
+      for i, e in ipairs(ps) do check_same(e.param, before[i], "refused step changed " .. e.name) end
+      if RANK == 1 then for i, e in ipairs(ps) do opt:set_grad(e.name, ps[i].grad) end end
+    end
+    assert(opt:step() == true, "the step after the refusals")
+    assert(opt.step_count == 2)
+  end
+  local t = ms.ones({ 2 })
+  comm:all_reduce(t)
+  check_same(t, ms.full({ 2 }, 2), "after the refusals")
+end)
 print("done " .. RANK)
 ]==]
 
@@ -530,6 +557,9 @@ describe("several ranks (settings.comm) on the CPU, through `moonstep launch -n 
   end)
   it("refuses slices that do not tile, parameters that differ between ranks and sharded DASH parameters", function()
     passes("errors")
+  end)
+  it("refuses a step whose gradients go to other parameters on another rank, on every rank, changing nothing", function()
+    passes("grad_sets")
   end)
   it("refuses ranks whose parameter counts, recipe, options or collective settings differ, before any waits", function()
     passes("agree")

@@ -64,7 +64,9 @@ settings and parameters (same names, same order); the checks at creation (two al
     the slice is split like it, any other is the same on every rank) and slots(group, options) -> {[path in
     group.state] = {block name per dim-0 slot}} (group state stacked from several parameters).
   - Every rank must give gradients to the same parameters at each step (the checks and broadcasts are
-    collectives over them).
+    collectives over them).  Steps checked on the host verify it in the all-reduce they make anyway, and every
+    rank raises on a step where they differ, changing nothing; steps that read nothing back (device-checked,
+    captured, or nonfinite = "apply" without clipping or loss scaling) do not check it.
 
 Captured steps (CUDA): after opt:capture(), each step replays a CUDA graph per plan key (the plan() keys
 of the routes that run, e.g. DASH's "refresh" and "apply"), instead of running the recipe.  The first step
@@ -472,17 +474,28 @@ end
 
 -- The step's total sum of squares over the world, from this rank's per-gradient sums: a sharded member's
 -- from every rank, another member's once (from its owner; from rank 0 when replicated), and NaN on every
--- rank when any rank has a non-finite gradient (0 * Inf is NaN too).  One all-reduce.
-function Optimizer:_dist_total(sums, active)
+-- rank when any rank has a non-finite gradient (0 * Inf is NaN too).  One all-reduce, which also checks that
+-- every rank gives gradients to the same parameters: it sums k and k^2 for k = their count and a 20-bit sum of
+-- their names' keys, and the ranks agree when N sum(k^2) = (sum k)^2 (only if every k is the same).  Every
+-- rank sees the same sums, so all of them raise, before anything changed, instead of pairing the broadcasts
+-- of different parameters.
+function Optimizer:_dist_total(sums, active, step)
   local total = 0
   for i, v in ipairs(sums) do
     if active[i].counted then total = total + v
     elseif v ~= v or v == math.huge or v == -math.huge then total = total + v * 0 end
   end
-  local t = self.dist.total_t
-  t:fill_(total)
+  local h = 0
+  for _, m in ipairs(active) do h = (h + name_key(m.name) % 1048576) % 1048576 end
+  local t = self.dist.step_t
+  t:copy_(ms.tensor({ total, #active, #active * #active, h, h * h }, { dtype = "f64" }))
   self.comm:all_reduce(t)
-  return t:item()
+  local r, n = t:tolist_flat(), self.comm:size()
+  if n * r[3] ~= r[2] * r[2] or n * r[5] ~= r[4] * r[4] then
+    error(("step %d: the ranks give gradients to different parameters (this rank to %d); every rank must give "
+           .. "gradients to the same parameters at each step"):format(step, #active), 0)
+  end
+  return r[1]
 end
 
 -- the device checks' weights per gradient: 1 where this rank counts its sum of squares, else 0 (which keeps
@@ -584,7 +597,8 @@ function build(recipe, params, options, settings, progress)
     self.world = { rank = settings.comm:rank(), size = settings.comm:size() }
     if self.world.size > 1 then
       self.comm = settings.comm
-      self.dist = { mode = settings.distribute or "owner", total_t = ms.zeros({ 1 }, { dtype = "f64", ctx = ctx }) }
+      self.dist = { mode = settings.distribute or "owner", total_t = ms.zeros({ 1 }, { dtype = "f64", ctx = ctx }),
+                    step_t = ms.zeros({ 5 }, { dtype = "f64", ctx = ctx }) }
     end
   end
 
@@ -988,14 +1002,19 @@ function Optimizer:step(args)
   -- one reduction over every gradient: finiteness, the global norm for clipping, the loss-scale check
   local inv = grad_scale and 1 / grad_scale or 1
   local clip = self.settings.clip_grad_norm
-  if #active > 0 and (self.settings.nonfinite ~= "apply" or clip or inv ~= 1) then
+  local wanted = self.settings.nonfinite ~= "apply" or clip or inv ~= 1
+  local checks = #active > 0 and wanted
+  local grads, sums, total = {}, {}, 0
+  if checks then
     if rec then self:_timing_mark(rec, "checks") end
-    local grads = {}
     for i, m in ipairs(active) do grads[i] = m.grad end
-    local sums = ms.foreach_sumsq(grads):tolist_flat()
-    local total = 0
+    sums = ms.foreach_sumsq(grads):tolist_flat()
     for _, v in ipairs(sums) do total = total + v end
-    if self.dist then total = self:_dist_total(sums, active) end
+  end
+  -- several ranks: every one reduces, one without gradients too (nonfinite = "apply" without clipping or loss
+  -- scaling reads nothing back, and so checks nothing across the ranks either)
+  if self.dist and wanted then total = self:_dist_total(sums, active, step) end
+  if checks then
     if total ~= total or total == math.huge then
       if self.settings.nonfinite ~= "apply" then
         local bad = {}
