@@ -33,6 +33,9 @@ Routing, first rule that applies (tags are given with the parameter: {name=, par
   4. a dim equal to one of adamw_dims (e.g. the vocab) -> adamw
   5. name contains embed_tokens, lm_head, wte, word_embeddings or modules_to_save -> adamw
   6. otherwise -> dash
+Rule 5 is moonstep's (as sinkgd's and muon's), not DASH's: DASH preconditions every parameter of 2 or more
+dims, the embedding and lm_head included (dash_base.py; research/dash.md §1.5 counts their blocks).
+dash_patterns = {"embed_tokens", "lm_head", "wte"} (the model's names) routes them as DASH does.
 A parameter tagged "no_decay" (the Python bridge's param groups with weight_decay 0) takes no weight decay on
 either route.
 

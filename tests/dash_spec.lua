@@ -856,7 +856,7 @@ describe("the dash recipe's plan, policy and state", function()
     os.remove(path)
   end)
 
-  it("routes like DASH's runs with moonstep's defaults, and refuses parameters missing a gradient", function()
+  it("routes by the header's rules (embeddings to AdamW unless dash_patterns names them, as DASH would), and refuses parameters missing a gradient", function()
     local function route(name, shape, o, tags)
       local t = {}
       for _, x in ipairs(tags or {}) do t[x] = true end
@@ -874,6 +874,10 @@ describe("the dash recipe's plan, policy and state", function()
     assert.are.equal("dash", route("bias", { 8 }, nil, { "dash" }))
     assert.are.equal("adamw", route("w", { 32, 8 }, { adamw_dims = { 32 } }))
     assert.are.equal("dash", route("model.embed_tokens.weight", { 64, 8 }, { dash_patterns = "embed" }))
+    -- DASH itself preconditions the embedding and lm_head (rule 5 is moonstep's): the header's patterns do that
+    for _, n in ipairs { "model.embed_tokens.weight", "lm_head.weight", "transformer.wte.weight" } do
+      assert.are.equal("dash", route(n, { 64, 8 }, { dash_patterns = { "embed_tokens", "lm_head", "wte" } }))
+    end
     assert.are.equal("adamw", route("q_proj", { 8, 8 }, { adamw_patterns = { "q_proj$" } }))
     H.expect_error(function() route("w", { 8, 8 }, nil, { "adamw", "dash" }) end, "tagged both")
 
