@@ -856,7 +856,7 @@ describe("the dash recipe's plan, policy and state", function()
     os.remove(path)
   end)
 
-  it("routes by the header's rules (embeddings to AdamW unless dash_patterns names them, as DASH would), and refuses parameters missing a gradient", function()
+  it("routes by the header's rules (embeddings: AdamW unless dash_patterns names them) and refuses missing gradients", function()
     local function route(name, shape, o, tags)
       local t = {}
       for _, x in ipairs(tags or {}) do t[x] = true end

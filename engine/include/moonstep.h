@@ -914,7 +914,9 @@ typedef struct ms_root_options {
 **   Chebyshev: the degree-d interpolant q of y^(-1/p) at d + 1 Chebyshev points of [lo, 1], lo = 25 / d^2,
 **         coefficients computed in f64 and rounded to f32 (the same on every backend); with T = (2 A_reg / s
 **         - (1 + lo) I) / (1 - lo), Clenshaw's recurrence b_k = 2 T b_(k+1) - b_(k+2) + c_k I (d - 1 products;
-**         16-bit: T and b_(k+1) rounded), X = s^(-1/p) q(A_reg / s).
+**         16-bit: T and b_(k+1) rounded), X = s^(-1/p) q(A_reg / s).  Not DASH's Chebyshev, which fits
+**         y^(-1/p) on [eps, 1 + eps] by least squares without the s^(-1/p) rescale: that fit misses the root
+**         by ~0.1-1 (normalized) already at condition 10, where this interpolant is within ~1e-6.
 ** Per-block stopping (tolerance > 0): CN tests max |M - I| after each iteration, NDB max |Z Y - I| (the
 ** product every step forms) before each step; a block that meets it keeps its iterate and stops.  Whatever the
 ** tolerance, a block whose iterate leaves the region of convergence stops the same way: NDB when
