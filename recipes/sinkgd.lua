@@ -12,6 +12,8 @@ sinkgd_base_width is set (width transfer; n = d_in = the last dim).  Weight deca
 axolotl: with alpha 0.05 it is 20 times weaker than AdamW's with the same weight_decay.
   spectral (sinkgd_spectral_norm): the step is rescaled to operator norm eta * tau, tau = 1 ("unit") or
     sqrt(m / n) ("muon"), with sigma = ||X||_2 estimated by warm-started power iteration (state specnorm_u).
+    A u that X nearly annihilates (||X u|| <= 1e-4 ||X||_F ||u||) restarts the step once from the seeded start
+    vector, and X^T v = 0 keeps u, so no step starts from a zero vector (axolotl has neither guard).
   sphere (sinkgd_md_sphere, SinkGDMD): W moves on the sphere of radius ||W||_F captured at its first step
     (state md_target_norm): W <- (W - a X) t / ||W - a X||, a = eta t / sigma.  No weight decay; it ignores
     sinkgd_spectral_norm and sinkgd_spectral_target.
