@@ -1,5 +1,5 @@
 --[[
-make run -- a short timed demonstration of the engine on the best device found: random numbers,
+moonstep bench core -- a short timed demonstration of the engine on the best device found: random numbers,
 fused elementwise updates, reductions, matmul, a symmetric eigendecomposition, and a safetensors round trip.
 Usage: build/moonstep bench/demo.lua [device]
 ]]

@@ -39,6 +39,7 @@ describe("moonstep command line", function()
       has(h, "usage: moonstep " .. c)
       local h2 = ms_run("help " .. c)
       assert.equals(h, h2)
+      assert.is_nil(h:find("flags:%s*$"), c .. ": a flags heading with no flags under it")
     end
     -- a problem's options become flags, with their docs
     local h = ms_run("train --problem lm --help")

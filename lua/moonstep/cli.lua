@@ -148,7 +148,7 @@ end
 
 local function show_help(c, extra)
   outln(c.help)
-  if c.flags then outln("\nflags:\n" .. flag_help(c.flags)) end
+  if c.flags and #c.flags > 0 then outln("\nflags:\n" .. flag_help(c.flags)) end
   if extra then outln(extra) end
 end
 
