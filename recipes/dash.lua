@@ -27,8 +27,9 @@ v1.1.15 numerics); Gupta, Koren, Singer, "Shampoo" (2018); DistributedShampoo (S
 blocking of any shape.  Digest: research/dash.md.
 
 Routing, first rule that applies (tags are given with the parameter: {name=, param=, grad=, tags={"adamw"}}):
-  1. tag "adamw" or "dash"
-  2. 0 dims -> adamw; 1 dim -> "dash" with algo_one_dim = "shampoo", else adamw   (dims counted once squeezed)
+  1. tag "adamw" -> adamw; 0 dims (a scalar, whatever its tags) -> adamw; tag "dash" -> dash
+  2. 1 dim once squeezed ([n], [1, n]; [1] and [1, 1] too: a 1 x 1 piece) -> "dash" with algo_one_dim =
+     "shampoo", else adamw
   3. name matches one of dash_patterns -> dash;  one of adamw_patterns -> adamw
   4. a dim equal to one of adamw_dims (e.g. the vocab) -> adamw
   5. name contains embed_tokens, lm_head, wte, word_embeddings or modules_to_save -> adamw
@@ -105,8 +106,8 @@ and the GEMMs planned and run; plan() reports "dash.auto_classes", "dash.auto_ge
   auto_reclassify_every      refreshes between reclassifications                                    10
   auto_residual              a residual above max(this, 1e-6 kappa) marks the block unresolved     1e-2
 
-State: per stack of blocks (key "r x c") grad_ema, adam_v (and momentum); per factor stack (key
-"<size>p<root>") factor and root, and for auto class (i32: the code of auto_pick), lam_max, lam_min,
+State: per stack of blocks (key "r x c"; "b x 1v" for 1-D pieces) grad_ema, adam_v (and momentum); per factor
+stack (key "<size>p<root>") factor and root, and for auto class (i32: the code of auto_pick), lam_max, lam_min,
 residual, fro; the refresh count.  The route's slots() names the block behind every slot of that state, so
 a checkpoint loads block by block (by parameter name, whatever the stacks' order).  AdamW: exp_avg, exp_avg_sq.
 Random vectors (power-iteration starts, residual sketches, stochastic rounding) are drawn by block identity:
