@@ -11,8 +11,8 @@ Muon route, per [rows, cols] matrix:
   p   = p - lr * weight_decay * p - lr * sqrt(max(1, rows / cols)) * X
 
 The quintic iteration (coefficients chosen to maximise the slope at zero, 3.4445) maps the singular values
-of the normalised u into roughly [0.7, 1.2] in five steps, without an SVD -- those above about 1e-3 of
-||u||_F; smaller ones grow by at most 3.4445^5 ~ 490.  The sqrt(max(1, rows/cols)) factor keeps the update's
+of the normalised u into roughly [0.7, 1.2] in five steps, without an SVD -- those above about 1.5e-3 of
+||u||_F; smaller ones grow by at most 3.4445^5 ~ 485.  The sqrt(max(1, rows/cols)) factor keeps the update's
 RMS alike across shapes.
 
 Source: Keller Jordan et al., "Muon: An optimizer for hidden layers in neural networks" (2024,

@@ -193,7 +193,7 @@ describe("recipes/muon.lua", function()
     local w = ms.zeros({ 8, 16 }, { dtype = "f64" })
     local g = ms.randn({ 8, 16 }, { seed = H.seed(), dtype = "f64" })
     -- an ill-conditioned gradient: rows scaled over two orders of magnitude (the quintic lifts singular
-    -- values above ~1e-3 of the Frobenius norm into [0.7, 1.2] in five steps)
+    -- values above ~1.5e-3 of the Frobenius norm into [0.7, 1.2] in five steps)
     local scales = {}
     for i = 1, 8 do scales[i] = { 10 ^ (-2 * (i - 1) / 7) } end
     g = g * ms.tensor(scales, { dtype = "f64" })
