@@ -21,7 +21,7 @@ muon.py: zeropower_via_newtonschulz5, muon_update, MuonWithAuxAdam); defaults ar
 runs the iteration in bf16 for speed; here it runs in the parameter's dtype unless ns_dtype says "bf16".
 
 Routing: parameters with 2 or more dims whose names contain none of embed_tokens, lm_head, wte,
-word_embeddings, embed (and are not tagged "adam") take the "muon" route; the rest take "adamw", with its own
+word_embeddings, embed (and are not tagged "adamw", or "adam") take the "muon" route; the rest take "adamw", with its own
 learning rate (adam_lr, scaled by the same schedule as lr), betas, eps and weight decay.  A parameter tagged
 "no_decay" (the Python bridge's param groups with weight_decay 0) takes no weight decay on either route.
 
@@ -66,7 +66,8 @@ end
 
 -- the route of parameter p, by the rules of the header
 local function pick_route(p, o)
-  if p.ndim < 2 or p.tags.adam then return "adamw" end
+  -- "adamw" as sinkgd and dash name the tag; "adam", this recipe's first name for it, still works
+  if p.ndim < 2 or p.tags.adamw or p.tags.adam then return "adamw" end
   for _, n in ipairs(EMBEDDING_NAMES) do
     if p.name:find(n, 1, true) then return "adamw" end
   end

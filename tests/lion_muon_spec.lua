@@ -136,6 +136,15 @@ describe("recipes/muon.lua", function()
     for _, p in ipairs(info.params) do route[p.name] = p.route end
     assert.same({ ["layers.0.weight"] = "muon", ["layers.1.weight"] = "muon", ["embed_tokens.weight"] = "adamw",
                   ["layers.0.bias"] = "adamw" }, route)
+    -- a hidden matrix tagged for AdamW, by the tag sinkgd and dash take ("adamw") or this recipe's older "adam"
+    for _, tag in ipairs { "adamw", "adam" } do
+      local tagged = setup(shapes, 1)
+      tagged[1].tags = { tag }
+      local by = {}
+      for _, p in ipairs(ms.optim.new("muon", tagged):info().params) do by[p.name] = p.route end
+      assert.equals("adamw", by["layers.0.weight"], tag)
+      assert.equals("muon", by["layers.1.weight"], tag)
+    end
   end)
 
   it("matches an f64 reference (Nesterov momentum, Newton-Schulz, AdamW for the rest)", function()
