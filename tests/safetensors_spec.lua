@@ -239,6 +239,30 @@ describe("safetensors atomic save", function()
     assert.same({}, temp_files())
   end)
 
+  it("refuses malformed metadata JSON as MS_E_FORMAT and a non-string value as MS_E_ARG", function()
+    -- moonstep.h: MS_E_FORMAT is malformed JSON, as ms_optimizer_new's options_json; a mistyped value is MS_E_ARG
+    local core, T = require("moonstep.core"), require("moonstep.tensor")
+    local ffi, C = core.ffi, core.C
+    ms.save(p, { old = ms.ones({ 2 }) })
+    local before = read_file(p)
+    local names = ffi.new("const char *[1]", { "a" })
+    local ts = ffi.new("const ms_tensor *[1]", { T.handle(ms.ones({ 2 })) })
+    local ctx = T.handle_ctx(ms.device("cpu"))
+    for _, case in ipairs({
+      { '{"k":', C.MS_E_FORMAT, "metadata_json is not valid JSON" },
+      { '["k"]', C.MS_E_FORMAT, "metadata_json is not a JSON object" },
+      { '{"k":"v","k":"w"}', C.MS_E_FORMAT, 'metadata_json has the key "k" twice' },
+      { '{"k":"v","step":3}', C.MS_E_ARG, 'the value of "step" is not a string' },
+    }) do
+      local st = C.ms_safetensors_save(ctx, p, 1, names, ts, case[1])
+      assert.equals(ffi.string(C.ms_status_name(case[2])), ffi.string(C.ms_status_name(st)), case[1])
+      local msg = ffi.string(C.ms_last_error())
+      assert.truthy(msg:find("ms_safetensors_save: ", 1, true) and msg:find(case[3], 1, true), msg)
+    end
+    assert.equals(before, read_file(p))
+    assert.same({}, temp_files())
+  end)
+
   it("leaves the old file intact when a save fails in the middle of the data", function()
     ms.save(p, { old = ms.ones({ 2 }) }, { v = "1" })
     local before = read_file(p)

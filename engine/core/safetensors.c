@@ -412,12 +412,14 @@ static ms_status parse_user_metadata(ms_ctx *ctx, const char *path, const char *
     char err[160];
     const ms_json *dup;
     ms_status st = ms_json_parse(text, strlen(text), out, err, sizeof err);
+    /* malformed JSON is MS_E_FORMAT (moonstep.h's status classes, as ms_optimizer_new's JSON arguments); a value
+    ** of the wrong type, below, is an invalid argument */
     if (st == MS_E_OOM) return SFAIL(ctx, MS_E_OOM, path, "out of memory");
-    if (st != MS_OK) return SFAIL(ctx, MS_E_ARG, path, "metadata_json is not valid JSON: %s", err);
+    if (st != MS_OK) return SFAIL(ctx, MS_E_FORMAT, path, "metadata_json is not valid JSON: %s", err);
     const ms_json *m = *out;
-    if (m->type != MS_JSON_OBJECT) st = SFAIL(ctx, MS_E_ARG, path, "metadata_json is not a JSON object");
+    if (m->type != MS_JSON_OBJECT) st = SFAIL(ctx, MS_E_FORMAT, path, "metadata_json is not a JSON object");
     else if (ms_json_dup_key(m, &dup) != MS_OK) st = SFAIL(ctx, MS_E_OOM, path, "out of memory");
-    else if (dup) st = SFAIL(ctx, MS_E_ARG, path, "metadata_json has the key " NAME_FMT " twice", dup->key);
+    else if (dup) st = SFAIL(ctx, MS_E_FORMAT, path, "metadata_json has the key " NAME_FMT " twice", dup->key);
     for (size_t k = 0; k < m->len && st == MS_OK; k++)
         if (m->items[k].type != MS_JSON_STRING)
             st = SFAIL(ctx, MS_E_ARG, path, "metadata_json: the value of " NAME_FMT " is not a string", m->items[k].key);

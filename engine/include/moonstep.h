@@ -487,7 +487,11 @@ MS_API ms_status ms_tensor_to_dlpack(ms_ctx *ctx, const ms_tensor *t, void **out
 
 /* Writes n named tensors (any device, any layout; names unique, non-empty, not "__metadata__") and an
 ** optional metadata JSON object whose values are all strings (NULL or "" for none).  The file is written
-** atomically: a temporary file in the same folder, fsync, rename, fsync of the folder. */
+** atomically: a temporary file in the same folder, fsync, rename, fsync of the folder.
+** Errors: MS_E_ARG (NULL ctx, NULL or empty path or one naming a folder, n < 0, NULL arrays or entries, names
+** empty, duplicate, "__metadata__" or not UTF-8, a metadata value that is not a string), MS_E_FORMAT
+** (metadata_json malformed, not an object, or with a key given twice), MS_E_DTYPE, MS_E_OOM, MS_E_IO; the file
+** is then untouched. */
 MS_API ms_status ms_safetensors_save(ms_ctx *ctx, const char *path, int n, const char *const *names,
                                      const ms_tensor *const *tensors, const char *metadata_json);
 
