@@ -506,6 +506,37 @@ describe("communicators", function()
     H.expect_error(function() ms.comm.new { ctx = {} } end, "ctx must be a moonstep context")
   end)
 
+  it("name the call that failed, not the rendezvous or ms_comm_new behind it", function()
+    -- moonstep.h: a failing call's message names the function (before any network: no address to meet at)
+    local cpu = tctx(ms.device("cpu"))
+    local p = ffi.new("ms_comm *[1]")
+    pcall(ffi.cdef, "int setenv(const char *k, const char *v, int overwrite); int unsetenv(const char *k);")
+    local saved = { RANK = os.getenv("RANK"), WORLD_SIZE = os.getenv("WORLD_SIZE"),
+                    MASTER_ADDR = os.getenv("MASTER_ADDR"), MASTER_PORT = os.getenv("MASTER_PORT") }
+    ffi.C.unsetenv("MASTER_ADDR")
+    ffi.C.unsetenv("MASTER_PORT")
+    local function starts(want_st, prefix, needle, st)
+      local msg = ffi.string(C.ms_last_error())
+      assert.are.equal(want_st, st)
+      assert.are.equal(prefix, msg:sub(1, #prefix), msg)
+      assert.is_truthy(msg:find(needle, 1, true), msg)
+    end
+    local ok, err = pcall(function()
+      starts(C.MS_E_ARG, "ms_comm_new: ", "no rendezvous address",
+        C.ms_comm_new(cpu, ffi.new("ms_comm_options", { rank = 1, world_size = 2, timeout_ms = 100 }), p))
+      ffi.C.setenv("RANK", "1", 1)
+      ffi.C.setenv("WORLD_SIZE", "2", 1)
+      starts(C.MS_E_ARG, "ms_comm_new_from_env: ", "no rendezvous address", C.ms_comm_new_from_env(cpu, 100, p))
+      ffi.C.setenv("RANK", "0", 1)
+      ffi.C.setenv("WORLD_SIZE", "2000000", 1)
+      starts(C.MS_E_ARG, "ms_comm_new_from_env: ", "world_size 2000000 is above", C.ms_comm_new_from_env(cpu, 100, p))
+    end)
+    for k, v in pairs(saved) do   -- restored whatever happened
+      if v then ffi.C.setenv(k, v, 1) else ffi.C.unsetenv(k) end
+    end
+    if not ok then error(err, 0) end
+  end)
+
   it("refuse an end of group without a begin, and nest groups", function()
     local comm = ms.comm.new { ctx = ms.device("cpu") }
     H.expect_error(function() comm:group_end() end, "no group is open on this communicator")

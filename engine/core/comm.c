@@ -110,7 +110,7 @@ MS_API ms_status ms_comm_new(ms_ctx *ctx, const ms_comm_options *opts, ms_comm *
         : join_by_id(ctx, &o, &c->impl);
     if (st != MS_OK) {
         free(c);
-        return st;
+        return ms_error_name(ctx, st, fn);   /* the rendezvous's message names ms_rendezvous: name this call */
     }
     ms_ctx_retain(ctx);
     c->ctx = ctx;
@@ -147,7 +147,7 @@ MS_API ms_status ms_comm_new_from_env(ms_ctx *ctx, int timeout_ms, ms_comm **out
     MS_TRY(env_int(ctx, fn, "RANK", true, 0, &o.rank));
     MS_TRY(env_int(ctx, fn, "WORLD_SIZE", true, 1, &o.world_size));
     MS_TRY(env_int(ctx, fn, "LOCAL_RANK", false, 0, &local_rank));   /* checked only: the device is ctx's */
-    return ms_comm_new(ctx, &o, out);
+    return ms_error_name(ctx, ms_comm_new(ctx, &o, out), fn);        /* ms_comm_new's messages name it: name this call */
 }
 
 MS_API void ms_comm_free(ms_comm *comm)
