@@ -123,8 +123,9 @@ typedef struct ms_ctx_options {
 } ms_ctx_options;
 
 /* Creates a context on `device`: "cpu", "cuda", "cuda:N", or "auto" (the first GPU when one is present and
-** the build has CUDA, else the CPU).  opts may be NULL.
-** Errors: MS_E_ARG (unparsable device string), MS_E_UNSUPPORTED (backend not compiled in),
+** the build has CUDA, else the CPU; NULL means "auto").  opts may be NULL.
+** Errors: MS_E_ARG (unparsable device string, out NULL, a negative mem_limit or num_threads, a stream for a
+** CPU context), MS_E_UNSUPPORTED (backend not compiled in),
 ** MS_E_DEVICE (no such device, or no usable driver). */
 MS_API ms_status ms_ctx_new(const char *device, const ms_ctx_options *opts, ms_ctx **out);
 MS_API void ms_ctx_free(ms_ctx *ctx);
@@ -452,7 +453,8 @@ MS_API ms_capture ms_ctx_is_capturing(const ms_ctx *ctx);
 ** Errors: MS_E_UNSUPPORTED (CPU; the stream is not being captured, or captured by this context; already
 ** joined), MS_E_BACKEND (the caller's capture was invalidated). */
 MS_API ms_status ms_graph_join(ms_ctx *ctx);
-/* Ends ms_graph_join (the ops called on ctx are no longer the caller's).  Errors: MS_E_ARG (not joined). */
+/* Ends ms_graph_join (the ops called on ctx are no longer the caller's).  Errors: MS_E_ARG (not joined),
+** MS_E_UNSUPPORTED (CPU). */
 MS_API ms_status ms_graph_leave(ms_ctx *ctx);
 
 /* ---------------------------------------------------------------------------------------------------
