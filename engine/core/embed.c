@@ -455,7 +455,8 @@ static ms_status grad_scale_of(ms_optimizer *opt, const char *fn, const ms_step_
 
 MS_API ms_status ms_optimizer_step_with(ms_optimizer *opt, const ms_step_options *opts, int *applied)
 {
-    static const char fn[] = "ms_optimizer_step";
+    /* errors name the call made: ms_optimizer_step passes no options */
+    const char *fn = opts ? "ms_optimizer_step_with" : "ms_optimizer_step";
     CHECK_OPT(fn);
     double scale;
     MS_TRY(grad_scale_of(opt, fn, opts, &scale));
@@ -578,7 +579,7 @@ MS_API ms_status ms_optimizer_capture(ms_optimizer *opt)
 
 MS_API ms_status ms_optimizer_prepare_replay_with(ms_optimizer *opt, const ms_step_options *opts)
 {
-    static const char fn[] = "ms_optimizer_prepare_replay";
+    const char *fn = opts ? "ms_optimizer_prepare_replay_with" : "ms_optimizer_prepare_replay";   /* (as above) */
     CHECK_OPT(fn);
     double scale;
     MS_TRY(grad_scale_of(opt, fn, opts, &scale));

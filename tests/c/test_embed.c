@@ -418,7 +418,7 @@ static void test_prepare_replay_on_cpu(void)
         ms_step_options so = { .grad_scale = bad[i] };
         ms_status st = ms_optimizer_prepare_replay_with(opt, &so);
         CHECK(st == MS_E_ARG, "grad_scale %g: %s", bad[i], ms_status_name(st));
-        CHECK(contains(ms_last_error(), "ms_optimizer_prepare_replay: grad_scale must be a positive finite number"),
+        CHECK(contains(ms_last_error(), "ms_optimizer_prepare_replay_with: grad_scale must be a positive finite number"),
               "message: %s", ms_last_error());
     }
     /* before the first step and after one: a CPU optimizer has no replays */

@@ -350,7 +350,7 @@ def prepare_replay_is_refused_on_the_cpu_and_changes_nothing():
     before = w.copy()
     opt = moonstep.Optimizer({"w": (w, g)}, "adamw", {"lr": 0.05, "weight_decay": 0.0}, {"device_checks": True})
     for bad in (-1.0, float("nan"), float("inf")):
-        expect_error("MS_E_ARG", "ms_optimizer_prepare_replay: grad_scale must be a positive finite number",
+        expect_error("MS_E_ARG", "ms_optimizer_prepare_replay_with: grad_scale must be a positive finite number",
                      opt.prepare_replay, grad_scale=bad)
     for round_ in range(2):
         expect_error("MS_E_UNSUPPORTED", "the optimizer runs on cpu, whose steps are never captured into a CUDA graph",
