@@ -827,3 +827,61 @@ describe("validation", function()
     assert_unchanged(g.all, snap, "device")
   end)
 end)
+
+describe("ms.adamw_step and friends: argument tables (moonstep.fused)", function()
+  local function members(n)
+    local p, g, m, v = {}, {}, {}, {}
+    for i = 1, n do
+      p[i], g[i], m[i], v[i] = ms.ones({ 3 }), ms.ones({ 3 }), ms.zeros({ 3 }), ms.zeros({ 3 })
+    end
+    return p, g, m, v
+  end
+  local function values(ts)
+    local out = {}
+    for i, t in ipairs(ts) do out[i] = t:tolist_flat() end
+    return out
+  end
+
+  it("refuse a misspelt argument, naming it, rather than leave its default in force", function()
+    local p, g, m, v = members(2)
+    local before = values(p)
+    H.expect_error(function()
+      ms.adamw_step { params = p, grads = g, exp_avg = m, exp_avg_sq = v, lr = 0.1, weight_decy = 0.1 }
+    end, "adamw_step", "unknown argument 'weight_decy'")
+    H.expect_error(function() ms.sgd_step { params = p, grads = g, lr = 0.1, momentun = 0.9 } end,
+                   "sgd_step", "'momentun'")
+    -- sinkgd_step has no per-member steps: taking them would silently step every member at step 1
+    H.expect_error(function()
+      ms.sinkgd_step { params = { ms.ones({ 3, 3 }) }, grads = { ms.ones({ 3, 3 }) }, steps = { 2 } }
+    end, "sinkgd_step", "'steps'")
+    H.expect_error(function() ms.adamw_step { params = p, grads = g, exp_avg = m, exp_avg_sq = v, block_size = 256 } end,
+                   "'block_size'")
+    assert.same(before, values(p))
+  end)
+
+  it("name a mistyped lr, step, scales or params", function()
+    local p, g, m, v = members(2)
+    H.expect_error(function() ms.adamw_step { params = p, grads = g, exp_avg = m, exp_avg_sq = v, lr = "0.1" } end,
+                   "lr must be a number or a one-element device tensor")
+    H.expect_error(function() ms.sgd_step { params = p, grads = g, step = {} } end, "step must be a number")
+    H.expect_error(function() ms.sgd_step { params = p, grads = g, scales = 2 } end, "scales must be an array")
+    H.expect_error(function() ms.sgd_step { grads = g } end, "sgd_step: params must be an array of tensors")
+  end)
+
+  it("with per-member steps, check every member before the first of the calls runs", function()
+    local p, g, m, v = members(3)
+    local before = values(p)
+    -- members 2 and 3 share a step: without the check up front, member 1 was stepped before the second call
+    -- refused its short exp_avg (and said "1 entries, 2 expected")
+    H.expect_error(function()
+      ms.adamw_step { params = p, grads = g, exp_avg = { m[1], m[2] }, exp_avg_sq = v, lr = 0.1, steps = { 1, 2, 2 } }
+    end, "exp_avg has 2 entries, 3 expected")
+    H.expect_error(function()
+      ms.adamw_step { params = p, grads = { g[1], g[2], 5 }, exp_avg = m, exp_avg_sq = v, lr = 0.1, steps = { 1, 2, 2 } }
+    end, "grads[3] must be a tensor")
+    H.expect_error(function()
+      ms.sgd_step { params = p, grads = g, scales = { 1, 1 }, lr = 0.1, steps = { 1, 2, 2 } }
+    end, "scales has 2 entries, 3 expected")
+    assert.same(before, values(p))
+  end)
+end)

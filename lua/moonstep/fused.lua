@@ -28,6 +28,7 @@ end
 
 local function scales_of(s, n)
   if s == nil then return nil end
+  if type(s) ~= "table" then error("scales must be an array of numbers, one per member", 3) end
   if #s ~= n then error(("scales has %d entries, %d expected"):format(#s, n), 3) end
   local out = ffi.new("double[?]", n > 0 and n or 1)
   for i = 1, n do out[i - 1] = s[i] end
@@ -35,15 +36,49 @@ local function scales_of(s, n)
 end
 
 -- a scalar option: number -> (value, nil); device tensor -> (0, handle)
-local function scalar(v, default)
+local function scalar(v, default, name)
   if v == nil then return default, nil end
   if type(v) == "number" then return v, nil end
+  if not tensor.is_tensor(v) then
+    error(("%s must be a number or a one-element device tensor (got %s)"):format(name or "scalar", type(v)), 3)
+  end
   return 0, H(v)
 end
 
 local function ctx_for(arr)
   if #arr == 0 then return tensor.handle_ctx(tensor.device("cpu")) end
   return tensor.handle_ctx(arr[1]:context())
+end
+
+-- Each call's argument names: a misspelt one (weight_decy =) would otherwise leave its default in force,
+-- silently.  Checked first, with the member arrays, so that a refused call changes nothing.
+local function names(...)
+  local t = {}
+  for _, k in ipairs { ... } do t[k] = true end
+  return t
+end
+local COMMON = { "params", "grads", "scales", "lr", "step", "stochastic_round", "seed", "skip" }
+local ADAMW = { "steps", "exp_avg", "exp_avg_sq", "beta1", "beta2", "eps", "weight_decay", "bias_correction" }
+local ARGS = {
+  adamw_step = names(unpack(COMMON)),
+  sgd_step = names("steps", "momentum_buf", "momentum", "dampening", "weight_decay", "nesterov"),
+  sinkgd_step = names("specnorm_u", "md_target_norm", "mode", "iters", "sn_iters", "target", "eps", "weight_decay"),
+  adamw8_step = names("exp_avg_scale", "exp_avg_sq_scale", "block_size", unpack(ADAMW)),
+}
+for _, k in ipairs(ADAMW) do ARGS.adamw_step[k] = true end
+for _, what in ipairs { "sgd_step", "sinkgd_step", "adamw8_step" } do
+  for _, k in ipairs(COMMON) do ARGS[what][k] = true end
+end
+
+local function check_args(a, what)
+  if type(a) ~= "table" then error(("%s takes a table of arguments (got %s)"):format(what, type(a)), 3) end
+  for k in pairs(a) do
+    if not ARGS[what][k] then error(("%s: unknown argument '%s'"):format(what, tostring(k)), 3) end
+  end
+  if type(a.params) ~= "table" or tensor.is_tensor(a.params) then
+    error(("%s: params must be an array of tensors%s"):format(what,
+          tensor.is_tensor(a.params) and " (got a tensor: wrap it, {t})" or ""), 3)
+  end
 end
 
 -- The arrays of a call that hold one entry per member.
@@ -56,6 +91,20 @@ local function by_step(a)
   local n = #a.params
   if type(a.steps) ~= "table" or #a.steps ~= n then
     error(("steps must be an array of %d steps (numbers or device scalars), one per member"):format(n), 3)
+  end
+  -- the member arrays checked whole before the first of several calls runs: a refused call changes nothing,
+  -- and its error counts the caller's members, not one call's
+  for _, f in ipairs(MEMBER_ARRAYS) do
+    if f == "scales" then scales_of(a.scales, n)
+    elseif a[f] ~= nil or f == "grads" then
+      local arr = a[f]
+      if type(arr) == "table" and not tensor.is_tensor(arr) and #arr == n then
+        for i = 1, n do
+          if not tensor.is_tensor(arr[i]) then error(("%s[%d] must be a tensor (got %s)"):format(f, i, type(arr[i])), 3) end
+        end
+      end
+      list(arr, f, n, false, true)
+    end
   end
   -- the usual step: every member had every gradient, so one step for all and the arrays as they are (a copy
   -- of the call, not of its arrays)
@@ -92,14 +141,15 @@ end
 ---   (steps = {per member} instead of step: each member's own step count, as torch's state["step"]; a call per
 ---   distinct step)
 function M.adamw_step(a)
+  check_args(a, "adamw_step")
   if a.steps ~= nil then
     for _, c in ipairs(by_step(a)) do M.adamw_step(c) end
     return
   end
   local n = #a.params
   local o = ffi.new("ms_adamw_options")
-  o.lr, o.lr_t = scalar(a.lr, 1e-3)
-  o.step, o.step_t = scalar(a.step, 1)
+  o.lr, o.lr_t = scalar(a.lr, 1e-3, "lr")
+  o.step, o.step_t = scalar(a.step, 1, "step")
   o.beta1, o.beta2 = a.beta1 or 0.9, a.beta2 or 0.999
   o.eps, o.weight_decay = a.eps or 1e-8, a.weight_decay or 0
   o.bias_correction = a.bias_correction == false and 0 or 1
@@ -114,14 +164,15 @@ end
 --- ms.sgd_step{params=, grads=, momentum_buf=, scales=, lr=, step=, momentum=0, dampening=0,
 ---   weight_decay=0, nesterov=false, stochastic_round=false, seed=0, skip=}   (steps =: as ms.adamw_step)
 function M.sgd_step(a)
+  check_args(a, "sgd_step")
   if a.steps ~= nil then
     for _, c in ipairs(by_step(a)) do M.sgd_step(c) end
     return
   end
   local n = #a.params
   local o = ffi.new("ms_sgd_options")
-  o.lr, o.lr_t = scalar(a.lr, 1e-3)
-  o.step, o.step_t = scalar(a.step, 1)
+  o.lr, o.lr_t = scalar(a.lr, 1e-3, "lr")
+  o.step, o.step_t = scalar(a.step, 1, "step")
   o.momentum, o.dampening, o.weight_decay = a.momentum or 0, a.dampening or 0, a.weight_decay or 0
   o.nesterov = a.nesterov and 1 or 0
   o.stochastic_round = a.stochastic_round and 1 or 0
@@ -141,7 +192,7 @@ end
 
 --- ms.foreach_scale(tensors, s): every tensor multiplied in place by s (a number or a device scalar)
 function M.foreach_scale(arr, s)
-  local v, vt = scalar(s, 1)
+  local v, vt = scalar(s, 1, "foreach_scale: s")
   check(C.ms_foreach_scale(ctx_for(arr), #arr, list(arr, "tensors"), v, vt))
 end
 
@@ -180,10 +231,11 @@ end
 ---   A param registered with moonstep.shard is a slice of a matrix split across ranks: the call is then
 ---   ms_sinkgd_step_sharded over the members' one communicator (specnorm_u of a cols slice: [..., n_local]).
 function M.sinkgd_step(a)
+  check_args(a, "sinkgd_step")
   local n = #a.params
   local o = ffi.new("ms_sinkgd_options")
-  o.lr, o.lr_t = scalar(a.lr, 1e-3)
-  o.step, o.step_t = scalar(a.step, 1)
+  o.lr, o.lr_t = scalar(a.lr, 1e-3, "lr")
+  o.step, o.step_t = scalar(a.step, 1, "step")
   local mode, target = sinkgd_modes[a.mode or "base"], sinkgd_targets[a.target or "unit"]
   if not mode then error("sinkgd_step: mode must be 'base', 'spectral' or 'sphere' (got " .. tostring(a.mode) .. ")", 2) end
   if not target then error("sinkgd_step: target must be 'unit' or 'muon' (got " .. tostring(a.target) .. ")", 2) end
@@ -208,6 +260,7 @@ end
 ---   AdamW with 8-bit moments (u8 codes shaped like the params, f32 scales [numel / block_size]); the other
 ---   arguments as ms.adamw_step.
 function M.adamw8_step(a)
+  check_args(a, "adamw8_step")
   if a.steps ~= nil then
     for _, c in ipairs(by_step(a)) do M.adamw8_step(c) end
     return
@@ -215,8 +268,8 @@ function M.adamw8_step(a)
   local n = #a.params
   local o = ffi.new("ms_adamw8_options")
   local w = o.adamw
-  w.lr, w.lr_t = scalar(a.lr, 1e-3)
-  w.step, w.step_t = scalar(a.step, 1)
+  w.lr, w.lr_t = scalar(a.lr, 1e-3, "lr")
+  w.step, w.step_t = scalar(a.step, 1, "step")
   w.beta1, w.beta2 = a.beta1 or 0.9, a.beta2 or 0.999
   w.eps, w.weight_decay = a.eps or 1e-8, a.weight_decay or 0
   w.bias_correction = a.bias_correction == false and 0 or 1
