@@ -352,6 +352,10 @@ describe("schedules and the learning rate", function()
     H.expect_error(function() mult(function() return -1 end, 1) end, "schedule function returned -1")
     H.expect_error(function() mult({ kind = "cosine", total_steps = 5, warmup_steps = 5 }, 1) end, "total_steps")
     H.expect_error(function() mult({ kind = "wsd", stable_steps = 1, decay_steps = 1, min_lr_ratio = 2 }, 1) end, "min_lr_ratio")
+    -- a mistyped false is refused, not read as the default
+    H.expect_error(function() mult({ kind = "cosine", total_steps = 5, min_lr_ratio = false }, 1) end, "min_lr_ratio", "false")
+    H.expect_error(function() mult({ kind = "wsd", stable_steps = 1, decay_steps = 1, decay = false }, 1) end, "decay", "false")
+    assert.near(0.5, mult({ kind = "wsd", stable_steps = 0, decay_steps = 2, decay = "cosine" }, 1), 1e-12)
   end)
 
   it("refuses NaN and infinite schedule values (a range check lets NaN through, an integer check inf)", function()

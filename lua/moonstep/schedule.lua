@@ -4,7 +4,8 @@ moonstep.schedule -- learning-rate schedules: a multiplier of the base learning 
   {kind = "constant"}
   {kind = "linear_warmup", warmup_steps = W}                   0 -> 1 over W steps, then 1
   {kind = "cosine", warmup_steps = W, total_steps = T, min_lr_ratio = r}
-  {kind = "wsd", warmup_steps = W, stable_steps = S, decay_steps = D, min_lr_ratio = r}   warmup-stable-decay
+  {kind = "wsd", warmup_steps = W, stable_steps = S, decay_steps = D, min_lr_ratio = r, decay = "linear"|"cosine"}
+                                                                warmup-stable-decay (decay: "linear" by default)
   function(step) return multiplier end
 ]]
 local M = {}
@@ -51,7 +52,9 @@ function M.compile(s)
     return v
   end
   local function ratio()
-    local r = s.min_lr_ratio or 0
+    -- (nil only: `or 0` would take a mistyped false for 0)
+    local r = s.min_lr_ratio
+    if r == nil then r = 0 end
     if type(r) ~= "number" or not (r >= 0 and r <= 1) then
       error(("schedule %s: min_lr_ratio must be in [0, 1] (got %s)"):format(s.kind, tostring(r)), 0)
     end
@@ -74,8 +77,11 @@ function M.compile(s)
   end
   -- warmup-stable-decay: linear warmup, a plateau, then a decay to min_lr_ratio (linear or cosine)
   local w, st, d, r = int("warmup_steps", 0), int("stable_steps"), int("decay_steps"), ratio()
-  local shape = s.decay or "linear"
-  if shape ~= "linear" and shape ~= "cosine" then error("schedule wsd: decay must be 'linear' or 'cosine'", 0) end
+  local shape = s.decay
+  if shape == nil then shape = "linear" end
+  if shape ~= "linear" and shape ~= "cosine" then
+    error(("schedule wsd: decay must be 'linear' or 'cosine' (got %s)"):format(tostring(shape)), 0)
+  end
   return function(step)
     local m = warm(step, w)
     if m then return m end
