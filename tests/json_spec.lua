@@ -29,10 +29,16 @@ describe("moonstep.json", function()
     local t = {}
     t.self = t
     assert.has_error(function() json.encode(t) end)
-    for _, bad in ipairs { "", "{", "[1,]", "{\"a\" 1}", "01", "1.", "\"\\ud800\"", "tru", "[1] x", "\"a\nb\"" } do
+    for _, bad in ipairs { "", "{", "[1,]", "{\"a\" 1}", "01", "1.", "1.e5", "-2.E-1", "\"\\ud800\"", "tru", "[1] x", "\"a\nb\"" } do
       local ok, err = pcall(json.decode, bad)
       assert.is_false(ok, bad)
       assert.truthy(tostring(err):find("json:", 1, true), err)
+    end
+  end)
+
+  it("reads the number forms RFC 8259 allows", function()
+    for text, v in pairs { ["1e5"] = 1e5, ["-1.5E+2"] = -150, ["0.25e-1"] = 0.025, ["-0"] = 0, ["7"] = 7 } do
+      assert.equals(v, json.decode(text), text)
     end
   end)
 

@@ -158,7 +158,9 @@ function decode_value(s, i, depth)
     if not num or not num:match("^-?0$") and not num:match("^-?[1-9]") and not num:match("^-?0[.eE]") then
       decode_error(s, i, "unexpected character")
     end
-    if not num:match("^-?%d+$") and not num:match("^-?%d+%.%d+$") and not num:match("^-?%d+%.?%d*[eE][-+]?%d+$") then
+    -- (a fraction needs a digit after its point, exponent or not: "1.e5" is not JSON)
+    if not num:match("^-?%d+$") and not num:match("^-?%d+%.%d+$") and not num:match("^-?%d+[eE][-+]?%d+$")
+       and not num:match("^-?%d+%.%d+[eE][-+]?%d+$") then
       decode_error(s, i, "malformed number")
     end
     return tonumber(num), i + #num
