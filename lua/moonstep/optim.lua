@@ -952,6 +952,16 @@ function Optimizer:_write_scalars(lr, step, inv_t, inv)
   end
 end
 
+-- a call's optional argument table: a misspelt key (grad_scal =) would leave the gradients scaled, silently
+local function check_args(what, args, known, level)
+  if args == nil then return end
+  if type(args) ~= "table" then error(("%s: the arguments must be a table (got %s)"):format(what, type(args)), level + 1) end
+  for k in pairs(args) do
+    if not known[k] then error(("%s: unknown argument '%s'"):format(what, tostring(k)), level + 1) end
+  end
+end
+local STEP_ARGS, REPLAY_ARGS, LOAD_OPTS = { grad_scale = true, grads = true }, { grad_scale = true }, { force = true }
+
 local function check_grad_scale(grad_scale, level)
   if grad_scale ~= nil and (type(grad_scale) ~= "number" or not (grad_scale > 0) or grad_scale == math.huge) then
     error("step: grad_scale must be a positive finite number (got " .. tostring(grad_scale) .. ")", level + 1)
@@ -971,6 +981,7 @@ function Optimizer:step(args)
       if done then return applied end
     end
   end
+  check_args("step", args, STEP_ARGS, 2)
   args = args or {}
   local grad_scale = args.grad_scale
   check_grad_scale(grad_scale, 2)
@@ -1469,6 +1480,7 @@ function Optimizer:prepare_replay(args)
   if tonumber(C.ms_ctx_is_capturing(self.ctx_h)) ~= 0 then
     error("prepare_replay: the context's stream is being captured; call it before each replay, outside the capture", 2)
   end
+  check_args("prepare_replay", args, REPLAY_ARGS, 2)
   local grad_scale = args and args.grad_scale
   check_grad_scale(grad_scale, 2)
   local step, lr = self.step_count + 1, self:get_lr()
@@ -2033,6 +2045,7 @@ local NONFINITE = { inf = math.huge, ["-inf"] = -math.huge, nan = 0 / 0 }
 
 -- load's checks (errors at `level`): what it will copy and set, nothing changed yet
 function Optimizer:_load_plan(path, opts, level)
+  check_args("load", opts, LOAD_OPTS, level)
   local force = opts and opts.force
   if type(path) ~= "string" then error("load: path must be a string", level) end
   local files, meta = read_checkpoint(path, self.dist and "cpu" or self.ctx)
