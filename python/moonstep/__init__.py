@@ -251,29 +251,35 @@ class Context:
         _check(_lib.ms_ctx_new(_utf8(device, "device"), ctypes.byref(opts), ctypes.byref(handle)))
         self._h = handle
 
+    def _handle(self):
+        if not self._h:
+            raise ValueError("the context is closed")
+        return self._h
+
     @property
     def device(self):
-        return _lib.ms_ctx_device_name(self._h).decode()
+        return _lib.ms_ctx_device_name(self._handle()).decode()
 
     @property
     def is_cuda(self):
-        return _lib.ms_ctx_device_type(self._h) == 1
+        return _lib.ms_ctx_device_type(self._handle()) == 1
 
     @property
     def index(self):
-        return _lib.ms_ctx_device_index(self._h)
+        return _lib.ms_ctx_device_index(self._handle())
 
     @property
     def stream(self):
         """The cudaStream_t (an int) this context's work runs on; None on the CPU."""
-        return _lib.ms_ctx_stream(self._h)
+        return _lib.ms_ctx_stream(self._handle())
 
     def sync(self):
-        _check(_lib.ms_ctx_sync(self._h))
+        _check(_lib.ms_ctx_sync(self._handle()))
 
     def close(self):
         """Frees the context, after the optimizers on it: refused while one of them is open (its set_grad and
-        add_param would find no context to wrap the tensors on)."""
+        add_param would find no context to wrap the tensors on).  Afterwards its properties and sync() raise
+        ValueError, as does an Optimizer or Comm made on it."""
         _refuse_close_under(self, "context")
         self._free()
 
@@ -351,7 +357,7 @@ class Comm:
                             _integer(port, "port") if port is not None else 0, _timeout_ms(timeout))
         self.context = self._context(device, stream, context)
         handle = ctypes.c_void_p()
-        _check(_lib.ms_comm_new(self.context._h, ctypes.byref(opts), ctypes.byref(handle)))
+        _check(_lib.ms_comm_new(self.context._handle(), ctypes.byref(opts), ctypes.byref(handle)))
         self._h = handle
 
     @classmethod
@@ -364,7 +370,7 @@ class Comm:
         ms_timeout = _timeout_ms(timeout)
         self.context = cls._context(device, stream, context)
         handle = ctypes.c_void_p()
-        _check(_lib.ms_comm_new_from_env(self.context._h, ms_timeout, ctypes.byref(handle)))
+        _check(_lib.ms_comm_new_from_env(self.context._handle(), ms_timeout, ctypes.byref(handle)))
         self._h = handle
         return self
 
@@ -659,7 +665,7 @@ class Optimizer:
         self.context = context
         self._order = _StreamOrder(self._framework, context) if context.is_cuda else None
         handle = ctypes.c_void_p()
-        _check(_lib.ms_optimizer_new(context._h, _path(recipe, "recipe"), _json(options, "option"), _json(settings, "setting"),
+        _check(_lib.ms_optimizer_new(context._handle(), _path(recipe, "recipe"), _json(options, "option"), _json(settings, "setting"),
                                      ctypes.byref(handle)))
         self._opt = handle
         context._users.add(self)   # context.close() is refused while this optimizer is open

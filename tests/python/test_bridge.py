@@ -406,6 +406,25 @@ def closing_the_context_under_an_open_optimizer_is_refused():
 
 
 @test
+def a_closed_context_says_so():
+    # as a closed Optimizer or Comm does: its properties read no freed handle (device was "(null)"), and an
+    # optimizer or communicator is not made on it (the engine's "ctx is NULL" named no cause)
+    ctx = moonstep.Context("cpu")
+    ctx.close()
+    for call in (lambda: ctx.device, lambda: ctx.is_cuda, lambda: ctx.index, lambda: ctx.stream, ctx.sync,
+                 lambda: moonstep.Optimizer({"w": (np.ones(4, np.float32), None)}, "sgd", context=ctx),
+                 lambda: moonstep.Comm(0, 1, context=ctx)):
+        try:
+            call()
+        except ValueError as e:
+            assert str(e) == "the context is closed", str(e)
+        else:
+            raise AssertionError("a closed context was used")
+    assert repr(ctx) == "moonstep.Context(closed)"
+    ctx.close()                                      # idempotent
+
+
+@test
 def a_read_only_gradient_is_refused_since_steps_rescale_gradients_in_place():
     # clipping and grad_scale divide the gradients in place: a read-only array (here the memory of an immutable
     # bytes object) must not be handed over, neither at add_param nor at set_grad or step(grads=)
