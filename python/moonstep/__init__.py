@@ -669,14 +669,18 @@ class Optimizer:
                                      ctypes.byref(handle)))
         self._opt = handle
         context._users.add(self)   # context.close() is refused while this optimizer is open
-        if comm is not None:
-            _check(_lib.ms_optimizer_set_comm(handle, comm._handle()))
-            self._comm = comm      # kept: the optimizer holds the communicator's pointer
-            comm._users.add(self)  # comm.close() is refused while this optimizer is open
         self.names = []
         self._keep = {}            # name -> [param, grad]: wrapped NumPy memory must outlive the optimizer's use
-        for name, param, grad, tags, shard in entries:
-            self.add_param(name, param, grad, tags, shard)
+        try:
+            if comm is not None:
+                _check(_lib.ms_optimizer_set_comm(handle, comm._handle()))
+                self._comm = comm      # kept: the optimizer holds the communicator's pointer
+                comm._users.add(self)  # comm.close() is refused while this optimizer is open
+            for name, param, grad, tags, shard in entries:
+                self.add_param(name, param, grad, tags, shard)
+        except BaseException:
+            self.close()           # refused: no half-made optimizer keeps the context or comm from closing
+            raise
 
     def _handle(self):
         if not self._opt:

@@ -406,6 +406,21 @@ def closing_the_context_under_an_open_optimizer_is_refused():
 
 
 @test
+def a_refused_optimizer_leaves_its_context_free_to_close():
+    # the constructor's optimizer was made before a bad parameter was refused: while the caller kept the error
+    # (its traceback holds the half-made optimizer), Context.close() was refused under it
+    ctx = moonstep.Context("cpu")
+    err = None
+    try:
+        moonstep.Optimizer({"a": (np.ones(2, np.float32), None), "b": (np.ones(2, np.int64), None)}, context=ctx)
+    except TypeError as e:
+        err = e
+    assert err is not None and "parameter 'b'" in str(err), err
+    ctx.close()
+    assert "closed" in repr(ctx)
+
+
+@test
 def a_closed_context_says_so():
     # as a closed Optimizer or Comm does: its properties read no freed handle (device was "(null)"), and an
     # optimizer or communicator is not made on it (the engine's "ctx is NULL" named no cause)
