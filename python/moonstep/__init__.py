@@ -441,21 +441,21 @@ def _is_numpy(x):
     return _framework(x) == "numpy" and hasattr(x, "__array_interface__") and hasattr(x, "ctypes")
 
 
-def _device_of(x):
-    """("cpu", 0) or ("cuda", index) of an array or tensor."""
+def _device_of(x, what):
+    """("cpu", 0) or ("cuda", index) of an array or tensor (what: the parameter, for the errors)."""
     if _is_numpy(x):
         return "cpu", 0
     if not hasattr(x, "__dlpack_device__"):
-        raise TypeError("expected a NumPy array or a tensor with __dlpack__ (PyTorch, CuPy, ...), got %s"
-                        % type(x).__name__)
+        raise TypeError("%s: expected a NumPy array or a tensor with __dlpack__ (PyTorch, CuPy, ...), got %s"
+                        % (what, type(x).__name__))
     kind, index = x.__dlpack_device__()
     kind = int(kind)
     if kind == _KDL_CPU:
         return "cpu", 0
     if kind == _KDL_CUDA:
         return "cuda", int(index)
-    raise MoonstepError("MS_E_DEVICE", "a tensor on DLPack device type %d: moonstep takes CPU (1) and CUDA (2) memory"
-                        % kind)
+    raise MoonstepError("MS_E_DEVICE", "%s: a tensor on DLPack device type %d: moonstep takes CPU (1) and CUDA (2) "
+                        "memory" % (what, kind))
 
 
 def _current_stream(framework, index):
@@ -655,7 +655,7 @@ class Optimizer:
         if context is None and comm is not None:
             context = comm.context
         if context is None:
-            kind, index = _device_of(entries[0][1]) if entries else ("cpu", 0)
+            kind, index = _device_of(entries[0][1], "parameter %r" % (entries[0][0],)) if entries else ("cpu", 0)
             if kind == "cuda":
                 stream = _current_stream(self._framework, index)
                 # the legacy default stream (0) cannot be a context's stream: it gets its own, ordered by events

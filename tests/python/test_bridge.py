@@ -15,7 +15,7 @@ import sys
 import tempfile
 import weakref
 
-from harness import assert_close, expect_status, moonstep, np, run, test
+from harness import assert_close, expect, expect_status, moonstep, np, run, test
 
 
 def rng(seed):
@@ -155,6 +155,10 @@ def errors_name_the_problem():
                  {"w": (w, np.ones((2, 3), np.float32))})
     expect_error("MS_E_DTYPE", "not a float dtype", moonstep.Optimizer, {"w": (w, np.ones(6, np.int32))})
     expect_error("MS_E_LAYOUT", "negative stride", moonstep.Optimizer, {"w": (w[::-1], g)})
+    # not an array: named for the first parameter too (whose device picks the context)
+    for params in ({"w": ([1.0] * 6, g)}, {"w": (w, g), "v": ([1.0] * 6, None)}):
+        e = expect(TypeError, "expected a NumPy array or a tensor with __dlpack__", moonstep.Optimizer, params)
+        assert str(e).startswith("parameter '%s': " % list(params)[-1]), str(e)
     frozen = np.ones(6, np.float32)
     frozen.flags.writeable = False
     try:
