@@ -240,8 +240,10 @@ def _refuse_close_under(obj, what):
 
 
 class Context:
-    """A moonstep context: a device ("cpu", "cuda:N") and, on CUDA, the stream its work is queued on (a
-    cudaStream_t as an int; None: a stream of its own)."""
+    """A moonstep context: a device ("cpu", "cuda", "cuda:N", or "auto": the first GPU where there is one,
+    else the CPU) and, on CUDA, the stream its work is queued on (a cudaStream_t as an int; None: a stream of
+    its own).  num_threads: OpenMP threads for its CPU work (0: OpenMP's default); mem_limit: bytes it may
+    hold allocated at once (0: no limit)."""
 
     def __init__(self, device="cpu", stream=None, num_threads=0, mem_limit=0):
         self._h = None
@@ -635,7 +637,9 @@ class Optimizer:
     """A moonstep optimizer over NumPy arrays or DLPack tensors (PyTorch, CuPy), updated in place.
 
     params: {name: param | (param, grad) | {"param", "grad", "tags", "shard"}}, or a list of (name, param, grad,
-    tags, shard) tuples or {"name", "param", "grad", "tags", "shard"} dicts.  grad may be None and given later
+    tags, shard) tuples or {"name", "param", "grad", "tags", "shard"} dicts.  NumPy arrays are float32, float64,
+    float16 or bfloat16 (native byte order) and writable: a parameter C-contiguous, a gradient of its shape
+    in any layout (non-negative strides).  grad may be None and given later
     (set_grad, or step(grads=...)); tags: a list of strings (or "a,b") that the recipe's route() sees; shard:
     this rank's slice of the parameter, ("rows" | "cols", offset, global size of that dim).
     recipe: a built-in name ("adamw", "sinkgd", ...) or a recipe file (sandboxed unless settings["trusted"]).
@@ -734,7 +738,7 @@ class Optimizer:
 
     def step(self, grads=None, grad_scale=None):
         """One step.  grads: {name: gradient} for this step; grad_scale: the gradients are this many times
-        too large (they are divided in place).  Returns True when the step was applied, False when it was
+        too large (they are divided in place; None or 0: not scaled).  Returns True when the step was applied, False when it was
         skipped (NaN/Inf gradients), None when the device decides (captured steps, settings["device_checks"])."""
         given = {}                 # name -> the gradient it had: a refused step (a bad gradient, a bad grad_scale)
         try:                       # leaves the gradients as they were
