@@ -79,6 +79,19 @@ describe("moonstep command line", function()
     has(o, "compare needs --recipes")
   end)
 
+  it("launch names a missing or infinite -n or --port value, and exits 2", function()
+    -- a missing value read as "nil" is not an integer; inf passed as whole and printed as -9223372036854775808
+    for _, c in ipairs { { "launch -n", "-n needs a value (N)" }, { "launch -n 2 --port", "--port needs a value (P)" },
+                         { "launch -n 1e999 x.lua", '-n: "1e999" is not an integer' },
+                         { "launch -n -inf x.lua", '-n: "-inf" is not an integer' },
+                         { "launch -n 2 --port=inf x.lua", '--port: "inf" is not an integer' } } do
+      local o, rc = ms_run(c[1])
+      assert.equals(2, rc, c[1])
+      has(o, c[2])
+      assert.is_nil(o:find("9223372036854775808", 1, true), o)
+    end
+  end)
+
   describe("train", function()
     it("trains, prints progress lines (not a terminal) and a summary", function()
       local out, code = ms_run("train " .. LSQ .. " --recipe adamw --steps 30 --eval-every 10 --opt lr=0.1")

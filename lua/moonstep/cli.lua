@@ -851,8 +851,12 @@ dies (on Linux).]=],
       if name == "-h" or name == "--help" then show_help(by_name.launch) return 0
       elseif name == "-n" or name == "--nproc" or name == "--port" then
         if value == nil then i = i + 1 value = argv[i] end
+        if value == nil then usage_error(("%s needs a value (%s)"):format(name, name == "--port" and "P" or "N"), "launch") end
         local v = tonumber(value)
-        if v == nil or v ~= math.floor(v) then usage_error(("%s: %q is not an integer"):format(name, tostring(value)), "launch") end
+        -- tonumber reads "inf" (and "1e999" as inf), which floor leaves whole
+        if v == nil or v ~= math.floor(v) or math.abs(v) == math.huge then
+          usage_error(("%s: %q is not an integer"):format(name, value), "launch")
+        end
         if name == "--port" then
           if v < 1 or v > 65535 then usage_error(("--port %d is outside [1, 65535]"):format(v), "launch") end
           port = v
