@@ -105,6 +105,16 @@ describe("moonstep command line", function()
       assert.is_true(final < first, out)
     end)
 
+    it("takes the last --problem given, with that problem's flags, as it takes the last of any flag", function()
+      -- the first one picked the problem flags and the problem, while the parse kept the last
+      local out, code = ms_run("train --problem mlp " .. LSQ .. " --recipe sgd --steps 2")
+      assert.equals(0, code, out)
+      has(out, "train lsq with sgd on cpu")
+      out, code = ms_run("train --problem=lsq --problem=mlp --dim 8 --recipe sgd --steps 2")
+      assert.equals(2, code, out)
+      has(out, "unknown flag '--dim'")
+    end)
+
     it("refuses unknown problems and recipes, bad options and a missing recipe file", function()
       local out, code = ms_run("train --problem nope --recipe adamw")
       assert.equals(2, code)

@@ -224,13 +224,15 @@ local function with(...)
   return t
 end
 
--- the value of --problem in argv, if any (problem options become flags once the problem is known)
+-- the value of --problem in argv, if any (problem options become flags once the problem is known); the
+-- last one, as for every other flag
 local function find_problem(argv)
+  local found
   for i, a in ipairs(argv) do
-    if a == "--problem" then return argv[i + 1] end
-    local v = a:match("^%-%-problem=(.*)$")
-    if v then return v end
+    if a == "--problem" then found = argv[i + 1] end
+    found = a:match("^%-%-problem=(.*)$") or found
   end
+  return found
 end
 
 local function problem_flags(cmd, argv)
