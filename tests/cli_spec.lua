@@ -379,6 +379,17 @@ return {
       assert.equals(1, code3)
     end)
 
+    it("refuses --plotter gnuplot without gnuplot before the runs", function()
+      -- found after the runs, it ended the command with the table unprinted
+      local d = scratch()
+      local out, code = ms_run("compare " .. LSQ .. " --recipes sgd --steps 3 --plotter gnuplot --out " .. q(d),
+                               "MOONSTEP_GNUPLOT=none")
+      assert.equals(1, code, out)
+      has(out, "--plotter gnuplot: gnuplot is not found")
+      assert.is_nil(out:find("[1/1]", 1, true), "a run started:\n" .. out)
+      assert.is_nil(read(d .. "/loss.csv"), "a run was written")
+    end)
+
     it("keeps going when one recipe fails, marks it, and exits 1", function()
       local d = scratch()
       write(d .. "/broken.lua", [[

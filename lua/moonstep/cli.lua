@@ -461,6 +461,10 @@ the loss curves as loss.png and loss.svg (gnuplot; without it the SVG alone, dra
     if vals.plotter and vals.plotter ~= "auto" and vals.plotter ~= "gnuplot" and vals.plotter ~= "builtin" then
       usage_error(("--plotter: unknown plotter '%s' (auto, gnuplot, builtin)"):format(vals.plotter), "compare")
     end
+    -- before the runs: a plotter found missing after them would end the command without its table
+    if vals.plotter == "gnuplot" and not require("moonstep.plot").find_gnuplot() then
+      error("--plotter gnuplot: gnuplot is not found (--plotter builtin draws the SVG without it)", 0)
+    end
     local cfg = run_config("compare", vals, problem)
     local specs = {}
     for s in vals.recipes:gmatch("[^,]+") do specs[#specs + 1] = s end
