@@ -485,6 +485,41 @@ local function reference(params, o)
   return ref
 end
 
+describe("the Lua option tables of the DASH primitives", function()
+  it("refuse unknown keys and mistyped values by name, before anything changes", function()
+    local w = ms.zeros({ 2, 3 })
+    local list = ms.block_list({ { tensor = w } })
+    local stack = ms.ones({ 1, 2, 3 })
+    local a = ms.tensor({ { { 4, 0 }, { 0, 9 } } }, { dtype = "f32" })
+    H.expect_error(function() ms.blocks_apply { blocks = list, stack = stack, lr = 1, wieght_decay = 0.1 } end,
+      "blocks_apply: unknown option 'wieght_decay'")
+    H.expect_error(function() ms.blocks_apply { blocks = list, stack = stack, lr = "1" } end, "blocks_apply: lr must be")
+    H.expect_error(function() ms.blocks_apply { blocks = list, stack = stack, stochastic_round = 0 } end,
+      "stochastic_round must be true or false")
+    H.expect_error(function() ms.blocks_apply { blocks = list } end, "blocks_apply: stack must be a tensor")
+    H.expect_error(function() ms.blocks_scatter(list) end, "blocks_scatter: stack must be a tensor")
+    assert.are.same({ 0, 0, 0, 0, 0, 0 }, vals(w))
+    H.expect_error(function() ms.dash_graft { grad = stack, beta_gard = 0.5 } end, "dash_graft: unknown option 'beta_gard'")
+    H.expect_error(function()
+      ms.blocks_gather_factors { stack = ms.empty({ 1, 2, 3 }), blocks = list, left = ms.zeros({ 1, 2, 2 }), alpha = 1,
+                                 beta = 0, tf32 = 1 }
+    end, "blocks_gather_factors: tf32 must be true or false")
+    H.expect_error(function()
+      ms.blocks_gather_factors { stack = ms.empty({ 1, 2, 3 }), blocks = list, left = ms.zeros({ 1, 2, 2 }), alpha = 1,
+                                 beta = 0, graft = { norm = ms.empty({ 1 }), beta_grd = 0.9 } }
+    end, "blocks_gather_factors: graft: unknown option 'beta_grd'")
+    local out = ms.zeros({ 1, 2, 2 })
+    H.expect_error(function() ms.inv_root(a, { metod = "evd", out = out }) end, "inv_root: unknown option 'metod'")
+    H.expect_error(function() ms.inv_root(a, { root = "2", out = out }) end, "inv_root: root must be a number")
+    H.expect_error(function() ms.inv_root(a, "evd") end, "inv_root: options must be a table")
+    assert.are.same({ 0, 0, 0, 0 }, vals(out))
+    H.expect_error(function() ms.spectrum_estimate(a, { vector = 4 }) end, "spectrum_estimate: unknown option 'vector'")
+    -- the documented defaults still run
+    local x = ms.inv_root(a, { method = "evd", root = 2, evd_shift = false })
+    assert(math.abs(vals(x)[1] - 0.5) < 1e-6)
+  end)
+end)
+
 describe("the dash recipe", function()
   local recipe = ms.recipe.get("dash")
   local function full_options(given)

@@ -10,6 +10,7 @@ numbers or one-element device tensors.
 
 A block list is built once (ms.block_list) and reused every step; a plain Lua array of {tensor=, row0=, col0=}
 is accepted too (converted on each call).  Lists hide their C array: recipes never see a pointer.
+An option table with an unknown key or a value of the wrong type is refused with an error naming it.
 ]]
 local core = require("moonstep.core")
 local tensor = require("moonstep.tensor")
@@ -70,6 +71,63 @@ end
 
 local function ctx_of(t) return tensor.handle_ctx(t:context()) end
 
+-- Option tables are checked before anything runs: a misspelt key (pi_step, wieght_decay) would otherwise be
+-- dropped silently for its default, and a mistyped value reach the FFI as "cannot convert" or, for a flag,
+-- Lua's truth (tf32 = 0 would turn TF32 on).  Kinds: number, boolean, string, tensor, scalar (a number or a
+-- one-element tensor), ids (a tensor or a Lua array), output (a tensor or a boolean), any.
+local kinds = {
+  number = function(v) return type(v) == "number" end,
+  boolean = function(v) return type(v) == "boolean" end,
+  string = function(v) return type(v) == "string" end,
+  tensor = function(v) return tensor.is_tensor(v) end,
+  scalar = function(v) return type(v) == "number" or tensor.is_tensor(v) end,
+  ids = function(v) return type(v) == "table" end,
+  output = function(v) return type(v) == "boolean" or tensor.is_tensor(v) end,
+  any = function() return true end,
+}
+local kind_words = {
+  number = "a number", boolean = "true or false", string = "a string", tensor = "a tensor",
+  scalar = "a number or a one-element tensor", ids = "an i32 tensor or a Lua array", output = "a tensor or a boolean",
+}
+local function check_options(what, t, spec, level)
+  if t == nil then return {} end
+  if type(t) ~= "table" or tensor.is_tensor(t) then
+    error(("%s: options must be a table (got %s)"):format(what, type(t)), level + 1)
+  end
+  for k, v in pairs(t) do
+    local kind = spec[k]
+    if kind == nil then
+      local known = {}
+      for n in pairs(spec) do known[#known + 1] = n end
+      table.sort(known)
+      error(("%s: unknown option '%s' (known: %s)"):format(what, tostring(k), table.concat(known, ", ")), level + 1)
+    end
+    if not kinds[kind](v) then
+      error(("%s: %s must be %s (got %s)"):format(what, k, kind_words[kind], type(v)), level + 1)
+    end
+  end
+  return t
+end
+local function need_tensor(what, v, name, level)
+  if not tensor.is_tensor(v) then error(("%s: %s must be a tensor (got %s)"):format(what, name, type(v)), level + 1) end
+end
+
+local GRAFT = { grad_ema = "tensor", adam_v = "tensor", norm = "tensor", pgraft = "tensor", beta_grad = "number",
+                beta_graft = "number", eps = "number", step = "scalar", bias_correction = "boolean", skip = "tensor" }
+local DASH_GRAFT = { grad = "tensor" }
+for k, v in pairs(GRAFT) do DASH_GRAFT[k] = v end
+local GATHER_FACTORS = { stack = "tensor", blocks = "any", left = "tensor", right = "tensor", alpha = "number",
+                         beta = "number", tf32 = "boolean", graft = "any" }
+local APPLY = { blocks = "any", stack = "tensor", scale = "tensor", lr = "scalar", weight_decay = "number",
+                step = "scalar", stochastic_round = "boolean", seed = "number", skip = "tensor", rng_ids = "ids" }
+local ROOT = { method = "string", root = "number", steps = "number", eps = "number", scaling = "string",
+               pi_steps = "number", pi_vectors = "number", pi_const = "number", eps_power_iter = "number",
+               pi_bf16 = "boolean", tolerance = "number", matmul_dtype = "string", tf32 = "boolean",
+               evd_shift = "boolean", seed = "number", index = "ids", rng_ids = "ids", out = "tensor",
+               residual = "output", iters = "output" }
+local SPECTRUM = { vectors = "number", steps = "number", eps = "number", bf16 = "boolean", root = "number",
+                   seed = "number", rng_ids = "ids", x_root = "tensor", lam_max = "tensor", lam_min = "tensor" }
+
 -- a scalar option: number -> (value, nil); device tensor -> (0, handle)
 local function scalar(v, default)
   if v == nil then return default, nil end
@@ -110,6 +168,7 @@ function M.blocks_gather_factors(a)
   if type(a.alpha) ~= "number" or type(a.beta) ~= "number" then
     error("blocks_gather_factors: alpha and beta must be numbers (no defaults)", 2)
   end
+  check_options("blocks_gather_factors", a, GATHER_FACTORS, 2)
   local l = resolve(a.blocks, 2)
   local o = ffi.new("ms_dash_factor_options")
   o.alpha, o.beta, o.allow_tf32 = a.alpha, a.beta, a.tf32 and 1 or 0
@@ -119,6 +178,7 @@ function M.blocks_gather_factors(a)
     if type(g) ~= "table" or not tensor.is_tensor(g.norm) then
       error("blocks_gather_factors: graft must be a table {grad_ema=, adam_v=, norm=, ...} with a norm tensor", 2)
     end
+    check_options("blocks_gather_factors: graft", g, GRAFT, 2)
     go = graft_options(g)
     o.graft = go
     o.grad_ema, o.adam_v, o.norm, o.pgraft = opt_handle(g.grad_ema), opt_handle(g.adam_v), H(g.norm), opt_handle(g.pgraft)
@@ -134,11 +194,13 @@ local function i32_of(v, like)
   return v
 end
 
---- ms.blocks_apply{blocks=, stack=, scale=, lr=, weight_decay=0, step=1, stochastic_round=false, seed=0, skip=,
+--- ms.blocks_apply{blocks=, stack=, scale=, lr=1e-3, weight_decay=0, step=1, stochastic_round=false, seed=0, skip=,
 ---   rng_ids=}
 ---   p <- p (1 - lr wd) - lr scale[k] stack[k] on every block k; rng_ids (i32 [N], tensor or Lua array): block k's
 ---   stochastic rounding keyed by rng_ids[k] instead of k
 function M.blocks_apply(a)
+  a = check_options("blocks_apply", a, APPLY, 2)
+  need_tensor("blocks_apply", a.stack, "stack", 2)
   local l = resolve(a.blocks, 2)
   local o = ffi.new("ms_blocks_apply_options")
   o.lr, o.lr_t = scalar(a.lr, 1e-3)
@@ -154,6 +216,8 @@ end
 
 --- ms.blocks_scatter(blocks, stack [, scale]): p_k <- scale[k] stack[k] (scale nil: 1)
 function M.blocks_scatter(blocks, stack, scale)
+  need_tensor("blocks_scatter", stack, "stack", 2)
+  if scale ~= nil then need_tensor("blocks_scatter", scale, "scale", 2) end
   local l = resolve(blocks, 2)
   check(C.ms_blocks_apply(ctx_of(stack), l.n, l.array, H(stack), opt_handle(scale), nil))
 end
@@ -164,6 +228,7 @@ end
 --- ms.dash_graft{grad=, grad_ema=, adam_v=, norm=, pgraft=, beta_grad=0.9, beta_graft=0.95, eps=1e-8, step=1,
 ---   bias_correction=true, skip=} -> norm ([N] f32, created when not given)
 function M.dash_graft(a)
+  a = check_options("dash_graft", a, DASH_GRAFT, 2)
   local g = a.grad
   if not tensor.is_tensor(g) then error("dash_graft: grad must be a tensor", 2) end
   local norm = a.norm or tensor.empty({ g:size(0) }, { dtype = "f32", ctx = g:context() })
@@ -202,12 +267,14 @@ end
 --- ms.inv_root(a, {method="ndb"|"cn"|"evd"|"chebyshev", root=4, steps=10, eps=0, scaling="pim", pi_steps=10,
 ---   pi_vectors=16, pi_const=2, eps_power_iter=1e-6, pi_bf16=true, tolerance=0, matmul_dtype="f32", tf32=false,
 ---   evd_shift=true, seed=0, index=, rng_ids=, out=, residual=, iters=}) -> x, residual, iters
---- x [N, b, b] <- (a + eps I)^(-1/root) per block; residual (f32 [N]) and iters (i32 [N]) when asked for
+--- x [N, b, b] <- (a + eps I)^(-1/root) per block (evd with evd_shift, DistributedShampoo's: the eigenvalues l of
+--- a + eps I taken as l + eps - min(l_min, 0)); steps: 60 for chebyshev (its degree); residual (f32 [N]) and
+--- iters (i32 [N]) when asked for
 --- (true, or tensors to write); index: an i32 tensor (or a Lua array of 0-based block numbers) to work on;
 --- rng_ids: an i32 tensor (or Lua array) of N ids, block k's random vectors drawn as block rng_ids[k]'s.
 function M.inv_root(a, opts)
-  opts = opts or {}
   if not tensor.is_tensor(a) then error("inv_root: a must be a tensor", 2) end
+  opts = check_options("inv_root", opts, ROOT, 2)
   local n = a:dim() == 3 and a:size(0) or 0
   local o = ffi.new("ms_root_options")
   o.method = enum(methods, opts.method, "method", "ndb")
@@ -239,8 +306,8 @@ end
 --- ms.spectrum_estimate(a, {vectors=16, steps=10, eps=1e-6, bf16=false, root=4, seed=0, rng_ids=, x_root=, lam_max=,
 ---   lam_min=}) -> lam_max, lam_min (lam_min only with x_root, an inverse root of a); rng_ids as ms.inv_root's
 function M.spectrum_estimate(a, opts)
-  opts = opts or {}
   if not tensor.is_tensor(a) then error("spectrum_estimate: a must be a tensor", 2) end
+  opts = check_options("spectrum_estimate", opts, SPECTRUM, 2)
   local n = a:dim() == 3 and a:size(0) or 0
   local o = ffi.new("ms_spectrum_options")
   o.vectors, o.steps = opts.vectors or 16, opts.steps or 10
