@@ -74,6 +74,12 @@ describe("ms.block_plan", function()
     end
   end)
 
+  it("refuses an options table with an unknown key or of another type, and defaults block_size to 1024", function()
+    H.expect_error(function() ms.block_plan({}, { blocksize = 8 }) end, "block_plan: unknown option 'blocksize'")
+    H.expect_error(function() ms.block_plan({}, 8) end, "block_plan: options must be a table")
+    assert.are.equal(1024, ms.block_plan({ { name = "w", shape = { 3000, 2 } } }).stacks[1].r)
+  end)
+
   it("lays each stack's L and R factors out as contiguous, disjoint slices of the factor stacks", function()
     local params = {}
     for i, s in ipairs(shapes) do params[i] = { name = "p" .. i, shape = s } end

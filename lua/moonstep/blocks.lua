@@ -3,6 +3,8 @@ moonstep.blocks -- the block plan of Shampoo on stacked blocks (DASH; research/d
 
   local plan = ms.block_plan({{name = "w", shape = {300, 70}}, {name = "norm", shape = {300}}}, {block_size = 64})
 
+block_size defaults to 1024.
+
 Every parameter is viewed as a matrix: [d0, d1, ..., dk] as [d0, d1 * ... * dk] (the view moonstep.h's
 ms_block uses), a 1-D parameter of n elements as [n, 1], a 0-dim one as [1, 1].  Both dims are cut into pieces
 of block_size, the last piece of each dim taking the remainder, so any shape is accepted (DistributedShampoo's
@@ -59,9 +61,14 @@ local function check_params(params, level)
   end
 end
 
---- ms.block_plan(params, {block_size = B}) -> plan (see the header of this file)
+--- ms.block_plan(params, {block_size = B (default 1024)}) -> plan (see the header of this file)
 function M.plan(params, opts)
   opts = opts or {}
+  -- (a misspelt key would otherwise plan with 1024 silently)
+  if type(opts) ~= "table" then error(("block_plan: options must be a table (got %s)"):format(type(opts)), 2) end
+  for k in pairs(opts) do
+    if k ~= "block_size" then error(("block_plan: unknown option '%s' (known: block_size)"):format(tostring(k)), 2) end
+  end
   local B = opts.block_size or 1024
   if type(B) ~= "number" or B ~= math.floor(B) or B < 1 then
     error(("block_plan: block_size must be an integer >= 1 (got %s)"):format(tostring(B)), 2)
