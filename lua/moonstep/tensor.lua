@@ -692,6 +692,8 @@ local function reduce(op, self, dim, keepdim)
     return dst:item()
   end
   local shape = self:shape()
+  -- (a fractional dim would reach C truncated: sum(0.5) summed dim 0)
+  if not integral(dim) then error(("%s: dim %s is not an integer"):format(op, tostring(dim)), 3) end
   local d = dim < 0 and dim + #shape or dim
   if d < 0 or d >= #shape then
     error(("%s: dim %d out of range for a %d-dim tensor"):format(op, dim, #shape), 3)
@@ -719,8 +721,15 @@ Tensor.dot = M.dot
 -- linear algebra
 -- ---------------------------------------------------------------------------------------------------
 --- ms.matmul(a, b, {trans_a=, trans_b=, alpha=, beta=, tf32=, out=, dtype=})
+local matmul_keys = { trans_a = true, trans_b = true, alpha = true, beta = true, tf32 = true, out = true, dtype = true }
 function M.matmul(a, b, opts)
   opts = opts or {}
+  -- a misspelt trans_b would silently multiply the untransposed operand
+  for k in pairs(opts) do
+    if not matmul_keys[k] then
+      error(("matmul: unknown option '%s' (known: alpha, beta, dtype, out, tf32, trans_a, trans_b)"):format(tostring(k)), 2)
+    end
+  end
   local sa, sb = a:shape(), b:shape()
   if #sa < 2 or #sb < 2 then error("matmul: a and b need at least 2 dims", 2) end
   local m = opts.trans_a and sa[#sa] or sa[#sa - 1]
