@@ -35,6 +35,32 @@ describe("experiment numbers", function()
   end)
 end)
 
+describe("experiment settings", function()
+  local small = { dim = 4, outputs = 2, samples = 8 }
+  it("E.run and E.compare refuse an unknown key or a value they would misread, before training", function()
+    local function run(extra)
+      local cfg = { problem = "lsq", recipe = "adamw", steps = 2, device = "cpu", problem_options = small }
+      for k, v in pairs(extra) do cfg[k] = v end
+      return function() return E.run(cfg) end
+    end
+    H.expect_error(run { step = 3 }, "run: unknown setting 'step'")
+    H.expect_error(run { seed = 1.5 }, "run: seed must be an integer >= 0 (got 1.5)")
+    H.expect_error(run { seed = -1 }, "seed must be an integer >= 0")
+    H.expect_error(run { smooth = 0 }, "run: smooth must be an integer >= 1")
+    H.expect_error(run { eval_every = 0 }, "run: eval_every must be an integer >= 1")
+    H.expect_error(run { clip = "x" }, "run: clip must be a number >= 0 or false")
+    H.expect_error(run { dtype = "f65" }, "run: dtype: unknown dtype \"f65\"")
+    H.expect_error(function() E.compare { problem = "lsq", recipes = { "adamw" }, steps = 2, seeds = 1, sed = 1 } end,
+      "compare: unknown setting 'sed'")
+    local r = run { seed = 2, smooth = 1, eval_every = 1 }()
+    assert.are.equal(2, #r.evals)
+    local c = E.compare { problem = "lsq", recipes = { "adamw" }, steps = 2, device = "cpu", problem_options = small,
+                          seeds = 1, skip_missing = true, on_run = function() end }
+    assert.is_nil(c.rows[1].failed)
+    assert.are.equal(1, c.rows[1].seeds)
+  end)
+end)
+
 describe("report files", function()
   -- a comparison as E.compare returns it, without training: one recipe, one seed, two steps
   local function comparison(name)

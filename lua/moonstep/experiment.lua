@@ -140,11 +140,53 @@ end
 ---   problem (name or module), problem_options, recipe (name, path or table), recipe_options, trusted,
 ---   steps, seed, device | ctx, dtype, eval_every, smooth, schedule, warmup, clip,
 ---   save (folder), resume (folder), force (resume under another recipe), stop_after (step),
----   on_step(step, loss, run) and on_eval(step, eval, run) callbacks
+---   on_step(step, loss, run) and on_eval(step, eval, run) callbacks.  Unset values come from the problem's
+---   defaults, else steps 100, seed 0, eval_every steps / 10, smooth steps / 20; unknown keys are refused.
 --- Returns a table: losses, smoothed, evals {step, loss, accuracy}, final_loss, best_loss, val_loss,
 --- val_accuracy, seconds, steps_per_s, state_bytes, info (opt:info()), recipe, recipe_hash, steps_done,
 --- start_step, diverged (step) ...
+-- The keys E.run and E.compare take.  A misspelt one (step = 3, recipe_opts) would otherwise run with the
+-- default silently, possibly for minutes; values a run would truncate or trip over later are checked too.
+local RUN_KEYS = {
+  "problem", "problem_options", "recipe", "recipe_options", "trusted", "steps", "seed", "device", "ctx", "dtype",
+  "eval_every", "smooth", "schedule", "warmup", "clip", "save", "resume", "force", "stop_after", "on_step", "on_eval",
+}
+local COMPARE_KEYS = { "recipes", "options", "seeds", "skip_missing", "on_run", "on_loaded", "on_fail" }
+local function key_set(...)
+  local set = {}
+  for _, list in ipairs { ... } do for _, k in ipairs(list) do set[k] = true end end
+  return set
+end
+local run_keys, compare_keys = key_set(RUN_KEYS), key_set(RUN_KEYS, COMPARE_KEYS)
+
+local function check_cfg(what, cfg, keys)
+  if type(cfg) ~= "table" then error(("%s: the configuration must be a table (got %s)"):format(what, type(cfg)), 0) end
+  for k in pairs(cfg) do
+    if not keys[k] then
+      local known = {}
+      for n in pairs(keys) do known[#known + 1] = n end
+      table.sort(known)
+      error(("%s: unknown setting '%s' (known: %s)"):format(what, tostring(k), table.concat(known, ", ")), 0)
+    end
+  end
+  local function whole(name, min)
+    local v = cfg[name]
+    if v ~= nil and (type(v) ~= "number" or v ~= math.floor(v) or v < min) then
+      error(("%s: %s must be an integer >= %d (got %s)"):format(what, name, min, type(v) == "string" and ("%q"):format(v) or tostring(v)), 0)
+    end
+  end
+  whole("seed", 0) whole("seeds", 1) whole("smooth", 1) whole("eval_every", 1) whole("stop_after", 1)
+  if cfg.clip ~= nil and cfg.clip ~= false and (type(cfg.clip) ~= "number" or not (cfg.clip >= 0)) then
+    error(("%s: clip must be a number >= 0 or false (got %s)"):format(what, tostring(cfg.clip)), 0)
+  end
+  if cfg.dtype ~= nil then
+    local ok, err = pcall(require("moonstep.tensor").norm_dtype, cfg.dtype, 0)
+    if not ok then error(("%s: dtype: %s"):format(what, tostring(err)), 0) end
+  end
+end
+
 function E.run(cfg)
+  check_cfg("run", cfg, run_keys)
   local problem = type(cfg.problem) == "table" and cfg.problem or problems.get(cfg.problem)
   local defaults = problem.defaults or {}
 
@@ -381,6 +423,7 @@ end
 --- reported in its row, the others still run.
 --- Returns {rows = {...} (sorted by validation loss), runs = {[name] = {result per seed}}, recipes = {...}}.
 function E.compare(cfg)
+  check_cfg("compare", cfg, compare_keys)
   local problem = type(cfg.problem) == "table" and cfg.problem or problems.get(cfg.problem)
   if type(cfg.recipes) ~= "table" or #cfg.recipes == 0 then error("compare: no recipes given", 0) end
   local recipes, seen, skipped = {}, {}, {}
@@ -412,7 +455,7 @@ function E.compare(cfg)
       index = index + 1
       if cfg.on_run then cfg.on_run(r.name, seed0 + k, index, total) end
       local rc = {}
-      for key, v in pairs(cfg) do rc[key] = v end
+      for key, v in pairs(cfg) do if run_keys[key] then rc[key] = v end end
       rc.recipe, rc.recipe_options, rc.seed = r, given[r], seed0 + k
       local ok, res = pcall(E.run, rc)
       if not ok then
