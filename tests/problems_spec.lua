@@ -267,6 +267,8 @@ describe("built-in problems", function()
     H.expect_error(function() problems.new("lm", { width = "wide" }) end, "option 'width'", "integer")
     H.expect_error(function() problems.new("lsq", { cond = 0.5 }) end, "below its minimum")
     H.expect_error(function() problems.new("mlp", {}, { seed = -1 }) end, "seed must be a non-negative integer")
+    H.expect_error(function() problems.new("mlp", {}, { sed = 1 }) end, "unknown environment key 'sed'")
+    H.expect_error(function() problems.new("lsq", {}, { dtype = "f65" }) end, "unknown dtype \"f65\"")
     -- values from the command line arrive as strings and are converted by the declared type
     local o = problems.options(problems.get("lm"), { width = "64", data = "x.txt" })
     assert.equals(64, o.width)

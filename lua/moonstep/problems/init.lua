@@ -57,12 +57,19 @@ end
 function M.new(problem, given, env)
   if type(problem) == "string" then problem = M.get(problem) end
   env = env or {}
+  -- (a misspelt key would build the instance with the default silently; a bad dtype used to be read as a device)
+  for k in pairs(env) do
+    if k ~= "device" and k ~= "ctx" and k ~= "dtype" and k ~= "seed" then
+      error(("unknown environment key '%s' (known: ctx, device, dtype, seed)"):format(tostring(k)), 0)
+    end
+  end
+  local dtype = require("moonstep.tensor").norm_dtype(env.dtype, 0)
   local ctx = env.ctx or ms.device(env.device)
   local seed = env.seed or 0
   if type(seed) ~= "number" or seed < 0 or seed ~= math.floor(seed) then
     error("seed must be a non-negative integer (got " .. tostring(seed) .. ")", 0)
   end
-  local inst = problem.new(M.options(problem, given), { ctx = ctx, dtype = env.dtype or "f32", seed = seed })
+  local inst = problem.new(M.options(problem, given), { ctx = ctx, dtype = dtype, seed = seed })
   inst.problem = problem
   return inst
 end
