@@ -66,9 +66,7 @@ function M.plan(params, opts)
   opts = opts or {}
   -- (a misspelt key would otherwise plan with 1024 silently)
   if type(opts) ~= "table" then error(("block_plan: options must be a table (got %s)"):format(type(opts)), 2) end
-  for k in pairs(opts) do
-    if k ~= "block_size" then error(("block_plan: unknown option '%s' (known: block_size)"):format(tostring(k)), 2) end
-  end
+  require("moonstep.core").check_keys("block_plan", opts, { block_size = true }, 2)
   local B = opts.block_size or 1024
   if type(B) ~= "number" or B ~= math.floor(B) or B < 1 then
     error(("block_plan: block_size must be an integer >= 1 (got %s)"):format(tostring(B)), 2)

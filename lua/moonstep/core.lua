@@ -109,4 +109,19 @@ function M.own_tensor(p) return ffi.gc(p, C.ms_tensor_free) end
 function M.own_ctx(p) return ffi.gc(p, C.ms_ctx_free) end
 function M.own_set(p) return ffi.gc(p, C.ms_tensor_set_free) end
 
+--- Refuses a key of table t that the set `known` (name -> true) lacks, naming it and the known ones: a misspelt
+--- argument would otherwise leave its default in force, silently.  `what` leads the message ("block_plan"),
+--- `noun` names the kind of key ("option" unless given); the error is raised at `level` of the caller (0: none).
+function M.check_keys(what, t, known, level, noun)
+  for k in pairs(t) do
+    if not known[k] then
+      local names = {}
+      for n in pairs(known) do names[#names + 1] = n end
+      table.sort(names)
+      error(("%s: unknown %s '%s' (known: %s)"):format(what, noun or "option", tostring(k), table.concat(names, ", ")),
+            level == 0 and 0 or level + 1)
+    end
+  end
+end
+
 return M

@@ -94,14 +94,9 @@ local function check_options(what, t, spec, level)
   if type(t) ~= "table" or tensor.is_tensor(t) then
     error(("%s: options must be a table (got %s)"):format(what, type(t)), level + 1)
   end
+  core.check_keys(what, t, spec, level + 1)
   for k, v in pairs(t) do
     local kind = spec[k]
-    if kind == nil then
-      local known = {}
-      for n in pairs(spec) do known[#known + 1] = n end
-      table.sort(known)
-      error(("%s: unknown option '%s' (known: %s)"):format(what, tostring(k), table.concat(known, ", ")), level + 1)
-    end
     if not kinds[kind](v) then
       error(("%s: %s must be %s (got %s)"):format(what, k, kind_words[kind], type(v)), level + 1)
     end

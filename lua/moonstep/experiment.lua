@@ -161,14 +161,7 @@ local run_keys, compare_keys = key_set(RUN_KEYS), key_set(RUN_KEYS, COMPARE_KEYS
 
 local function check_cfg(what, cfg, keys)
   if type(cfg) ~= "table" then error(("%s: the configuration must be a table (got %s)"):format(what, type(cfg)), 0) end
-  for k in pairs(cfg) do
-    if not keys[k] then
-      local known = {}
-      for n in pairs(keys) do known[#known + 1] = n end
-      table.sort(known)
-      error(("%s: unknown setting '%s' (known: %s)"):format(what, tostring(k), table.concat(known, ", ")), 0)
-    end
-  end
+  require("moonstep.core").check_keys(what, cfg, keys, 0, "setting")
   local function whole(name, min)
     local v = cfg[name]
     if v ~= nil and (type(v) ~= "number" or v ~= math.floor(v) or v < min) then

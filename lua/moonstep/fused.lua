@@ -72,9 +72,7 @@ end
 
 local function check_args(a, what)
   if type(a) ~= "table" then error(("%s takes a table of arguments (got %s)"):format(what, type(a)), 3) end
-  for k in pairs(a) do
-    if not ARGS[what][k] then error(("%s: unknown argument '%s'"):format(what, tostring(k)), 3) end
-  end
+  core.check_keys(what, a, ARGS[what], 3, "argument")
   if type(a.params) ~= "table" or tensor.is_tensor(a.params) then
     error(("%s: params must be an array of tensors%s"):format(what,
           tensor.is_tensor(a.params) and " (got a tensor: wrap it, {t})" or ""), 3)

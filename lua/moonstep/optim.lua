@@ -487,8 +487,9 @@ function Optimizer:_dist_total(sums, active, step)
   end
   local h = 0
   for _, m in ipairs(active) do h = (h + name_key(m.name) % 1048576) % 1048576 end
-  local t = self.dist.step_t
-  t:copy_(ms.tensor({ total, #active, #active * #active, h, h * h }, { dtype = "f64" }))
+  local t, buf = self.dist.step_t, self.dist.step_buf
+  buf[0], buf[1], buf[2], buf[3], buf[4] = total, #active, #active * #active, h, h * h
+  core.check(C.ms_tensor_write(self.ctx_h, tensor.handle(t), buf, 40))   -- (no tensor made per step)
   self.comm:all_reduce(t)
   local r, n = t:tolist_flat(), self.comm:size()
   if n * r[3] ~= r[2] * r[2] or n * r[5] ~= r[4] * r[4] then
@@ -598,7 +599,7 @@ function build(recipe, params, options, settings, progress)
     if self.world.size > 1 then
       self.comm = settings.comm
       self.dist = { mode = settings.distribute or "owner", total_t = ms.zeros({ 1 }, { dtype = "f64", ctx = ctx }),
-                    step_t = ms.zeros({ 5 }, { dtype = "f64", ctx = ctx }) }
+                    step_t = ms.zeros({ 5 }, { dtype = "f64", ctx = ctx }), step_buf = ffi.new("double[5]") }
     end
   end
 
@@ -956,9 +957,7 @@ end
 local function check_args(what, args, known, level)
   if args == nil then return end
   if type(args) ~= "table" then error(("%s: the arguments must be a table (got %s)"):format(what, type(args)), level + 1) end
-  for k in pairs(args) do
-    if not known[k] then error(("%s: unknown argument '%s'"):format(what, tostring(k)), level + 1) end
-  end
+  core.check_keys(what, args, known, level + 1, "argument")
 end
 local STEP_ARGS, REPLAY_ARGS, LOAD_OPTS = { grad_scale = true, grads = true }, { grad_scale = true }, { force = true }
 

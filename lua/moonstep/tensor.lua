@@ -725,11 +725,7 @@ local matmul_keys = { trans_a = true, trans_b = true, alpha = true, beta = true,
 function M.matmul(a, b, opts)
   opts = opts or {}
   -- a misspelt trans_b would silently multiply the untransposed operand
-  for k in pairs(opts) do
-    if not matmul_keys[k] then
-      error(("matmul: unknown option '%s' (known: alpha, beta, dtype, out, tf32, trans_a, trans_b)"):format(tostring(k)), 2)
-    end
-  end
+  core.check_keys("matmul", opts, matmul_keys, 2)
   local sa, sb = a:shape(), b:shape()
   if #sa < 2 or #sb < 2 then error("matmul: a and b need at least 2 dims", 2) end
   local m = opts.trans_a and sa[#sa] or sa[#sa - 1]

@@ -53,16 +53,14 @@ function M.options(problem, given)
   return out
 end
 
+local ENV_KEYS = { device = true, ctx = true, dtype = true, seed = true }
+
 --- A problem instance: problems.new(name_or_module, options, {device=|ctx=, dtype="f32", seed=0})
 function M.new(problem, given, env)
   if type(problem) == "string" then problem = M.get(problem) end
   env = env or {}
   -- (a misspelt key would build the instance with the default silently; a bad dtype used to be read as a device)
-  for k in pairs(env) do
-    if k ~= "device" and k ~= "ctx" and k ~= "dtype" and k ~= "seed" then
-      error(("unknown environment key '%s' (known: ctx, device, dtype, seed)"):format(tostring(k)), 0)
-    end
-  end
+  require("moonstep.core").check_keys("problems.new", env, ENV_KEYS, 0, "environment key")
   local dtype = require("moonstep.tensor").norm_dtype(env.dtype, 0)
   local ctx = env.ctx or ms.device(env.device)
   local seed = env.seed or 0
