@@ -884,4 +884,27 @@ describe("ms.adamw_step and friends: argument tables (moonstep.fused)", function
     end, "scales has 2 entries, 3 expected")
     assert.same(before, values(p))
   end)
+
+  it("with per-member steps, let the engine refuse a member or a step before any member changes", function()
+    local p, g, m, v = members(3)
+    local before, m_before = values(p), values(m)
+    -- the engine's own checks (shape, overlap, step) refuse a later call's member: the earlier calls' members
+    -- (member 1, at step 1) must not have moved
+    local short = ms.ones({ 2 })
+    H.expect_error(function()
+      ms.adamw_step { params = p, grads = { g[1], g[2], short }, exp_avg = m, exp_avg_sq = v, lr = 0.1, steps = { 1, 2, 2 } }
+    end, "ms_adamw_step", "shape")
+    -- the same tensor as member 1's param and member 3's: one call refuses the overlap, two calls would step it twice
+    H.expect_error(function()
+      ms.sgd_step { params = { p[1], p[2], p[1] }, grads = g, lr = 0.1, steps = { 1, 2, 2 } }
+    end, "ms_sgd_step")
+    H.expect_error(function()
+      ms.sgd_step { params = p, grads = g, lr = 0.1, steps = { 1, 2, 0 } }
+    end, "ms_sgd_step", "step = 0")
+    assert.same(before, values(p))
+    assert.same(m_before, values(m))
+    -- and a good split call still steps every member, each at its own step
+    ms.adamw_step { params = p, grads = g, exp_avg = m, exp_avg_sq = v, lr = 0.1, steps = { 1, 2, 2 } }
+    for i = 1, 3 do assert.is_true(p[i]:tolist_flat()[1] < 1) end
+  end)
 end)

@@ -134,6 +134,33 @@ local function by_step(a)
   return calls
 end
 
+-- A device scalar holding 1 per context: the skip of the checking calls below
+local skip_all = setmetatable({}, { __mode = "k" })
+
+-- Runs a call given per-member steps through step_fn, one engine call per distinct step.  The engine checks a
+-- member (shape, dtype, overlap with another member) and a step only when it is called, so a group split in
+-- several calls is first checked by calls that change nothing (skip = 1, read when they run): the whole group
+-- at the first step, then one member at each other step.  A refused group then leaves every member as it was.
+local function run_by_step(a, step_fn)
+  local calls = by_step(a)
+  if #calls > 1 then
+    local ctx = a.params[1]:context()
+    skip_all[ctx] = skip_all[ctx] or tensor.ones({ 1 }, { dtype = "f32", ctx = ctx })
+    for i, c in ipairs(calls) do
+      local probe = {}
+      for k, v in pairs(i == 1 and a or c) do probe[k] = v end
+      if i == 1 then
+        probe.steps, probe.step = nil, c.step
+      else
+        for _, f in ipairs(MEMBER_ARRAYS) do if c[f] ~= nil then probe[f] = { c[f][1] } end end
+      end
+      probe.skip = skip_all[ctx]
+      step_fn(probe)
+    end
+  end
+  for _, c in ipairs(calls) do step_fn(c) end
+end
+
 --- ms.adamw_step{params=, grads=, exp_avg=, exp_avg_sq=, scales=, lr=, step=, beta1=, beta2=, eps=,
 ---   weight_decay=, bias_correction=true, stochastic_round=false, seed=0, skip=}
 ---   (steps = {per member} instead of step: each member's own step count, as torch's state["step"]; a call per
@@ -141,8 +168,7 @@ end
 function M.adamw_step(a)
   check_args(a, "adamw_step")
   if a.steps ~= nil then
-    for _, c in ipairs(by_step(a)) do M.adamw_step(c) end
-    return
+    return run_by_step(a, M.adamw_step)
   end
   local n = #a.params
   local o = ffi.new("ms_adamw_options")
@@ -164,8 +190,7 @@ end
 function M.sgd_step(a)
   check_args(a, "sgd_step")
   if a.steps ~= nil then
-    for _, c in ipairs(by_step(a)) do M.sgd_step(c) end
-    return
+    return run_by_step(a, M.sgd_step)
   end
   local n = #a.params
   local o = ffi.new("ms_sgd_options")
@@ -260,8 +285,7 @@ end
 function M.adamw8_step(a)
   check_args(a, "adamw8_step")
   if a.steps ~= nil then
-    for _, c in ipairs(by_step(a)) do M.adamw8_step(c) end
-    return
+    return run_by_step(a, M.adamw8_step)
   end
   local n = #a.params
   local o = ffi.new("ms_adamw8_options")
