@@ -41,6 +41,7 @@
 #include "sr.cuh"
 
 #include <algorithm>
+#include <float.h>
 #include <math.h>
 #include <stdlib.h>
 #include <new>
@@ -168,6 +169,16 @@ __host__ __device__ __forceinline__ double *fuu_of(const skscr &s, int64_t m) { 
 /* max(x, eps) that keeps a NaN, as the CPU's clamp_min */
 __device__ __forceinline__ float clampf(float x, float eps) { return x < eps ? eps : x; }
 __device__ __forceinline__ double clampd(double x, double eps) { return x < eps ? eps : x; }
+
+/* An SR-Sinkhorn scale, a row's (or a column's): sqrt(n) r / max(r sqrt(S), eps) from the sum S of its (G c)^2
+** (of its (G r)^2: sqrt(m), c) and its previous scale r; a zero row keeps r.  A sum past f32 (|G c| beyond ~1.8e19 /
+** sqrt(n); the CPU's f64 sums have no such limit) gives NaN, so that the matrix's update is NaN, as a NaN
+** gradient's -- not a finite update that leaves that row out (its scale would be 0). */
+__device__ __forceinline__ float sinkhorn_scale(float ps, float rold, float sqn, float eps)
+{
+    if (ps > FLT_MAX) return __int_as_float(0x7fffffff);
+    return ps == 0 ? rold : sqn * rold / clampf(rold * sqrtf(ps), eps);
+}
 
 /* First row group of CTA b when gtot groups are split into `grid` equal contiguous ranges. */
 __host__ __device__ __forceinline__ int64_t range_start(int64_t b, int64_t gtot, int64_t grid)
@@ -697,12 +708,11 @@ __device__ __noinline__ void fast_segment(const skargs<CAP> &A, const skmat &M, 
             const int row = crow + P * r;
             const bool rv = on && row < mi;
             if (KIND == K_SINK) {
-                /* sqrt(n) r / max(r sqrt(S), eps) = sqrt(n) / sqrt(S) when r^2 S >= eps^2: one rsqrt; the exact
-                ** formula where eps clamps, and for NaN (which fails the comparison) */
+                /* sqrt(n) r / max(r sqrt(S), eps) = sqrt(n) / sqrt(S) when r^2 S >= eps^2: one rsqrt; sinkhorn_scale
+                ** where eps clamps, for NaN (which fails the comparison) and for a sum past f32 */
                 const float q2 = rs[r] * rs[r] * ps[r];
-                const float rn = ps[r] == 0         ? rs[r]
-                                 : q2 >= eps * eps ? sqn * rsqrtf(ps[r])
-                                                    : sqn * rs[r] / clampf(rs[r] * sqrtf(ps[r]), eps);
+                const float rn = ps[r] != 0 && q2 >= eps * eps && ps[r] <= FLT_MAX ? sqn * rsqrtf(ps[r])
+                                                                                   : sinkhorn_scale(ps[r], rs[r], sqn, eps);
                 if (rv && kap == 0 && side == 0) rvec[row] = rn;
                 co[r] = rv ? rn : 0.f;
             } else {
@@ -837,7 +847,7 @@ __device__ __noinline__ void generic_segment(const skargs<CAP> &A, const skmat &
         if (want_ff) pf = block_sum<T_SWEEP>(pf, red);
         float co;
         if (KIND == K_SINK) {
-            co = ps == 0 ? rold : sqn * rold / clampf(rold * sqrtf(ps), eps);
+            co = sinkhorn_scale(ps, rold, sqn, eps);
             if (t == 0) S.r[i] = co;
         } else {
             const float v = rold * ps;
@@ -960,7 +970,7 @@ __device__ __noinline__ void wide_rows_segment(const skargs<CAP> &A, const skmat
         if (want_ff) pf = warp_sum(pf);
         if (lane != 0) return;
         if (KIND == K_SINK) {
-            S.r[row] = ps == 0 ? rold : sqn * rold / clampf(rold * sqrtf(ps), eps);
+            S.r[row] = sinkhorn_scale(ps, rold, sqn, eps);
         } else {
             const float v = rold * ps;
             rv_of(S)[row] = rold * v;
@@ -1266,7 +1276,7 @@ __device__ __forceinline__ void power_start(const msk_sinkgd &o, const skmat &M,
 ** when the matrix restarts.  (fold_pass and fold_warp_kernel.) */
 __device__ __forceinline__ float sink_column(float c_old, float T2, float sqm, float eps)
 {
-    return T2 == 0 ? c_old : sqm * c_old / clampf(c_old * sqrtf(T2), eps);
+    return sinkhorn_scale(T2, c_old, sqm, eps);
 }
 __device__ __forceinline__ bool power_restarts(double restarted, double f2, double nv, double uu)
 {
@@ -2385,7 +2395,7 @@ __global__ void __launch_bounds__(256) crow_fin_kernel(const skargs<CAP> *__rest
         scr_layout(M.scr, M.m, M.n, M.nbands, &S);
         const int64_t row = g - M.g0;
         const float ps = __ldcg(xs + g), rold = first ? 1.f : S.r[row];
-        S.r[row] = ps == 0 ? rold : M.root * rold / clampf(rold * sqrtf(ps), eps);
+        S.r[row] = sinkhorn_scale(ps, rold, M.root, eps);
     }
 }
 
@@ -2447,7 +2457,7 @@ __global__ void __launch_bounds__(FOLD_THREADS) ccol_kernel(const skargs<CAP> *_
     if (KIND == K_SINK) {
         if (jv) {
             const float c_old = (A.flags & FL_FIRST) ? 1.f : S.c[j];
-            const float cn = T2 == 0 ? c_old : sqrtf((float)M.m) * c_old / clampf(c_old * sqrtf(T2), eps);
+            const float cn = sink_column(c_old, T2, sqrtf((float)M.m), eps);
             S.c[j] = cn;
             q = (double)cn * cn * T2;
         }

@@ -533,6 +533,51 @@ describe("cuda ms_sinkgd_step", function()
     end
   end)
 
+  cuda_it("gradients 1e20 times larger: NaN for the matrices whose f32 squares overflow, the CPU's results for "
+          .. "the others in the same call; 1e-15 times smaller: the CPU's results; every thread map, every mode",
+          function()
+    -- the CPU sums in f64, where the update of 1e20 * G is G's; CUDA's f32 sums of (G c)^2 overflow beyond ~1.8e19,
+    -- and such a matrix must come out NaN (as for a NaN gradient), never as a finite update that leaves the
+    -- overflowing row out.  Tiny gradients meet the eps clamp of the norms on both backends (1e-15: their f32 squares
+    -- stay in range; see moonstep.h for squares that underflow).
+    for _, mode in ipairs { "base", "spectral", "sphere" } do
+      for _, scale in ipairs { "huge", "tiny" } do
+        local cm, gm = group(PATHS, mode)
+        local rest_c, rest_g, big = {}, {}, {}
+        for k, mb in ipairs(cm) do
+          -- huge: the first row of every other 2-D member (f16 cannot hold 1e20)
+          local huge = scale == "huge" and k % 2 == 1 and mb.g:dtype() ~= "f16" and #mb.shape == 2
+          if scale == "tiny" or huge then
+            local g = mb.g:to("f32"):contiguous()
+            local rows = huge and g:slice(0, 0, 1) or g
+            rows:copy_(ms.mul(rows, huge and 1e20 or 1e-15))
+            g = g:to(mb.g:dtype())
+            mb.g:copy_(g)
+            gm[k].g:copy_(gpu(g))
+          end
+          if huge then big[#big + 1] = gm[k] else rest_c[#rest_c + 1], rest_g[#rest_g + 1] = mb, gm[k] end
+        end
+        -- one GPU call of every member (the overflowing ones last), the rest compared with the CPU's
+        local all_g = {}
+        for _, mb in ipairs(rest_g) do all_g[#all_g + 1] = mb end
+        for _, mb in ipairs(big) do all_g[#all_g + 1] = mb end
+        local o = { mode = mode, iters = 5, sn_iters = 1, lr = 0.05, weight_decay = mode == "sphere" and 0 or 0.02,
+                    step = 1 }
+        local what = ("%s, gradients %s"):format(mode, scale)
+        step_and_compare(rest_c, all_g, o, nil, what)
+        for k, mb in ipairs(rest_g) do
+          for i, x in ipairs(vals(mb.p)) do assert(x == x, ("%s: member %d element %d is NaN"):format(what, k, i)) end
+        end
+        for k, mb in ipairs(big) do
+          for i, x in ipairs(vals(mb.p)) do
+            assert(x ~= x, ("%s: overflowing member %d element %d is %s, not NaN"):format(what, k, i, x))
+          end
+        end
+        assert.is_true(#big >= (scale == "huge" and 8 or 0))
+      end
+    end
+  end)
+
   cuda_it("a NaN in one matrix's gradient makes that matrix NaN, as on the CPU, and leaves the others alone",
           function()
     for _, mode in ipairs { "base", "spectral" } do

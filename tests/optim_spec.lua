@@ -446,6 +446,17 @@ describe("the step guard", function()
     assert.equals(2, opt:stats().skipped_steps)
   end)
 
+  it("counts a gradient whose sum of squares overflows f32 as non-finite (SinkGD's CUDA sums would too)", function()
+    local a, b = param("a.weight", { 6, 4 }), param("b", { 5 })
+    local opt = ms.optim.new("sinkgd", { a, b }, { lr = 0.1 })
+    fill_grads({ a, b }, H.seed())
+    local before = copy_params({ a, b })
+    a.grad:copy_(ms.mul(a.grad, 1e20))   -- every element finite, the f32 sum of their squares is not
+    assert.is_false(opt:step())
+    assert.same(before, copy_params({ a, b }))
+    assert.same({ "a.weight" }, opt:stats().last.nonfinite)
+  end)
+
   it("raises naming the parameters when asked to", function()
     local a = param("enc.weight", { 3 })
     local opt = ms.optim.new("sgd", { a }, {}, { nonfinite = "raise" })

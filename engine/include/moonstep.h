@@ -649,7 +649,11 @@ typedef struct ms_sinkgd_options {
 ** fold their column sums a warp a block of 32 columns; MOONSTEP_SINKGD_WARP_FOLD = 0 folds them a CTA a block
 ** instead (the same bits).  Base and spectral calls of at most 16 dense matrices of one dtype pair apply the
 ** update in one flat pass of short blocks; MOONSTEP_SINKGD_FLAT_APPLY = 0 applies it with the CTAs of the sweeps
-** instead (the same bits).
+** instead (the same bits).  CUDA sums the squares in f32: a matrix some row of whose G diag(c) has a sum of
+** squares past the f32 range (|g| of ~1.8e19 / sqrt(n) and beyond) is updated with NaN, as for a NaN gradient,
+** where the CPU's f64 sums give the finite update (ms.optim's non-finite check, whose f32 sums of squares
+** overflow alike, skips such a step on both backends).  At the other end, a row (column) all of whose |G c| are below
+** ~2.6e-23 has f32 squares that sum to 0 and keeps its scale, as a zero row does, where the CPU clamps its norm to eps.
 ** Errors: MS_E_ARG (NULL arrays or members, options out of range), MS_E_SHAPE, MS_E_DTYPE, MS_E_LAYOUT,
 ** MS_E_DEVICE, MS_E_OOM (scratch: O(m + n) per matrix), MS_E_UNSUPPORTED (a backend without the op). */
 MS_API ms_status ms_sinkgd_step(ms_ctx *ctx, int n, ms_tensor *const *params, const ms_tensor *const *grads,
