@@ -20,7 +20,7 @@ Options:
   no_decay_1d       no weight decay for parameters of fewer than 2 dims                 default false
   state_dtype       dtype of exp_avg / exp_avg_sq: "f32" or "bf16"                      default "f32"
   stochastic_round  round bf16/f16 parameters stochastically when storing them         default false
-  seed              key of the stochastic rounding                                      default 0
+  seed              key of the stochastic rounding, below 2^32 (ctx.rng_key)            default 0
 ]]
 return {
   name = "adamw",
@@ -34,7 +34,7 @@ return {
     no_decay_1d = { default = false, type = "boolean", doc = "no weight decay for parameters of < 2 dims" },
     state_dtype = { default = "f32", type = "string", values = { "f32", "bf16" }, doc = "moment state dtype" },
     stochastic_round = { default = false, type = "boolean", doc = "stochastic rounding of bf16/f16 params" },
-    seed = { default = 0, type = "integer", min = 0, doc = "stochastic rounding key" },
+    seed = { default = 0, type = "integer", min = 0, max = 2 ^ 32 - 1, doc = "stochastic rounding key" },
   },
 
   route = function(p, o)
@@ -61,7 +61,7 @@ return {
         ms.adamw_step {
           params = params, grads = grads, exp_avg = m1, exp_avg_sq = m2, lr = ctx.lr_t, steps = steps,
           beta1 = o.betas[1], beta2 = o.betas[2], eps = o.eps, weight_decay = o.weight_decay,
-          bias_correction = o.bias_correction, stochastic_round = o.stochastic_round, seed = o.seed,
+          bias_correction = o.bias_correction, stochastic_round = o.stochastic_round, seed = ctx.rng_key(o.seed),
           skip = ctx.skip_t,   -- the runtime's device-side non-finite flag (captured steps)
         }
       end,

@@ -71,7 +71,8 @@ Options (DASH's names; defaults from its paper grid, research/dash.md §4; every
   algo_one_dim               adamw | shampoo (the paper's runs: shampoo)                           "adamw"
   adamw_betas / adamw_eps / adamw_weight_decay   the AdamW route (DashLayerwise's)     {0.9, 0.95} / 1e-8 / 0
   bf16_stochastic_round      stochastic rounding when storing bf16/f16 params                       false
-  seed                       Philox key: power iterations, residual sketches, stochastic rounding   0
+  seed                       Philox key (below 2^32): power iterations, residual sketches,          0
+                             stochastic rounding (its calls' keys: ctx.rng_key(seed))
   adamw_patterns, dash_patterns, adamw_dims      routing (Lua patterns; dim sizes)                 {}
 `auto` (moonstep's own; research/dash.md §7): the cheapest solver that gives each factor block NDB-10's
 resolution.  A T-step Newton solver resolves the normalized eigenvalues y = lambda / s (s: its scale) down to a
@@ -706,8 +707,8 @@ local dash_route = {
       end
       ms.blocks_apply {
         blocks = w.param_list[k], stack = P, scale = scale, lr = ctx.lr_t, step = ctx.step_t,
-        weight_decay = s.one_dim and 0 or o.weight_decay, stochastic_round = o.bf16_stochastic_round, seed = o.seed,
-        rng_ids = w.apply_ids[k],
+        weight_decay = s.one_dim and 0 or o.weight_decay, stochastic_round = o.bf16_stochastic_round,
+        seed = ctx.rng_key(o.seed), rng_ids = w.apply_ids[k],
       }
     end
   end,
@@ -773,7 +774,7 @@ return {
     adamw_eps = { default = 1e-8, type = "number", above = 0, doc = "AdamW eps" },
     adamw_weight_decay = { default = 0.0, type = "number", min = 0, doc = "AdamW weight decay" },
     bf16_stochastic_round = { default = false, type = "boolean", doc = "stochastic rounding of bf16/f16 params" },
-    seed = { default = 0, type = "integer", min = 0, doc = "Philox key" },
+    seed = { default = 0, type = "integer", min = 0, max = 2 ^ 32 - 1, doc = "Philox key" },
     adamw_patterns = { default = {}, type = "patterns", doc = "name patterns routed to AdamW" },
     dash_patterns = { default = {}, type = "patterns", doc = "name patterns routed to DASH" },
     adamw_dims = { default = {}, type = "numbers", min = 1, doc = "dim sizes routed to AdamW" },
@@ -823,7 +824,7 @@ return {
         ms.adamw_step {
           params = params, grads = grads, exp_avg = m1, exp_avg_sq = m2, lr = ctx.lr_t, steps = steps,
           beta1 = o.adamw_betas[1], beta2 = o.adamw_betas[2], eps = o.adamw_eps, weight_decay = o.adamw_weight_decay,
-          stochastic_round = o.bf16_stochastic_round, seed = o.seed, skip = ctx.skip_t,
+          stochastic_round = o.bf16_stochastic_round, seed = ctx.rng_key(o.seed), skip = ctx.skip_t,
         }
       end,
     },

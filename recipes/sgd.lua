@@ -18,7 +18,7 @@ Options:
   nesterov      Nesterov momentum (needs momentum > 0 and dampening 0)                 default false
   state_dtype   dtype of the momentum buffer: "f32" or "bf16"                          default "f32"
   stochastic_round  round bf16/f16 parameters stochastically when storing them         default false
-  seed          key of the stochastic rounding                                         default 0
+  seed          key of the stochastic rounding, below 2^32 (ctx.rng_key)               default 0
 A parameter tagged "no_decay" (the Python bridge's param groups with weight_decay 0) takes no weight decay.
 ]]
 return {
@@ -32,7 +32,7 @@ return {
     nesterov = { default = false, type = "boolean", doc = "Nesterov momentum" },
     state_dtype = { default = "f32", type = "string", values = { "f32", "bf16" }, doc = "momentum buffer dtype" },
     stochastic_round = { default = false, type = "boolean", doc = "stochastic rounding of bf16/f16 params" },
-    seed = { default = 0, type = "integer", min = 0, doc = "stochastic rounding key" },
+    seed = { default = 0, type = "integer", min = 0, max = 2 ^ 32 - 1, doc = "stochastic rounding key" },
   },
 
   -- cross-option rules; errors name the option
@@ -72,7 +72,7 @@ return {
         ms.sgd_step {
           params = params, grads = grads, momentum_buf = bufs, lr = ctx.lr_t, steps = steps,
           momentum = o.momentum, dampening = o.dampening, weight_decay = o.weight_decay, nesterov = o.nesterov,
-          stochastic_round = o.stochastic_round, seed = o.seed,
+          stochastic_round = o.stochastic_round, seed = ctx.rng_key(o.seed),
           skip = ctx.skip_t,   -- the runtime's device-side non-finite flag (captured steps)
         }
       end,

@@ -68,7 +68,7 @@ moonstep's own:
   sinkgd_patterns             names routed to SinkGD (ahead of adamw_patterns and the defaults)   {}
   adamw_dims                  dim sizes that route a parameter to AdamW (e.g. {vocab_size})    {}
   seed                        Philox key of the stochastic rounding and of the power iteration's
-                              first vector                                                     0
+                              first vector, below 2^32 (each call's key: ctx.rng_key(seed))    0
 Refused: sinkhorn_iters < 0, sinkgd_spectral_norm_iters < 1, a target other than unit/muon, and
 sinkgd_base_width together with sinkgd_spectral_norm and the muon target (both correct for width: the
 correction would count twice; axolotl refuses it too).
@@ -178,7 +178,7 @@ return {
     adamw_patterns = { default = {}, type = "patterns", doc = "name patterns routed to AdamW" },
     sinkgd_patterns = { default = {}, type = "patterns", doc = "name patterns routed to SinkGD" },
     adamw_dims = { default = {}, type = "numbers", min = 1, doc = "dim sizes routed to AdamW" },
-    seed = { default = 0, type = "integer", min = 0, doc = "stochastic rounding and power-iteration key" },
+    seed = { default = 0, type = "integer", min = 0, max = 2 ^ 32 - 1, doc = "stochastic rounding and power-iteration key" },
   },
 
   validate = function(o)
@@ -224,7 +224,7 @@ return {
           mode = mode, iters = o.sinkhorn_iters, sn_iters = o.sinkgd_spectral_norm_iters,
           target = o.sinkgd_spectral_target, eps = o.sinkgd_eps,
           weight_decay = mode == "sphere" and 0 or o.weight_decay,
-          stochastic_round = o.bf16_stochastic_round, seed = o.seed,
+          stochastic_round = o.bf16_stochastic_round, seed = ctx.rng_key(o.seed),
           skip = ctx.skip_t,   -- the runtime's device-side non-finite flag (captured steps)
         }
       end,
@@ -272,7 +272,9 @@ return {
           if #set.params > 0 then
             set.lr, set.skip = ctx.lr_t, ctx.skip_t
             set.beta1, set.beta2, set.eps, set.weight_decay = o.betas[1], o.betas[2], o.eps, 0
-            set.stochastic_round, set.seed, set.block_size = o.bf16_stochastic_round, o.seed, o.block_size
+            -- two calls, two random streams (each numbers its members from 0)
+            set.seed = ctx.rng_key(o.seed, set == q and 0 or 1)
+            set.stochastic_round, set.block_size = o.bf16_stochastic_round, o.block_size
             if set == q then ms.adamw8_step(set) else set.block_size = nil ms.adamw_step(set) end
           end
         end
