@@ -77,6 +77,18 @@ end
 -- steps both groups with o and compares (params to one rounding plus 1e-5 of the largest update, u, t).  The GPU
 -- starts from the CPU's state: the two may round a stored param an ulp apart, and carried into the next step an
 -- ulp of a large param can be several of a smaller result.
+-- the options of a 5-iteration step with one power step (no weight decay on the sphere)
+local function step_options(mode)
+  return { mode = mode, iters = 5, sn_iters = 1, lr = 0.05, weight_decay = mode == "sphere" and 0 or 0.02, step = 1 }
+end
+
+-- fails on the first NaN among the members' parameters
+local function assert_no_nan(members, what)
+  for k, mb in ipairs(members) do
+    for i, x in ipairs(vals(mb.p)) do assert(x == x, ("%s: member %d element %d is NaN"):format(what, k, i)) end
+  end
+end
+
 local function step_and_compare(cpu_m, gpu_m, o, scales, what)
   local before = {}
   for k, mb in ipairs(cpu_m) do
@@ -347,9 +359,7 @@ describe("cuda ms_sinkgd_step", function()
       cm[42].g:copy_(ms.tensor({ { a, a } }))
       gm[42].g:copy_(gpu(cm[42].g))
       if cm[42].u then cm[42].u:copy_(ms.tensor({ b, -b })) end
-      local o = { mode = mode, iters = 5, sn_iters = 1, lr = 0.05, weight_decay = mode == "sphere" and 0 or 0.02,
-                  step = 1 }
-      step_and_compare(cm, gm, o, nil, mode .. " many matrices")
+      step_and_compare(cm, gm, step_options(mode), nil, mode .. " many matrices")
       for k = 3, #gm, 3 do if gm[k].u then gm[k].u:zero_() end end
       if gm[42].u then gm[42].u:copy_(gpu(ms.tensor({ b, -b }))) end
       local start, first = {}, {}
@@ -481,9 +491,7 @@ describe("cuda ms_sinkgd_step", function()
           end
           step_and_compare(cm, gm, { mode = mode, iters = 5, sn_iters = sn, lr = 0.1 }, nil,
                            ("%s zeros, %d power steps%s"):format(mode, sn, many and ", many folds" or ""))
-          for k, mb in ipairs(gm) do
-            for i, x in ipairs(vals(mb.p)) do assert(x == x, ("%s member %d element %d is NaN"):format(mode, k, i)) end
-          end
+          assert_no_nan(gm, mode)
         end
       end
     end
@@ -519,13 +527,9 @@ describe("cuda ms_sinkgd_step", function()
             cm[k].g:copy_(ms.tensor(g):view(m, n):to(s.gdt))
             gm[k].g:copy_(gpu(cm[k].g))
           end
-          local o = { mode = mode, iters = 5, sn_iters = 1, lr = 0.05, weight_decay = mode == "sphere" and 0 or 0.02,
-                      step = 1 }
           local what = ("%s K = %s, a tiny row or column"):format(mode, kforce)
-          step_and_compare(cm, gm, o, nil, what)
-          for k, mb in ipairs(gm) do
-            for i, x in ipairs(vals(mb.p)) do assert(x == x, ("%s: member %d element %d is NaN"):format(what, k, i)) end
-          end
+          step_and_compare(cm, gm, step_options(mode), nil, what)
+          assert_no_nan(gm, what)
         end
       end)
       ffi.C.unsetenv("MOONSTEP_SINKGD_K")
@@ -561,13 +565,9 @@ describe("cuda ms_sinkgd_step", function()
         local all_g = {}
         for _, mb in ipairs(rest_g) do all_g[#all_g + 1] = mb end
         for _, mb in ipairs(big) do all_g[#all_g + 1] = mb end
-        local o = { mode = mode, iters = 5, sn_iters = 1, lr = 0.05, weight_decay = mode == "sphere" and 0 or 0.02,
-                    step = 1 }
         local what = ("%s, gradients %s"):format(mode, scale)
-        step_and_compare(rest_c, all_g, o, nil, what)
-        for k, mb in ipairs(rest_g) do
-          for i, x in ipairs(vals(mb.p)) do assert(x == x, ("%s: member %d element %d is NaN"):format(what, k, i)) end
-        end
+        step_and_compare(rest_c, all_g, step_options(mode), nil, what)
+        assert_no_nan(rest_g, what)
         for k, mb in ipairs(big) do
           for i, x in ipairs(vals(mb.p)) do
             assert(x ~= x, ("%s: overflowing member %d element %d is %s, not NaN"):format(what, k, i, x))
