@@ -82,25 +82,31 @@ MS_API ms_status ms_tensor_from_dlpack(ms_ctx *ctx, void *managed, ms_tensor **o
     if (managed == NULL) return MS_FAIL(ctx, MS_E_ARG, "%s: managed is NULL", fn);
     DLManagedTensor *m = managed;
     const DLTensor *t = &m->dl_tensor;
+    /* every refusal below names `managed`: the caller's tensor is at fault, not the call */
     DLDevice want = device_of(ctx);
     if (t->device.device_type != want.device_type || t->device.device_id != want.device_id)
-        return MS_FAIL(ctx, MS_E_DEVICE, "%s: the tensor is on %s:%d but the context is on %s", fn,
+        return MS_FAIL(ctx, MS_E_DEVICE, "%s: managed is on %s:%d but the context is on %s", fn,
                        device_name(t->device.device_type), t->device.device_id, ctx->name);
     ms_dtype dt;
     if (!dtype_from_dl(t->dtype, &dt))
-        return MS_FAIL(ctx, MS_E_DTYPE, "%s: DLPack dtype (code %u, %u bits, %u lanes) is not one of f32 f64 bf16 "
-                       "f16 i32 u8", fn, t->dtype.code, t->dtype.bits, t->dtype.lanes);
+        return MS_FAIL(ctx, MS_E_DTYPE, "%s: managed's DLPack dtype (code %u, %u bits, %u lanes) is not one of f32 "
+                       "f64 bf16 f16 i32 u8", fn, t->dtype.code, t->dtype.bits, t->dtype.lanes);
     if (t->ndim < 0 || t->ndim > MS_MAX_DIMS)
-        return MS_FAIL(ctx, MS_E_ARG, "%s: %d dims (at most %d)", fn, t->ndim, MS_MAX_DIMS);
-    if (t->ndim > 0 && t->shape == NULL) return MS_FAIL(ctx, MS_E_ARG, "%s: shape is NULL", fn);
+        return MS_FAIL(ctx, MS_E_ARG, "%s: managed has %d dims (0 to %d are taken)", fn, t->ndim, MS_MAX_DIMS);
+    if (t->ndim > 0 && t->shape == NULL) return MS_FAIL(ctx, MS_E_ARG, "%s: managed's shape is NULL", fn);
     if (t->data && t->byte_offset > UINTPTR_MAX - (uintptr_t)t->data)   /* the sum would wrap to another address */
-        return MS_FAIL(ctx, MS_E_LAYOUT, "%s: data %p + byte_offset %llu runs past the address space", fn, t->data,
-                       (unsigned long long)t->byte_offset);
+        return MS_FAIL(ctx, MS_E_LAYOUT, "%s: managed's data %p + byte_offset %llu runs past the address space", fn,
+                       t->data, (unsigned long long)t->byte_offset);
     char *data = t->data ? (char *)t->data + t->byte_offset : NULL;
     ms_tensor *x;
     const ms_status st = ms_tensor_wrap(ctx, data, dt, t->ndim, t->shape, t->strides, &x);
-    /* the wrap's message names ms_tensor_wrap, which the caller did not call: name this call too */
-    if (st != MS_OK) return MS_FAIL(ctx, st, "%s: %s", fn, ms_last_error());
+    if (st != MS_OK) {
+        /* the wrap's message names ms_tensor_wrap, which the caller did not call: this call and its argument */
+        static const char wrap[] = "ms_tensor_wrap: ";
+        const char *why = ms_last_error();
+        if (strncmp(why, wrap, sizeof wrap - 1) == 0) why += sizeof wrap - 1;
+        return MS_FAIL(ctx, st, "%s: managed: %s", fn, why);
+    }
     x->storage->release = call_deleter;
     x->storage->release_arg = m;
     *out = x;
