@@ -290,11 +290,15 @@ static ms_status check_shard(ms_optimizer *opt, const char *fn, const char *name
                        "rows, dim -2, or columns, dim -1, of a matrix or a stack of matrices)", fn, name,
                        ms_tshape(param), what);
     int64_t local = param->shape[param->ndim - (rows ? 2 : 1)];
-    if (shard->offset < 0 || shard->global < 1 || shard->offset > shard->global - local)
-        return MS_FAIL(opt->ctx, MS_E_ARG, "%s: parameter '%s': %s [%lld, %lld) held here do not lie within the "
-                       "global [0, %lld)", fn, name, what, (long long)shard->offset, (long long)(shard->offset + local),
-                       (long long)shard->global);
-    return MS_OK;
+    if (shard->offset >= 0 && shard->global >= 1 && shard->offset <= shard->global - local) return MS_OK;
+    /* the slice's end as the message shows it: offset + local can pass INT64_MAX (an offset near it) */
+    int64_t end;
+    if (__builtin_add_overflow(shard->offset, local, &end))
+        return MS_FAIL(opt->ctx, MS_E_ARG, "%s: parameter '%s': %s [%lld, %lld + %lld) held here do not lie within "
+                       "the global [0, %lld)", fn, name, what, (long long)shard->offset, (long long)shard->offset,
+                       (long long)local, (long long)shard->global);
+    return MS_FAIL(opt->ctx, MS_E_ARG, "%s: parameter '%s': %s [%lld, %lld) held here do not lie within the global "
+                   "[0, %lld)", fn, name, what, (long long)shard->offset, (long long)end, (long long)shard->global);
 }
 
 /* A tensor handle for the Lua side, which takes it over (nil for NULL). */

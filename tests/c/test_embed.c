@@ -1042,6 +1042,8 @@ static void test_comm_and_shard_errors(void)
         { { MS_SHARD_ROWS, 5, 8 }, tw, "rows [5, 9) held here do not lie within the global [0, 8)" },
         { { MS_SHARD_COLS, 0, 5 }, tw, "columns [0, 6) held here do not lie within the global [0, 5)" },
         { { MS_SHARD_COLS, 0, 0 }, tw, "columns [0, 6) held here do not lie within the global [0, 0)" },
+        /* offset + the slice's size passes INT64_MAX: the message must not compute it (signed overflow) */
+        { { MS_SHARD_ROWS, INT64_MAX, 8 }, tw, "rows [9223372036854775807, 9223372036854775807 + 4) held here" },
     };
     for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
         st = ms_optimizer_add_param_sharded(opt, "w", bad[i].param, NULL, NULL, &bad[i].shard);
