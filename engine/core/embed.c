@@ -247,6 +247,18 @@ static ms_status check_tensor(ms_optimizer *opt, const char *fn, const char *nam
     return MS_OK;
 }
 
+/* Steps rescale gradients in place (grad_scale, clipping): one whose elements share addresses (an expanded view)
+** would fail mid-step, or race, so it is refused when it is handed over. */
+static ms_status check_grad_writable(ms_optimizer *opt, const char *fn, const char *name, const ms_tensor *grad)
+{
+    if (ms_tensor_is_writable(grad)) return MS_OK;
+    char strides[16 * MS_MAX_DIMS + 4];
+    return MS_FAIL(opt->ctx, MS_E_LAYOUT, "%s: parameter '%s': grad %s has strides %s, under which two elements share "
+                   "an address (an expanded view?); steps rescale gradients in place (grad_scale, clipping), so it "
+                   "must be writable", fn, name, ms_tshape(grad),
+                   ms_shape_str(strides, sizeof strides, grad->ndim, grad->strides));
+}
+
 static ms_status check_grad(ms_optimizer *opt, const char *fn, const char *name, const ms_tensor *param,
                             const ms_tensor *grad)
 {
@@ -261,7 +273,7 @@ static ms_status check_grad(ms_optimizer *opt, const char *fn, const char *name,
     if (ms_tensor_overlaps(param, grad))
         return MS_FAIL(opt->ctx, MS_E_ARG, "%s: parameter '%s': grad shares memory with the param (it is updated "
                        "in place)", fn, name);
-    return MS_OK;
+    return check_grad_writable(opt, fn, name, grad);
 }
 
 /* A new handle on t's elements (same storage, shape, strides and offset) for the optimizer to own. */
@@ -421,6 +433,7 @@ MS_API ms_status ms_optimizer_set_grad(ms_optimizer *opt, const char *name, ms_t
     if (grad) {
         /* device and dtype here; the shape against the parameter's in moonstep.embed */
         MS_TRY(check_tensor(opt, fn, name, "grad", grad));
+        MS_TRY(check_grad_writable(opt, fn, name, grad));
         MS_TRY(tensor_share(opt->ctx, grad, &g));
     }
     int base = call_begin(opt, "set_grad");

@@ -209,16 +209,15 @@ bool ms_tensor_contiguous_p(const ms_tensor *t)
 ** size > 1, taken by increasing stride, must nest: each stride beyond the span of the dims before it.  That
 ** is exact for stride 0 (an expanded view), for equal strides, and for every view that slicing, transposing
 ** or permuting a dense tensor makes; strides that only interleave (shape [2,3], strides [4,3]) are refused
-** too, as a layout no moonstep op writes. */
-ms_status ms_check_writable(ms_ctx *ctx, const char *fn, const char *who, const ms_tensor *t)
+** too, as a layout no moonstep op writes.  Returns 0 when t is writable; else 1 (dim *dim has stride 0) or 2
+** (dim *dim's stride lies within the span of the dims of smaller stride). */
+static int write_fault(const ms_tensor *t, int *dim)
 {
-    if (ms_tensor_numel(t) == 0) return MS_OK;
+    if (ms_tensor_numel(t) == 0) return 0;
     int dims[MS_MAX_DIMS], n = 0;
     for (int i = 0; i < t->ndim; i++) {
         if (t->shape[i] == 1) continue;
-        if (t->strides[i] == 0)
-            return MS_FAIL(ctx, MS_E_LAYOUT, "%s: %s %s is an expanded view (stride 0 in dim %d); writing it would "
-                           "race", fn, who, ms_tshape(t), i);
+        if (t->strides[i] == 0) { *dim = i; return 1; }
         int k = n++;   /* insertion by stride, the earlier dim first among equals */
         while (k > 0 && t->strides[dims[k - 1]] > t->strides[i]) {
             dims[k] = dims[k - 1];
@@ -229,16 +228,35 @@ ms_status ms_check_writable(ms_ctx *ctx, const char *fn, const char *who, const 
     int64_t span = 0;   /* the largest offset the dims so far reach (fits: ms_tensor_wrap checked the extent) */
     for (int k = 0; k < n; k++) {
         const int d = dims[k];
-        if (t->strides[d] <= span) {
-            char strides[16 * MS_MAX_DIMS + 4];
-            return MS_FAIL(ctx, MS_E_LAYOUT, "%s: %s %s has strides %s, under which two elements can share an "
-                           "address (dim %d's stride %lld lies within the span of the dims of smaller stride); "
-                           "writing it would race", fn, who, ms_tshape(t),
-                           ms_shape_str(strides, sizeof strides, t->ndim, t->strides), d, (long long)t->strides[d]);
-        }
+        if (t->strides[d] <= span) { *dim = d; return 2; }
         span += (t->shape[d] - 1) * t->strides[d];
     }
-    return MS_OK;
+    return 0;
+}
+
+ms_status ms_check_writable(ms_ctx *ctx, const char *fn, const char *who, const ms_tensor *t)
+{
+    int d = 0;
+    switch (write_fault(t, &d)) {
+    case 1:
+        return MS_FAIL(ctx, MS_E_LAYOUT, "%s: %s %s is an expanded view (stride 0 in dim %d); writing it would "
+                       "race", fn, who, ms_tshape(t), d);
+    case 2: {
+        char strides[16 * MS_MAX_DIMS + 4];
+        return MS_FAIL(ctx, MS_E_LAYOUT, "%s: %s %s has strides %s, under which two elements can share an "
+                       "address (dim %d's stride %lld lies within the span of the dims of smaller stride); "
+                       "writing it would race", fn, who, ms_tshape(t),
+                       ms_shape_str(strides, sizeof strides, t->ndim, t->strides), d, (long long)t->strides[d]);
+    }
+    default:
+        return MS_OK;
+    }
+}
+
+MS_API int ms_tensor_is_writable(const ms_tensor *t)
+{
+    int d;
+    return t ? write_fault(t, &d) == 0 : 0;
 }
 
 MS_API int ms_tensor_is_contiguous(const ms_tensor *t) { return t ? ms_tensor_contiguous_p(t) : 0; }

@@ -194,6 +194,9 @@ MS_API ms_ctx *ms_tensor_ctx(const ms_tensor *t);
 MS_API void *ms_tensor_data_ptr(const ms_tensor *t);
 /* Nonzero when a and b may share memory (same storage with overlapping element ranges). */
 MS_API int ms_tensor_overlaps(const ms_tensor *a, const ms_tensor *b);
+/* Nonzero when no two of t's elements share an address, as every op that writes t requires (an expanded view,
+** stride 0, is not writable; 0 for NULL). */
+MS_API int ms_tensor_is_writable(const ms_tensor *t);
 
 /* Views (no copy).  reshape needs a layout the new shape can be viewed in (MS_E_LAYOUT otherwise: call
 ** ms_tensor_contiguous first); one size may be -1 (inferred).  slice keeps [start, stop) with step >= 1

@@ -731,6 +731,12 @@ function Optimizer:_check_grad(name, param, grad, level)
   if core.C.ms_tensor_overlaps(tensor.handle(param), tensor.handle(grad)) ~= 0 then
     error(("parameter '%s': grad shares memory with the param (it is updated in place)"):format(name), level)
   end
+  -- grad_scale and clipping rescale it in place: an expanded view would fail (or race) only at such a step
+  if core.C.ms_tensor_is_writable(tensor.handle(grad)) == 0 then
+    error(("parameter '%s': grad %s has strides [%s], under which two elements share an address (an expanded "
+           .. "view?); steps rescale gradients in place (grad_scale, clip_grad_norm), so it must be writable")
+          :format(name, shape_str(grad), table.concat(grad:strides(), ",")), level)
+  end
 end
 
 --- The learning rate the next step will use.
