@@ -1060,14 +1060,14 @@ describe("the sinkgd recipe", function()
   end)
 
   it("routes a Llama (untied head), a tied Llama, Meta names, GPT-2, MoE experts and LoRA as axolotl does", function()
-    local emb = randn({ 96, 16 })
+    local emb, gemb = randn({ 96, 16 }), randn({ 96, 16 })
     local params = {
       P("model.embed_tokens.weight", { 96, 16 }), P("model.layers.0.self_attn.q_proj.weight", { 16, 16 }),
       P("model.layers.0.self_attn.k_proj.weight", { 4, 16 }), P("model.layers.0.mlp.down_proj.weight", { 16, 40 }),
       P("model.layers.0.input_layernorm.weight", { 16 }), P("model.norm.weight", { 16 }), P("lm_head.weight", { 96, 16 }),
-      -- tied: the head is the embedding's tensor, registered once
-      { name = "tied.embed_tokens.weight", param = emb, grad = randn({ 96, 16 }) },
-      { name = "tied.lm_head.weight", param = emb, grad = randn({ 96, 16 }) },
+      -- tied: the head is the embedding's tensor, registered once, with one gradient
+      { name = "tied.embed_tokens.weight", param = emb, grad = gemb },
+      { name = "tied.lm_head.weight", param = emb, grad = gemb },
       -- Meta's names: not caught by axolotl's list
       P("tok_embeddings.weight", { 96, 16 }), P("layers.0.attention.wq.weight", { 16, 16 }), P("output.weight", { 96, 16 }),
       -- GPT-2: wte caught, wpe not; Conv1D weights are 2-D

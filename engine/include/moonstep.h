@@ -1033,14 +1033,19 @@ MS_API void ms_optimizer_free(ms_optimizer *opt);
 
 /* Registers a parameter under a unique, non-empty name (checkpoints find its state by name).  param: a
 ** float tensor on the optimizer's device; grad: NULL (none yet) or a float tensor of param's shape on the
-** same device, any layout.  tags: NULL or a comma-separated list ("no_decay,adamw") that the recipe's
-** route() sees.  A parameter whose memory is that of an earlier one (tied weights) is updated once.
+** same device, in any layout that can be written (steps rescale gradients in place: grad_scale, clipping; an
+** expanded view, stride 0, cannot).  tags: NULL or a comma-separated list ("no_decay,adamw") that the recipe's
+** route() sees.  A parameter whose memory is that of an earlier one (tied weights: an embedding and its
+** lm_head) is one parameter under several names, updated once, with one gradient: given through any of the
+** names (or the same memory through several), and replaced by ms_optimizer_set_grad through any of them.
 ** Errors: MS_E_ARG (NULL, empty or duplicate name, the optimizer has started, a grad sharing param's
-** memory), MS_E_LAYOUT (param not contiguous), MS_E_SHAPE, MS_E_DTYPE, MS_E_DEVICE. */
+** memory, a tied parameter given another gradient than the tie has), MS_E_LAYOUT (param not contiguous, grad
+** not writable), MS_E_SHAPE, MS_E_DTYPE, MS_E_DEVICE. */
 MS_API ms_status ms_optimizer_add_param(ms_optimizer *opt, const char *name, ms_tensor *param, ms_tensor *grad,
                                         const char *tags);
 
-/* Gives parameter `name` another gradient tensor (NULL: none; steps then leave the parameter alone).
+/* Gives parameter `name` another gradient tensor (NULL: none; steps then leave the parameter alone); for a tied
+** parameter, the gradient of the tie (every name of it).
 ** Errors: as ms_optimizer_add_param, and MS_E_ARG for a name that was never added. */
 MS_API ms_status ms_optimizer_set_grad(ms_optimizer *opt, const char *name, ms_tensor *grad);
 

@@ -167,7 +167,7 @@ function M.new(ctx_p, recipe, options_json, settings_json, abi_fn)
   local probe = ms.optim.new(recipe, {}, options, settings)
   return setmetatable({
     ctx = ctx, ctx_h = tensor.handle_ctx(ctx), recipe = probe.recipe, options = options, settings = settings,
-    probe = probe, params = {}, by_name = {}, opt = nil, lr = nil, released = 0,
+    probe = probe, params = {}, by_name = {}, ties = {}, opt = nil, lr = nil, released = 0,
     recorded = nil,           -- {scaled =} once a step was recorded into a graph (prepare_replay needs one)
     in_capture = false,       -- the current call runs while the context's stream is being captured
   }, Embedded)
@@ -207,8 +207,20 @@ function methods:add_param(name, param_p, grad_p, tags, shard_dim, shard_offset,
     fail(C.MS_E_ARG, "parameter '%s': the optimizer has started (a step, save, load, info, stats or capture ran); add every parameter before", name)
   end
   if self.by_name[name] then fail(C.MS_E_ARG, "duplicate parameter name '%s'", name) end
-  local entry = { name = name, param = param, grad = grad, tags = parse_tags(tags) }
+  -- tied parameters (one tensor under several names) have one gradient: ms.optim would refuse two only when
+  -- the optimizer starts
+  local key = ms.optim._tie_key(param)
+  local tie = self.ties[key] or {}
+  for _, e in ipairs(tie) do
+    if grad ~= nil and e.grad ~= nil and not ms.optim._same_view(grad, e.grad) then
+      fail(C.MS_E_ARG, "parameters '%s' and '%s' are tied (one tensor) but were given different gradients: a tie "
+           .. "has one gradient (give it through one name, or the same tensor through both)", e.name, name)
+    end
+  end
+  local entry = { name = name, param = param, grad = grad, tags = parse_tags(tags), tie = tie }
   if shard_dim ~= nil then entry.shard = { dim = shard_dim, offset = shard_offset, size = shard_size } end
+  tie[#tie + 1] = entry
+  self.ties[key] = tie
   self.params[#self.params + 1] = entry
   self.by_name[name] = entry
 end
@@ -238,7 +250,8 @@ function methods:set_grad(name, grad_p)
   end
   local old = entry.grad
   if self.opt then self.opt:set_grad(name, grad) end
-  entry.grad = grad
+  -- through any name of a tie: its one gradient
+  for _, e in ipairs(entry.tie) do e.grad = grad end
   if old ~= grad then release(self, old) end
 end
 

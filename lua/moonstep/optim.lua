@@ -36,6 +36,12 @@ form a group.  A group whose lr differs from options.lr steps with that multiple
 rate (its ctx.lr and ctx.lr_t: the schedule and set_lr scale every group alike), as a torch parameter group
 with its own lr.
 
+Tied parameters (several names for one tensor: a tied embedding and lm_head) are one parameter, updated once,
+with one gradient: given through any of the names (registered with one, or the same tensor with each; set_grad
+through any name replaces it).  Two different gradients for one tie are refused, at registration and in
+step{grads =}: the update would use only one of them.  A gradient must be writable (no expanded view): steps
+rescale gradients in place (grad_scale, clip_grad_norm).
+
 A parameter without a gradient is skipped, and those steps are not its own: ctx.step_of(member) gives a
 member's step count (a device scalar, and the number), the optimizer's less the steps it went without a
 gradient, as torch's per-parameter state["step"] counts them (bias corrections, a momentum's first step).
@@ -209,10 +215,30 @@ local function check_disjoint(list, level)
   end
 end
 
+-- the key of a (contiguous) parameter's memory: parameters with the same key are tied
 local function data_key(t)
   return tostring(core.ffi.cast("uintptr_t", core.C.ms_tensor_data_ptr(tensor.handle(t)))) .. ":" ..
          table.concat(t:shape(), "x") .. ":" .. t:dtype()
 end
+
+-- whether a and b (tensors) view the same elements: the same object, or the same address, dtype, shape and strides
+local function same_view(a, b)
+  if rawequal(a, b) then return true end
+  local ha, hb = tensor.handle(a), tensor.handle(b)
+  local n = C.ms_tensor_ndim(ha)
+  if C.ms_tensor_data_ptr(ha) ~= C.ms_tensor_data_ptr(hb) or C.ms_tensor_dtype(ha) ~= C.ms_tensor_dtype(hb)
+     or n ~= C.ms_tensor_ndim(hb) then
+    return false
+  end
+  for d = 0, n - 1 do
+    if C.ms_tensor_size(ha, d) ~= C.ms_tensor_size(hb, d) or C.ms_tensor_stride(ha, d) ~= C.ms_tensor_stride(hb, d) then
+      return false
+    end
+  end
+  return true
+end
+-- (moonstep.embed finds tied parameters and compares their gradients before the optimizer is built)
+M._tie_key, M._same_view = data_key, same_view
 
 -- the parameter description a recipe's route() sees
 -- (shape and numel are the global ones: a sharded parameter's, see "Several ranks"; local_shape this rank's)
@@ -629,8 +655,15 @@ function build(recipe, params, options, settings, progress)
     if p.grad ~= nil then self:_check_grad(p.name, p.param, p.grad, 3) end
     if p.tags ~= nil and type(p.tags) ~= "table" then error(("parameter '%s': tags must be an array of strings"):format(p.name), 2) end
     local key = data_key(p.param)
-    if seen[key] then
-      self.aliases[p.name] = seen[key].name
+    local tie = seen[key]
+    if tie then
+      -- a tie has one gradient: given through either name (or the same through both), never two
+      if p.grad ~= nil and tie.grad ~= nil and not same_view(p.grad, tie.grad) then
+        error(("parameters '%s' and '%s' are tied (one tensor) but were given different gradients: a tie has one "
+               .. "gradient (give it through one name, or the same tensor through both)"):format(tie.name, p.name), 2)
+      end
+      tie.grad = tie.grad or p.grad
+      self.aliases[p.name] = tie.name
     else
       local e = { name = p.name, param = p.param, grad = p.grad, tags = p.tags, options = p.options }
       if p.shard ~= nil then shard_entry(self, e, p.shard) end
@@ -999,7 +1032,9 @@ local function check_grad_scale(grad_scale, level)
 end
 
 --- One optimizer step.  args (optional): grad_scale = s (gradients are s times too large: unscaled here),
---- grads = {name = tensor} (this step's gradients, for trainers that pass them per step).
+--- grads = {name = tensor} (this step's gradients, for trainers that pass them per step: afterwards, and after a
+--- refused step, each parameter has the gradient it had before; inside a capture of the context's stream they
+--- stay, since the graph reads them at every replay).
 --- Returns true when the step was applied, false when it was skipped (non-finite gradients), nil when the
 --- device decided (captured or device-checked steps: opt:stats() tells).
 function Optimizer:step(args)
@@ -1015,18 +1050,50 @@ function Optimizer:step(args)
   args = args or {}
   local grad_scale = args.grad_scale
   check_grad_scale(grad_scale, 2)
-  if args.grads ~= nil then
-    -- every gradient checked before any is set: a refused step changes nothing
-    if type(args.grads) ~= "table" then error("step: grads must be a table {name = tensor}", 2) end
-    for name, g in pairs(args.grads) do
-      local e = self.by_name[name] or self.by_name[self.aliases[name] or ""]
-      if not e then error("step: grads: no parameter named '" .. tostring(name) .. "'", 2) end
-      self:_check_grad(name, e.param, g, 2)
-    end
-    for name, g in pairs(args.grads) do self:set_grad(name, g) end
-  end
   local cap = tonumber(C.ms_ctx_is_capturing(self.ctx_h))
+  if args.grads ~= nil then
+    local before = self:_give_grads(args.grads, 3)
+    -- recorded into a graph, which reads these gradients at every replay (prepare_replay counts them): they stay
+    if cap ~= 0 then return self:_step_in_capture(cap, grad_scale) end
+    -- this step's gradients only: afterwards (and after a refused step) each parameter has the one it had
+    local ok, applied = pcall(self._step_now, self, grad_scale)
+    for _, b in pairs(before) do self:set_grad(b.name, b.grad or nil) end
+    if not ok then error(applied, 0) end
+    return applied
+  end
   if cap ~= 0 then return self:_step_in_capture(cap, grad_scale) end
+  return self:_step_now(grad_scale)
+end
+
+-- step{grads =}: every gradient checked before any is set (a refused step changes nothing), then set.  Returns
+-- what they replaced, {[entry] = {name =, grad = (false: none)}}.  Tied names share one gradient: giving them two
+-- is refused, as at registration.
+function Optimizer:_give_grads(grads, level)
+  if type(grads) ~= "table" then error("step: grads must be a table {name = tensor}", level) end
+  local given = {}
+  for name, g in pairs(grads) do
+    local e = self.by_name[name] or self.by_name[self.aliases[name] or ""]
+    if not e then error("step: grads: no parameter named '" .. tostring(name) .. "'", level) end
+    self:_check_grad(name, e.param, g, level + 1)
+    local other = given[e]
+    if other and not same_view(other.grad, g) then
+      local a, b = other.name, name
+      if b < a then a, b = b, a end
+      error(("step: grads: parameters '%s' and '%s' are tied (one tensor) but were given different gradients: a "
+             .. "tie has one gradient"):format(a, b), level)
+    end
+    given[e] = { name = name, grad = g }
+  end
+  local before = {}
+  for e, x in pairs(given) do
+    before[e] = { name = x.name, grad = e.grad or false }
+    self:set_grad(x.name, x.grad)
+  end
+  return before
+end
+
+-- the step after its arguments were taken: on the device (device_checks, captures) or on the host
+function Optimizer:_step_now(grad_scale)
   if self.graphs or self.settings.device_checks then return self:_step_device(grad_scale) end
 
   local step = self.step_count + 1

@@ -283,6 +283,72 @@ static void test_parameter_errors(void)
     ms_optimizer_free(opt);
 }
 
+/* SGD (lr 0.5) moved p by -0.5 g, exactly (a power of two: one rounding either way). */
+static int sgd_moved(const float *now, const float *before, const float *g, int n)
+{
+    for (int i = 0; i < n; i++)
+        if (now[i] != before[i] - 0.5f * g[i]) return 0;
+    return 1;
+}
+
+static void test_tied_and_unwritable_grads(void)
+{
+    float w[6], ga[6], gb[6], e[6], before[6];
+    fill_random(w, 6, 1);
+    fill_random(ga, 6, 1);
+    fill_random(gb, 6, 1);
+    fill_random(e, 2, 1);
+    int64_t s23[2] = { 2, 3 }, zero_row[2] = { 0, 1 };
+    ms_tensor *tw = wrap(w, 2, s23), *ta = wrap(ga, 2, s23), *ta2 = wrap(ga, 2, s23), *tb = wrap(gb, 2, s23), *te;
+    /* an expanded gradient: every row is e[0..2] */
+    CHECK(ms_tensor_wrap(cpu, e, MS_DTYPE_F32, 2, s23, zero_row, &te) == MS_OK, "wrap expanded: %s", ms_last_error());
+    ms_optimizer *opt = NULL;
+    CHECK(ms_optimizer_new(cpu, "sgd", "{\"lr\": 0.5}", NULL, &opt) == MS_OK, "sgd: %s", ms_last_error());
+    if (opt == NULL) return;
+    /* tied weights (an embedding and its head) with their gradient given through the second name only: it was
+    ** dropped, and the tie stepped with none */
+    CHECK(ms_optimizer_add_param(opt, "embed", tw, NULL, NULL) == MS_OK, "embed: %s", ms_last_error());
+    CHECK(ms_optimizer_add_param(opt, "head", tw, ta, NULL) == MS_OK, "head: %s", ms_last_error());
+    ms_status st = ms_optimizer_add_param(opt, "head2", tw, tb, NULL);
+    CHECK(st == MS_E_ARG && contains(ms_last_error(), "parameters 'head' and 'head2' are tied (one tensor) but were "
+          "given different gradients"), "two gradients for a tie: %s %s", ms_status_name(st), ms_last_error());
+    CHECK(ms_optimizer_add_param(opt, "head3", tw, ta2, NULL) == MS_OK, "the same gradient again (another handle): %s",
+          ms_last_error());
+    /* a gradient the steps cannot rescale in place: refused here, not at a step with grad_scale */
+    st = ms_optimizer_add_param(opt, "x", tb, te, NULL);
+    CHECK(st == MS_E_LAYOUT && contains(ms_last_error(), "parameter 'x': grad [2,3] has strides [0,1]") &&
+          contains(ms_last_error(), "must be writable"), "expanded grad: %s %s", ms_status_name(st), ms_last_error());
+    memcpy(before, w, sizeof w);
+    ms_step_options so = { .grad_scale = 1 };
+    CHECK(ms_optimizer_step_with(opt, &so, NULL) == MS_OK, "step: %s", ms_last_error());
+    CHECK(sgd_moved(w, before, ga, 6), "the tie stepped once, with the gradient given through 'head'");
+    st = ms_optimizer_set_grad(opt, "embed", te);
+    CHECK(st == MS_E_LAYOUT && contains(ms_last_error(), "parameter 'embed'") &&
+          contains(ms_last_error(), "must be writable"), "set_grad expanded: %s %s", ms_status_name(st), ms_last_error());
+    /* set_grad through any name replaces the tie's gradient */
+    CHECK(ms_optimizer_set_grad(opt, "embed", tb) == MS_OK, "set_grad embed: %s", ms_last_error());
+    memcpy(before, w, sizeof w);
+    CHECK(ms_optimizer_step(opt) == MS_OK && sgd_moved(w, before, gb, 6), "stepped with embed's new gradient: %s",
+          ms_last_error());
+    ms_optimizer_free(opt);
+
+    /* before the optimizer starts too: a set_grad through one name is the tie's, not a second gradient */
+    CHECK(ms_optimizer_new(cpu, "sgd", "{\"lr\": 0.5}", NULL, &opt) == MS_OK, "sgd: %s", ms_last_error());
+    if (opt == NULL) return;
+    CHECK(ms_optimizer_add_param(opt, "embed", tw, ta, NULL) == MS_OK, "embed: %s", ms_last_error());
+    CHECK(ms_optimizer_add_param(opt, "head", tw, NULL, NULL) == MS_OK, "head: %s", ms_last_error());
+    CHECK(ms_optimizer_set_grad(opt, "head", tb) == MS_OK, "set_grad head: %s", ms_last_error());
+    memcpy(before, w, sizeof w);
+    CHECK(ms_optimizer_step(opt) == MS_OK, "step: %s", ms_last_error());
+    CHECK(sgd_moved(w, before, gb, 6), "stepped with the gradient set through 'head'");
+    ms_optimizer_free(opt);
+    ms_tensor_free(tw);
+    ms_tensor_free(ta);
+    ms_tensor_free(ta2);
+    ms_tensor_free(tb);
+    ms_tensor_free(te);
+}
+
 static const char *failing_recipe =
     "-- a recipe whose step fails: its own error at step 3, an engine error at step `bad_step`\n"
     "return {\n"
@@ -1373,6 +1439,7 @@ int main(void)
     test_bad_options_and_settings();
     test_unknown_recipes();
     test_parameter_errors();
+    test_tied_and_unwritable_grads();
     test_recipe_error_mid_step();
     test_info_arrays();
     test_nonfinite();
