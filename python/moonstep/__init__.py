@@ -117,6 +117,12 @@ for _name, _res, _args in [
                                       ctypes.POINTER(ctypes.c_int64), _PP]),
     ("ms_tensor_from_dlpack", ctypes.c_int, [_P, _P, _PP]),
     ("ms_tensor_free", None, [_P]),
+    ("ms_tensor_data_ptr", _P, [_P]),
+    ("ms_tensor_dtype", ctypes.c_int, [_P]),
+    ("ms_tensor_ndim", ctypes.c_int, [_P]),
+    ("ms_tensor_size", ctypes.c_int64, [_P, ctypes.c_int]),
+    ("ms_tensor_stride", ctypes.c_int64, [_P, ctypes.c_int]),
+    ("ms_ctx_is_capturing", ctypes.c_int, [_P]),
     ("ms_optimizer_new", ctypes.c_int, [_P, _S, _S, _S, _PP]),
     ("ms_optimizer_free", None, [_P]),
     ("ms_optimizer_add_param", ctypes.c_int, [_P, _S, _P, _P, _S]),
@@ -174,17 +180,23 @@ def _check(status):
         raise MoonstepError(_lib.ms_status_name(status).decode(), _lib.ms_last_error().decode(errors="replace"))
 
 
-def _nonfinite(v, where):
-    """Where a NaN or infinity lies in v (a JSON-bound value), as ("'lr'", "nan") or ("'betas'", "item 2 ..."):
-    None when there is none."""
+def _unwritable(v, where):
+    """Where v (a JSON-bound value) holds what JSON cannot, as ("'lr'", "a finite number is needed (got nan)")
+    or ("'betas' item 2", ...): a NaN or infinity, or a value that is no number, string, boolean, None, list or
+    dict; None when there is none."""
     if hasattr(v, "tolist") and not isinstance(v, (str, bytes)):
         v = v.tolist()
     if isinstance(v, float) and not math.isfinite(v):
-        return where, repr(v)
-    items = v.items() if isinstance(v, dict) else enumerate(v, 1) if isinstance(v, (list, tuple)) else ()
+        return where, "a finite number is needed (got %r)" % v
+    if v is None or isinstance(v, (str, bool, int, float)):
+        return None
+    if not isinstance(v, (dict, list, tuple)):
+        return where, ("a value of type %s cannot be written as JSON (numbers, strings, booleans, None, lists and "
+                       "dicts can)" % type(v).__name__)
+    items = v.items() if isinstance(v, dict) else enumerate(v, 1)
     for k, x in items:
-        found = _nonfinite(x, "%s item %d" % (where, k) if isinstance(k, int) else
-                           "'%s'" % k if where == "" else "%s ['%s']" % (where, k))
+        found = _unwritable(x, "%s item %d" % (where, k) if isinstance(k, int) and not isinstance(v, dict) else
+                            "'%s'" % k if where == "" else "%s ['%s']" % (where, k))
         if found:
             return found
     return None
@@ -193,16 +205,15 @@ def _nonfinite(v, where):
 def _json(value, what):
     """JSON text of options or settings (what: "option" or "setting"); NumPy and torch scalars and arrays become
     numbers and lists.  JSON has no NaN or infinity, so one is refused here, named as the engine names a bad
-    value (MS_E_ARG), where the engine would only see text that is not JSON."""
-    found = _nonfinite(value or {}, "")
+    value (MS_E_ARG), where the engine would only see text that is not JSON; so is a value JSON cannot hold."""
+    if value is not None and not isinstance(value, dict):
+        raise TypeError("%ss must be a dict {name: value} (got %s)" % (what, type(value).__name__))
+    found = _unwritable(value or {}, "")
     if found:
-        raise MoonstepError("MS_E_ARG", "ms_optimizer_new: %s %s: a finite number is needed (got %s)"
-                            % (what, found[0], found[1]))
+        raise MoonstepError("MS_E_ARG", "ms_optimizer_new: %s %s: %s" % (what, found[0], found[1]))
 
     def plain(x):
-        if hasattr(x, "tolist"):
-            return x.tolist()
-        raise TypeError("%s is not a JSON value" % type(x).__name__)
+        return x.tolist()         # (_unwritable let only these through)
     return json.dumps(value or {}, default=plain).encode()
 
 
@@ -435,6 +446,31 @@ def _shard(spec, where):
     return _Shard(_SHARD_DIMS[dim], _integer(offset, where + ": shard offset"), _integer(size, where + ": shard size"))
 
 
+def _tags(tags, where):
+    """The comma-separated text the engine takes, from a list of strings or such a text; None: no tags."""
+    if tags is None:
+        return None
+    if isinstance(tags, str):
+        return _utf8(tags, where + ": tags")
+    if not isinstance(tags, (list, tuple)):
+        raise TypeError("%s: tags must be a list of strings or a comma-separated string (got %s)"
+                        % (where, type(tags).__name__))
+    for i, t in enumerate(tags):
+        if not isinstance(t, str):
+            raise TypeError("%s: tags[%d] must be a string (got %s)" % (where, i, type(t).__name__))
+        if "," in t:     # the engine splits at commas: one tag would become two
+            raise ValueError("%s: tags[%d] %r holds a comma, which separates tags" % (where, i, t))
+    return _utf8(",".join(tags), where + ": tags") if tags else None
+
+
+def _view(handle):
+    """(address, dtype, shape, strides) of an ms_tensor handle: equal for two views of the same elements."""
+    n = _lib.ms_tensor_ndim(handle)
+    return (_lib.ms_tensor_data_ptr(handle), _lib.ms_tensor_dtype(handle),
+            tuple(_lib.ms_tensor_size(handle, d) for d in range(n)),
+            tuple(_lib.ms_tensor_stride(handle, d) for d in range(n)))
+
+
 def _framework(x):
     return type(x).__module__.split(".")[0]
 
@@ -639,9 +675,11 @@ class Optimizer:
     params: {name: param | (param, grad) | {"param", "grad", "tags", "shard"}}, or a list of (name, param, grad,
     tags, shard) tuples or {"name", "param", "grad", "tags", "shard"} dicts.  NumPy arrays are float32, float64,
     float16 or bfloat16 (native byte order) and writable: a parameter C-contiguous, a gradient of its shape
-    in any layout (non-negative strides).  grad may be None and given later
-    (set_grad, or step(grads=...)); tags: a list of strings (or "a,b") that the recipe's route() sees; shard:
-    this rank's slice of the parameter, ("rows" | "cols", offset, global size of that dim).
+    in any layout that can be written (non-negative strides, no two elements at one address: steps rescale
+    gradients in place).  grad may be None and given later (set_grad, or step(grads=...)); tags: a list of
+    strings (or "a,b") that the recipe's route() sees; shard: this rank's slice of the parameter, ("rows" |
+    "cols", offset, global size of that dim).  One array under several names (tied weights) is one parameter
+    with one gradient, given through any of the names (two different ones are refused).
     recipe: a built-in name ("adamw", "sinkgd", ...) or a recipe file (sandboxed unless settings["trusted"]).
     options: the recipe's options; settings: the runtime's (schedule, clip_grad_norm, nonfinite, distribute,
     ...): see moonstep.h, ms_optimizer_new.  context: a Context to run on; by default the comm's, else one for
@@ -675,6 +713,8 @@ class Optimizer:
         context._users.add(self)   # context.close() is refused while this optimizer is open
         self.names = []
         self._keep = {}            # name -> [param, grad]: wrapped NumPy memory must outlive the optimizer's use
+        self._tie = {}             # name -> its tensor's (address, dtype, shape): names sharing one are tied
+        self._tie_names = {}       # that key -> the names
         try:
             if comm is not None:
                 _check(_lib.ms_optimizer_set_comm(handle, comm._handle()))
@@ -705,55 +745,97 @@ class Optimizer:
     def add_param(self, name, param, grad=None, tags=None, shard=None):
         """Registers a parameter (before the first step, save, load, info or stats); shard: this rank's slice,
         ("rows" | "cols", offset, global size of that dim), None for the whole parameter."""
-        if isinstance(tags, (list, tuple)):
-            tags = ",".join(tags)
-        sh = _shard(shard, "parameter %r" % (name,))
-        p = _import(self.context, param, "parameter %r" % (name,), True)
+        where = "parameter %r" % (name,)
+        text = _tags(tags, where)
+        sh = _shard(shard, where)
+        p = _import(self.context, param, where, True)
         try:
             g = _import(self.context, grad, "gradient of %r" % (name,), False) if grad is not None else None
         except Exception:
             _lib.ms_tensor_free(p)
             raise
         try:
-            _check(_lib.ms_optimizer_add_param_sharded(self._handle(), _utf8(name, "name"), p, g,
-                                                       _utf8(tags, "tags") if tags else None,
+            _check(_lib.ms_optimizer_add_param_sharded(self._handle(), _utf8(name, "name"), p, g, text,
                                                        ctypes.byref(sh) if sh is not None else None))
+            tie = _view(p)[:3]           # tied parameters: one tensor (address, dtype, shape) under several names
         finally:
             _lib.ms_tensor_free(p)       # the optimizer keeps handles of its own
             if g is not None:
                 _lib.ms_tensor_free(g)
         self.names.append(name)
         self._keep[name] = [param, grad]
+        self._tie[name] = tie
+        names = self._tie_names.setdefault(tie, [])
+        names.append(name)
+        if grad is not None:             # the tie's one gradient, whichever name gave it
+            for n in names:
+                self._keep[n][1] = grad
+        elif len(names) > 1:
+            self._keep[name][1] = self._keep[names[0]][1]
+
+    def _import_grad(self, name, grad):
+        return _import(self.context, grad, "gradient of %r" % (name,), False) if grad is not None else None
+
+    def _set_grad(self, name, grad, g):
+        """set_grad with grad already imported as handle g (None for none), which the caller frees."""
+        _check(_lib.ms_optimizer_set_grad(self._handle(), _utf8(name, "name"), g))
+        for n in self._tie_names.get(self._tie.get(name), ()):   # a tie's one gradient, through any of its names
+            self._keep[n][1] = grad
 
     def set_grad(self, name, grad):
-        """Gives parameter `name` another gradient (None: none; steps then leave it alone)."""
-        g = _import(self.context, grad, "gradient of %r" % (name,), False) if grad is not None else None
+        """Gives parameter `name` another gradient (None: none; steps then leave it alone).  For a tied
+        parameter (one tensor under several names): the gradient of the tie, through any of its names."""
+        g = self._import_grad(name, grad)
         try:
-            _check(_lib.ms_optimizer_set_grad(self._handle(), _utf8(name, "name"), g))
+            self._set_grad(name, grad, g)
         finally:
             if g is not None:
                 _lib.ms_tensor_free(g)
-        if name in self._keep:
-            self._keep[name][1] = grad
 
     def step(self, grads=None, grad_scale=None):
-        """One step.  grads: {name: gradient} for this step; grad_scale: the gradients are this many times
-        too large (they are divided in place; None or 0: not scaled).  Returns True when the step was applied, False when it was
-        skipped (NaN/Inf gradients), None when the device decides (captured steps, settings["device_checks"])."""
-        given = {}                 # name -> the gradient it had: a refused step (a bad gradient, a bad grad_scale)
-        try:                       # leaves the gradients as they were
+        """One step.  grads: {name: gradient} for this step only: afterwards (and after a refused step) each
+        parameter has the gradient it had before, except inside a CUDA graph capture of the context's stream,
+        whose replays read them (tied names must not be given different gradients: a tie has one).  grad_scale:
+        the gradients are this many times too large (they are divided in place; None or 0: not scaled).
+        Returns True when the step was applied, False when it was skipped (NaN/Inf gradients), None when the
+        device decides (captured steps, settings["device_checks"])."""
+        self._handle()
+        if grads is not None and not isinstance(grads, dict):
+            raise TypeError("step: grads must be a dict {name: gradient} (got %s)" % type(grads).__name__)
+        handles, given = {}, {}    # name -> its imported gradient; tie -> (a name of it, the gradient it had)
+        try:
             for name, grad in (grads or {}).items():
-                before = self._keep[name][1] if name in self._keep else None
-                self.set_grad(name, grad)
-                given[name] = before
+                if name not in self._keep:
+                    raise MoonstepError("MS_E_ARG", "step: grads: no parameter named %r" % (name,))
+                handles[name] = self._import_grad(name, grad)     # (None: none this step)
+            views = {}             # tie -> (name, view of its gradient): two different ones are refused
+            for name, g in handles.items():
+                tie, view = self._tie[name], _view(g) if g is not None else None
+                if tie in views and views[tie][1] != view:
+                    raise MoonstepError("MS_E_ARG", "step: grads: parameters %r and %r are tied (one tensor) but were "
+                                        "given different gradients: a tie has one gradient" % (views[tie][0], name))
+                views[tie] = (name, view)
+            for name, g in handles.items():
+                tie = self._tie[name]
+                if tie not in given:
+                    given[tie] = (name, self._keep[name][1])
+                self._set_grad(name, grads[name], g)
             opts = _StepOptions(grad_scale or 0.0)
             applied = ctypes.c_int(0)
+            capturing = self.context.is_cuda and _lib.ms_ctx_is_capturing(self.context._handle()) != 0
             _check(self._ordered(_lib.ms_optimizer_step_with, self._handle(), ctypes.byref(opts),
                                  ctypes.byref(applied)))
         except Exception:
-            for name, before in given.items():
+            for name, before in given.values():
                 self.set_grad(name, before)
             raise
+        finally:
+            for g in handles.values():
+                if g is not None:
+                    _lib.ms_tensor_free(g)
+        if not capturing:          # this step's gradients only: the registered ones are back
+            for name, before in given.values():
+                self.set_grad(name, before)
         return None if applied.value < 0 else bool(applied.value)
 
     @property

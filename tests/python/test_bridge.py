@@ -391,6 +391,88 @@ def a_step_refused_for_a_bad_gradient_changes_nothing():
 
 
 @test
+def tied_parameters_have_one_gradient_given_through_any_name():
+    r = rng(14)
+    w = r.standard_normal((3, 4)).astype(np.float32)
+    ga, gb, g3 = (r.standard_normal((3, 4)).astype(np.float32) for _ in range(3))
+    # two different gradients for one tensor: refused (the step would use one of them)
+    expect_error("MS_E_ARG", "parameters 'embed' and 'head' are tied (one tensor) but were given different gradients",
+                 moonstep.Optimizer, [("embed", w, ga), ("head", w, gb)], "sgd")
+    # the gradient given through the second name only is the tie's
+    opt = moonstep.Optimizer([("embed", w, None), ("head", w, ga)], "sgd", {"lr": 0.5})
+    before = w.copy()
+    assert opt.step() is True
+    assert_close(w, before - 0.5 * ga, 0, 0, "the tie stepped on the gradient given through 'head'")
+    for _ in range(2):   # refused at every step, changing nothing
+        before = w.copy()
+        expect_error("MS_E_ARG", "are tied (one tensor) but were given different gradients", opt.step,
+                     grads={"embed": gb, "head": g3})
+        assert np.array_equal(w, before), "the refused step moved the tie"
+    assert opt.step(grads={"embed": g3}) is True
+    assert_close(w, before - 0.5 * g3, 0, 0, "the step's gradient, through 'embed'")
+    before = w.copy()
+    assert opt.step() is True
+    assert_close(w, before - 0.5 * ga, 0, 0, "afterwards the tie's registered gradient again")
+    opt.close()
+
+
+@test
+def step_grads_serve_that_step_only():
+    # they stayed registered: the next plain step applied them again
+    r = rng(15)
+    w, b = r.standard_normal(5).astype(np.float32), r.standard_normal(5).astype(np.float32)
+    gw, g1, g2 = (r.standard_normal(5).astype(np.float32) for _ in range(3))
+    opt = moonstep.Optimizer([("w", w, gw), ("b", b, None)], "sgd", {"lr": 0.5})
+    w0, b0 = w.copy(), b.copy()
+    assert opt.step(grads={"w": g1, "b": g2}) is True
+    assert_close(w, w0 - 0.5 * g1, 0, 0, "w on this step's gradient")
+    assert_close(b, b0 - 0.5 * g2, 0, 0, "b on this step's gradient")
+    w0, b0 = w.copy(), b.copy()
+    assert opt.step() is True
+    assert_close(w, w0 - 0.5 * gw, 0, 0, "w on its registered gradient again")
+    assert np.array_equal(b, b0), "b has no gradient of its own: left alone"
+    assert opt.step(grads={"w": None}) is True          # no gradient for w this step
+    assert np.array_equal(w, w0 - 0.5 * gw), "w given none this step moved"
+    expect_error("MS_E_ARG", "no parameter named 'v'", opt.step, grads={"v": g1})
+    expect(TypeError, "grads must be a dict", opt.step, grads=[g1])
+    opt.close()
+
+
+@test
+def an_expanded_gradient_is_refused_when_handed_over():
+    # steps rescale gradients in place: a writable array whose rows share memory failed only at such a step
+    w, g = np.ones((4, 3), np.float32), np.ones((4, 3), np.float32)
+    row = np.arange(3, dtype=np.float32)
+    wide = np.lib.stride_tricks.as_strided(row, shape=(4, 3), strides=(0, 4))
+    expect_error("MS_E_LAYOUT", "parameter 'w': grad [4,3] has strides [0,1]", moonstep.Optimizer, {"w": (w, wide)})
+    opt = moonstep.Optimizer({"w": (w, g)}, "sgd", {"lr": 0.5})
+    expect_error("MS_E_LAYOUT", "must be writable", opt.set_grad, "w", wide)
+    expect_error("MS_E_LAYOUT", "must be writable", opt.step, grads={"w": wide}, grad_scale=2.0)
+    assert np.all(w == 1), "a refused step moved w"
+    assert opt.step() is True and np.all(w == 0.5), "w stepped on its own gradient"
+    opt.close()
+
+
+@test
+def bad_tags_and_option_values_are_named():
+    w, g = np.ones(6, np.float32), np.ones(6, np.float32)
+    expect(TypeError, "parameter 'w': tags[1] must be a string (got int)", moonstep.Optimizer,
+           {"w": {"param": w, "grad": g, "tags": ["no_decay", 3]}})
+    expect(TypeError, "parameter 'w': tags must be a list of strings or a comma-separated string (got int)",
+           moonstep.Optimizer, {"w": {"param": w, "grad": g, "tags": 5}})
+    expect(ValueError, "parameter 'w': tags[0] 'a,b' holds a comma", moonstep.Optimizer,
+           {"w": {"param": w, "grad": g, "tags": ["a,b"]}})
+    # a value JSON cannot hold is named as a bad value is, with the option (the message named neither)
+    expect_error("MS_E_ARG", "ms_optimizer_new: option 'betas': a value of type set cannot be written as JSON",
+                 moonstep.Optimizer, {"w": (w, g)}, "adamw", {"betas": {0.9, 0.99}})
+    expect_error("MS_E_ARG", "setting 'schedule' ['kind']: a value of type object cannot be written",
+                 moonstep.Optimizer, {"w": (w, g)}, "adamw", None, {"schedule": {"kind": object()}})
+    expect(TypeError, "options must be a dict", moonstep.Optimizer, {"w": (w, g)}, "adamw", "lr=1")
+    with moonstep.Optimizer({"w": {"param": w, "grad": g, "tags": "no_decay, extra"}}) as opt:   # text: as it is
+        assert opt.step() is True
+
+
+@test
 def closing_the_context_under_an_open_optimizer_is_refused():
     ctx = moonstep.Context("cpu")
     w, g = np.ones(4, np.float32), np.ones(4, np.float32)
