@@ -538,8 +538,15 @@ def _import(ctx, x, what, writable):
         x = x.detach()                   # same memory; torch refuses to export a tensor that requires grad
     # the producer orders its pending work before ctx's stream
     capsule = x.__dlpack__(stream=ctx.stream) if ctx.is_cuda else x.__dlpack__()
-    managed = _capsule_get(capsule, b"dltensor")
-    _check(_lib.ms_tensor_from_dlpack(ctx._h, managed, ctypes.byref(handle)))
+    try:
+        managed = _capsule_get(capsule, b"dltensor")
+    except (ValueError, TypeError):
+        raise TypeError("%s: __dlpack__() gave %s, not an unused capsule named 'dltensor' (DLPack 0.6 to 0.8)"
+                        % (what, type(capsule).__name__)) from None
+    status = _lib.ms_tensor_from_dlpack(ctx._h, managed, ctypes.byref(handle))
+    if status != 0:   # the engine names its argument ("managed"): the caller's is this parameter or gradient
+        raise MoonstepError(_lib.ms_status_name(status).decode(),
+                            "%s: %s" % (what, _lib.ms_last_error().decode(errors="replace")))
     _capsule_set_name(capsule, _USED_DLTENSOR)     # moonstep owns it now: the capsule must not delete it
     return handle
 
@@ -745,6 +752,8 @@ class Optimizer:
     def add_param(self, name, param, grad=None, tags=None, shard=None):
         """Registers a parameter (before the first step, save, load, info or stats); shard: this rank's slice,
         ("rows" | "cols", offset, global size of that dim), None for the whole parameter."""
+        if not isinstance(name, str) or not name:
+            raise TypeError("a parameter's name must be a non-empty string (got %r)" % (name,))
         where = "parameter %r" % (name,)
         text = _tags(tags, where)
         sh = _shard(shard, where)

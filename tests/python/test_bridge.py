@@ -321,6 +321,18 @@ def dlpack_imports_share_memory_and_are_released():
     opt.close()
     gc.collect()
     assert alive() is None, "closing the optimizer released the DLPack import"
+    # refusals name the parameter or gradient, not the engine's argument alone
+    w = np.ones(4, np.float32)
+    expect_error("MS_E_DTYPE", "gradient of 'w': ms_tensor_from_dlpack: managed's DLPack dtype", moonstep.Optimizer,
+                 {"w": (DLPackOnly(w), DLPackOnly(np.ones(4, np.int64)))})
+
+    class Spent(DLPackOnly):
+        def __dlpack__(self, stream=None):
+            return "not a capsule"
+    expect(TypeError, "parameter 'w': __dlpack__() gave str, not an unused capsule named 'dltensor'",
+           moonstep.Optimizer, {"w": (Spent(w), None)})
+    expect(TypeError, "a parameter's name must be a non-empty string (got None)", moonstep.Optimizer,
+           [(None, w, None)])
 
 
 @test
