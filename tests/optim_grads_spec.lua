@@ -1,5 +1,6 @@
--- How gradients reach ms.optim: tied parameters (one tensor under several names, one gradient), gradients the
--- steps cannot write (refused when handed over), and step{grads =}, whose gradients serve that step only.
+-- How parameters and gradients reach ms.optim: tied parameters (one tensor under several names, one gradient),
+-- gradients the steps cannot write (refused when handed over), step{grads =}, whose gradients serve that step
+-- only, and the entries' tags.
 -- SGD without momentum throughout: a step is p - lr * g, exactly what the checks below compute.
 local ms = require("moonstep")
 
@@ -14,7 +15,8 @@ describe("tied parameters", function()
     -- the head's gradient was dropped when only the head gave one: the tie stepped with none
     local w = randn({ 6, 4 })
     local g = randn({ 6, 4 })
-    local opt = ms.optim.new("sgd", { { name = "embed", param = w }, { name = "head", param = w, grad = g } }, { lr = LR })
+    local opt = ms.optim.new("sgd", { { name = "embed", param = w }, { name = "head", param = w, grad = g } },
+                             { lr = LR })
     local want = sgd(w, g)
     assert.is_true(opt:step())
     assert.same(want, w:totable())
@@ -68,7 +70,8 @@ describe("gradients the steps must write", function()
     local opt = ms.optim.new("sgd", { { name = "w", param = w, grad = g } }, { lr = LR }, { clip_grad_norm = 1e-3 })
     H.expect_error(function() opt:set_grad("w", wide) end, "parameter 'w'", "must be writable")
     local before = w:totable()
-    H.expect_error(function() opt:step({ grads = { w = wide }, grad_scale = 2 }) end, "parameter 'w'", "must be writable")
+    H.expect_error(function() opt:step({ grads = { w = wide }, grad_scale = 2 }) end, "parameter 'w'",
+                   "must be writable")
     assert.same(before, w:totable())
     assert.is_true(rawequal(g, opt.by_name.w.grad))
     assert.is_true(opt:step())
@@ -115,5 +118,22 @@ describe("step{grads =}", function()
     local m = opt.by_name.v.member
     local _, own = opt:_step_of(m, opt.step_count + 1, {})
     assert.equals(3, own)                   -- its third step would be next (it had steps 2 and 4)
+  end)
+end)
+
+describe("parameter tags", function()
+  it("are an array of non-empty strings: anything else is refused, naming the parameter", function()
+    -- a set {no_decay = true} was taken as no tags at all, and a number as a tag
+    local function new(tags)
+      return ms.optim.new("adamw", { { name = "w", param = randn({ 4 }), grad = randn({ 4 }), tags = tags } })
+    end
+    H.expect_error(function() new({ no_decay = true }) end,
+                   "parameter 'w': tags must be an array of strings (it has the key no_decay)")
+    H.expect_error(function() new({ "no_decay", 3 }) end,
+                   "parameter 'w': tags[2] must be a non-empty string (got number)")
+    H.expect_error(function() new({ "" }) end, "parameter 'w': tags[1] must be a non-empty string (got \"\")")
+    H.expect_error(function() new("no_decay") end, "parameter 'w': tags must be an array of strings (got a string)")
+    local opt = new({ "no_decay" })
+    assert.equals(0, opt.groups[1].options.weight_decay)
   end)
 end)

@@ -240,6 +240,24 @@ end
 -- (moonstep.embed finds tied parameters and compares their gradients before the optimizer is built)
 M._tie_key, M._same_view = data_key, same_view
 
+-- A parameter entry's tags: nil or an array of non-empty strings (a set {no_decay = true} would route as if untagged).
+local function check_tags(name, tags, level)
+  if tags == nil then return end
+  if type(tags) ~= "table" then
+    error(("parameter '%s': tags must be an array of strings (got a %s)"):format(name, type(tags)), level)
+  end
+  local n = #tags
+  for k, v in pairs(tags) do
+    if type(k) ~= "number" or k < 1 or k > n or k % 1 ~= 0 then
+      error(("parameter '%s': tags must be an array of strings (it has the key %s)"):format(name, tostring(k)), level)
+    end
+    if type(v) ~= "string" or v == "" then
+      error(("parameter '%s': tags[%d] must be a non-empty string (got %s)"):format(name, k,
+            v == "" and "\"\"" or type(v)), level)
+    end
+  end
+end
+
 -- the parameter description a recipe's route() sees
 -- (shape and numel are the global ones: a sharded parameter's, see "Several ranks"; local_shape this rank's)
 local function param_info(entry)
@@ -653,7 +671,7 @@ function build(recipe, params, options, settings, progress)
             "[" .. table.concat(p.param:strides(), ",") .. "]"), 2)
     end
     if p.grad ~= nil then self:_check_grad(p.name, p.param, p.grad, 3) end
-    if p.tags ~= nil and type(p.tags) ~= "table" then error(("parameter '%s': tags must be an array of strings"):format(p.name), 2) end
+    check_tags(p.name, p.tags, 3)
     local key = data_key(p.param)
     local tie = seen[key]
     if tie then
