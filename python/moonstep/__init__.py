@@ -180,6 +180,14 @@ def _check(status):
         raise MoonstepError(_lib.ms_status_name(status).decode(), _lib.ms_last_error().decode(errors="replace"))
 
 
+def _check_named(status, what):
+    """_check for an import, whose message names the engine's argument (ptr, managed): `what` names the caller's
+    (the parameter or gradient)."""
+    if status != 0:
+        raise MoonstepError(_lib.ms_status_name(status).decode(),
+                            "%s: %s" % (what, _lib.ms_last_error().decode(errors="replace")))
+
+
 def _unwritable(v, where):
     """Where v (a JSON-bound value) holds what JSON cannot, as ("'lr'", "a finite number is needed (got nan)")
     or ("'betas' item 2", ...): a NaN or infinity, or a value that is no number, string, boolean, None, list or
@@ -528,8 +536,8 @@ def _import(ctx, x, what, writable):
         n = max(x.ndim, 1)
         shape = (ctypes.c_int64 * n)(*x.shape)
         strides = (ctypes.c_int64 * n)(*[s // item for s in x.strides])
-        _check(_lib.ms_tensor_wrap(ctx._h, x.ctypes.data if x.size else None, code, x.ndim, shape, strides,
-                                   ctypes.byref(handle)))
+        _check_named(_lib.ms_tensor_wrap(ctx._h, x.ctypes.data if x.size else None, code, x.ndim, shape, strides,
+                                         ctypes.byref(handle)), what)
         return handle
     if not hasattr(x, "__dlpack__"):
         raise TypeError("%s: expected a NumPy array or a tensor with __dlpack__ (PyTorch, CuPy, ...), got %s"
@@ -543,10 +551,7 @@ def _import(ctx, x, what, writable):
     except (ValueError, TypeError):
         raise TypeError("%s: __dlpack__() gave %s, not an unused capsule named 'dltensor' (DLPack 0.6 to 0.8)"
                         % (what, type(capsule).__name__)) from None
-    status = _lib.ms_tensor_from_dlpack(ctx._h, managed, ctypes.byref(handle))
-    if status != 0:   # the engine names its argument ("managed"): the caller's is this parameter or gradient
-        raise MoonstepError(_lib.ms_status_name(status).decode(),
-                            "%s: %s" % (what, _lib.ms_last_error().decode(errors="replace")))
+    _check_named(_lib.ms_tensor_from_dlpack(ctx._h, managed, ctypes.byref(handle)), what)
     _capsule_set_name(capsule, _USED_DLTENSOR)     # moonstep owns it now: the capsule must not delete it
     return handle
 

@@ -154,7 +154,10 @@ def errors_name_the_problem():
     expect_error("MS_E_SHAPE", "grad shape [2,3] != param shape [6]", moonstep.Optimizer,
                  {"w": (w, np.ones((2, 3), np.float32))})
     expect_error("MS_E_DTYPE", "not a float dtype", moonstep.Optimizer, {"w": (w, np.ones(6, np.int32))})
-    expect_error("MS_E_LAYOUT", "negative stride", moonstep.Optimizer, {"w": (w[::-1], g)})
+    expect_error("MS_E_LAYOUT", "parameter 'w': ms_tensor_wrap: negative stride", moonstep.Optimizer,
+                 {"w": (w[::-1], g)})
+    expect_error("MS_E_LAYOUT", "gradient of 'w': ms_tensor_wrap: negative stride", moonstep.Optimizer,
+                 {"w": (w, g[::-1])})
     # not an array: named for the first parameter too (whose device picks the context)
     for params in ({"w": ([1.0] * 6, g)}, {"w": (w, g), "v": ([1.0] * 6, None)}):
         e = expect(TypeError, "expected a NumPy array or a tensor with __dlpack__", moonstep.Optimizer, params)
