@@ -42,6 +42,17 @@ describe("tied parameters", function()
     H.expect_error(function()
       ms.optim.new("sgd", { { name = "embed", param = w, grad = ga }, { name = "head", param = w, grad = gb } })
     end, "parameters 'embed' and 'head' are tied (one tensor) but were given different gradients")
+    -- a tie is routed once: a later name may repeat the first one's tags and options, or give none
+    H.expect_error(function()
+      ms.optim.new("adamw", { { name = "embed", param = w, tags = { "embedding" } },
+                              { name = "head", param = w, tags = { "no_decay" } } })
+    end, "parameters 'embed' and 'head' are tied (one tensor) but were given different tags ([embedding], [no_decay])")
+    H.expect_error(function()
+      ms.optim.new("adamw", { { name = "embed", param = w }, { name = "head", param = w, options = { lr = 1 } } })
+    end, "parameters 'embed' and 'head' are tied (one tensor) but were given different options")
+    ms.optim.new("adamw", { { name = "embed", param = w, tags = { "a", "b" }, options = { lr = 1 } },
+                            { name = "head", param = w, tags = { "b", "a" }, options = { lr = 1 } },
+                            { name = "out", param = w, tags = {} } })
     -- another view of the same memory is the same gradient
     local opt = ms.optim.new("sgd", { { name = "embed", param = w, grad = ga },
                                       { name = "head", param = w, grad = ga:reshape({ 6, 4 }) } }, { lr = LR })

@@ -1037,10 +1037,11 @@ MS_API void ms_optimizer_free(ms_optimizer *opt);
 ** expanded view, stride 0, cannot).  tags: NULL or a comma-separated list ("no_decay,adamw") that the recipe's
 ** route() sees.  A parameter whose memory is that of an earlier one (tied weights: an embedding and its
 ** lm_head) is one parameter under several names, updated once, with one gradient: given through any of the
-** names (or the same memory through several), and replaced by ms_optimizer_set_grad through any of them.
+** names (or the same memory through several), and replaced by ms_optimizer_set_grad through any of them;
+** routed by the first name's tags (a later name may repeat them or give none).
 ** Errors: MS_E_ARG (NULL, empty or duplicate name, the optimizer has started, a grad sharing param's
-** memory, a tied parameter given another gradient than the tie has), MS_E_LAYOUT (param not contiguous, grad
-** not writable), MS_E_SHAPE, MS_E_DTYPE, MS_E_DEVICE. */
+** memory, a tied parameter given another gradient or other tags than the tie has), MS_E_LAYOUT (param not
+** contiguous, grad not writable), MS_E_SHAPE, MS_E_DTYPE, MS_E_DEVICE. */
 MS_API ms_status ms_optimizer_add_param(ms_optimizer *opt, const char *name, ms_tensor *param, ms_tensor *grad,
                                         const char *tags);
 

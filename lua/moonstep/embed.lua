@@ -209,16 +209,15 @@ function methods:add_param(name, param_p, grad_p, tags, shard_dim, shard_offset,
   if self.by_name[name] then fail(C.MS_E_ARG, "duplicate parameter name '%s'", name) end
   -- tied parameters (one tensor under several names) have one gradient: ms.optim would refuse two only when
   -- the optimizer starts
+  local entry = { name = name, param = param, grad = grad, tags = parse_tags(tags) }
+  if shard_dim ~= nil then entry.shard = { dim = shard_dim, offset = shard_offset, size = shard_size } end
   local key = ms.optim._tie_key(param)
   local tie = self.ties[key] or {}
-  for _, e in ipairs(tie) do
-    if grad ~= nil and e.grad ~= nil and not ms.optim._same_view(grad, e.grad) then
-      fail(C.MS_E_ARG, "parameters '%s' and '%s' are tied (one tensor) but were given different gradients: a tie "
-           .. "has one gradient (give it through one name, or the same tensor through both)", e.name, name)
-    end
+  for _, e in ipairs(tie) do   -- routed by the first name's tags; the gradient given through any name so far
+    local why = ms.optim._tie_conflict({ name = e.name, tags = tie[1].tags, grad = e.grad }, entry)
+    if why then fail(C.MS_E_ARG, "%s", why) end
   end
-  local entry = { name = name, param = param, grad = grad, tags = parse_tags(tags), tie = tie }
-  if shard_dim ~= nil then entry.shard = { dim = shard_dim, offset = shard_offset, size = shard_size } end
+  entry.tie = tie
   tie[#tie + 1] = entry
   self.ties[key] = tie
   self.params[#self.params + 1] = entry

@@ -38,7 +38,8 @@ with its own lr.
 
 Tied parameters (several names for one tensor: a tied embedding and lm_head) are one parameter, updated once,
 with one gradient: given through any of the names (registered with one, or the same tensor with each; set_grad
-through any name replaces it).  Two different gradients for one tie are refused, at registration and in
+through any name replaces it), routed once (by the first name's tags and options: a later name may repeat them
+or give none).  Two different gradients (or tags, options) for one tie are refused, at registration and in
 step{grads =}: the update would use only one of them.  A gradient must be writable (no expanded view): steps
 rescale gradients in place (grad_scale, clip_grad_norm).
 
@@ -237,8 +238,34 @@ local function same_view(a, b)
   end
   return true
 end
--- (moonstep.embed finds tied parameters and compares their gradients before the optimizer is built)
-M._tie_key, M._same_view = data_key, same_view
+local function tag_list(tags)
+  local l = {}
+  for i, t in ipairs(tags or {}) do l[i] = t end
+  table.sort(l)
+  return table.concat(l, ",")
+end
+
+-- Why entry p cannot join the tie whose first entry is `tie` (nil when it can).  A tie is one parameter: one
+-- gradient (given through either name, or the same through both), routed once (by the first name's tags and
+-- options: a later name may repeat them, or give none).
+local function tie_conflict(tie, p)
+  local what
+  if p.grad ~= nil and tie.grad ~= nil and not same_view(p.grad, tie.grad) then
+    what = "gradients: a tie has one gradient (give it through one name, or the same tensor through both)"
+  elseif p.tags ~= nil and next(p.tags) ~= nil and tag_list(p.tags) ~= tag_list(tie.tags) then
+    what = ("tags ([%s], [%s]): a tie is routed once (give its tags with one name, or the same with both)")
+           :format(tag_list(tie.tags), tag_list(p.tags))
+  elseif p.options ~= nil and next(p.options) ~= nil and json.encode(p.options) ~= json.encode(tie.options or {}) then
+    what = "options: a tie is routed once (give its options with one name, or the same with both)"
+  elseif p.shard ~= nil then
+    what = "a shard: a tie is one parameter (give its shard with its first name only)"
+  else
+    return nil
+  end
+  return ("parameters '%s' and '%s' are tied (one tensor) but were given different %s"):format(tie.name, p.name, what)
+end
+-- (moonstep.embed finds tied parameters and checks them as they are added, before the optimizer is built)
+M._tie_key, M._tie_conflict = data_key, tie_conflict
 
 -- A parameter entry's tags: nil or an array of non-empty strings (a set {no_decay = true} would route as if untagged).
 local function check_tags(name, tags, level)
@@ -675,11 +702,8 @@ function build(recipe, params, options, settings, progress)
     local key = data_key(p.param)
     local tie = seen[key]
     if tie then
-      -- a tie has one gradient: given through either name (or the same through both), never two
-      if p.grad ~= nil and tie.grad ~= nil and not same_view(p.grad, tie.grad) then
-        error(("parameters '%s' and '%s' are tied (one tensor) but were given different gradients: a tie has one "
-               .. "gradient (give it through one name, or the same tensor through both)"):format(tie.name, p.name), 2)
-      end
+      local why = tie_conflict(tie, p)
+      if why then error(why, 2) end
       tie.grad = tie.grad or p.grad
       self.aliases[p.name] = tie.name
     else

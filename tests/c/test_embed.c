@@ -314,6 +314,10 @@ static void test_tied_and_unwritable_grads(void)
           "given different gradients"), "two gradients for a tie: %s %s", ms_status_name(st), ms_last_error());
     CHECK(ms_optimizer_add_param(opt, "head3", tw, ta2, NULL) == MS_OK, "the same gradient again (another handle): %s",
           ms_last_error());
+    /* routed once: by the first name's tags (a later name may repeat them, or give none) */
+    st = ms_optimizer_add_param(opt, "head4", tw, NULL, "no_decay");
+    CHECK(st == MS_E_ARG && contains(ms_last_error(), "parameters 'embed' and 'head4' are tied (one tensor) but were "
+          "given different tags ([], [no_decay])"), "other tags for a tie: %s %s", ms_status_name(st), ms_last_error());
     /* a gradient the steps cannot rescale in place: refused here, not at a step with grad_scale */
     st = ms_optimizer_add_param(opt, "x", tb, te, NULL);
     CHECK(st == MS_E_LAYOUT && contains(ms_last_error(), "parameter 'x': grad [2,3] has strides [0,1]") &&
