@@ -861,6 +861,8 @@ class Optimizer:
 
     @lr.setter
     def lr(self, value):
+        if isinstance(value, (str, bytes, bool)) or not hasattr(value, "__float__"):   # float("1e-3") would pass
+            raise TypeError("lr must be a number (got %r)" % (value,))
         _check(_lib.ms_optimizer_set_lr(self._handle(), float(value)))
 
     def save(self, path):

@@ -173,6 +173,10 @@ def errors_name_the_problem():
     expect_error("MS_E_ARG", "duplicate parameter name 'w'", opt.add_param, "w", w, g)
     expect_error("MS_E_SHAPE", "grad shape [5] != param shape [6]", opt.set_grad, "w", np.ones(5, np.float32))
     expect_error("MS_E_ARG", "lr must be a non-negative finite number", setattr, opt, "lr", -1.0)
+    expect(TypeError, "lr must be a number (got 'fast')", setattr, opt, "lr", "fast")
+    expect(TypeError, "lr must be a number (got None)", setattr, opt, "lr", None)
+    opt.lr = np.float32(0.25)
+    assert opt.lr == 0.25
     opt.close()
 
 
