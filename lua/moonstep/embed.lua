@@ -10,7 +10,9 @@ Parameters are collected until the optimizer starts (first step, save, load, inf
 ms.optim.new routes them all at once; until then a probe optimizer without parameters, built by M.new, has
 checked the recipe, the options and the settings, and answers get_lr.  Several ranks: set_comm hands over
 the caller's communicator (borrowed: ms.comm.borrow, never freed here) as settings.comm, and add_param's
-shard arguments become the entry's shard = {dim =, offset =, size =}; ms.optim does the rest.
+shard arguments become the entry's shard = {dim =, offset =, size =}; ms.optim does the rest.  Tied parameters
+(one tensor under several names: ms.optim's "Tied parameters") are checked as they are added, and a set_grad
+through any of their names gives the tie its one gradient, before the start as after it.
 
 Errors reach C through M.handler as {status =, message =}: status is an ms_status code, or nil to let the
 C side use the call's default class.
