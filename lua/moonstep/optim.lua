@@ -48,11 +48,12 @@ member's step count (a device scalar, and the number), the optimizer's less the 
 gradient, as torch's per-parameter state["step"] counts them (bias corrections, a momentum's first step).
 Checkpoints keep these counts.
 
-ctx.rng_key(seed, k) is the Philox key of the k-th random stream (k = 0..7) of the group being stepped: the
-32-bit seed in the key's low word, the group's place among the optimizer's groups and k in its high word.  An
-engine call numbers its members from 0, so two calls keyed by the same seed (two routes, two groups, a route's
-8-bit and f32 AdamW calls) would round member 0's elements with the same uniforms; keyed by rng_key, no two
-calls of a step share a stream.  The first group's stream 0 is the seed itself.
+ctx.rng_key(seed, k) is the Philox key of the k-th random stream (k = 0..7) of the route being stepped: the
+32-bit seed in the key's low word, the route's place among the recipe's routes (by name, sorted) and k in its
+high word.  An engine call numbers its members from 0, so two calls keyed by the same seed (two routes, a
+route's 8-bit and f32 AdamW calls) would round member 0's elements with the same uniforms; keyed by rng_key, no
+two routes share a stream.  The groups of one route share theirs: what a matrix draws from the key alone (SinkGD's
+first power vector) is then the same whether it is sharded or whole, alone in its group or not.
 
 Several ranks (settings.comm of N > 1 ranks).  Every rank makes its optimizer with the same recipe, options,
 settings and parameters (same names, same order); the checks at creation (two all-gathers) name what differs.
@@ -524,8 +525,7 @@ local function local_view(g)
   for _, m in ipairs(g) do if m.stepped ~= false then n = n + 1 end end
   if n == #g then return g end
   if n == 0 then return nil end
-  local view = { route = g.route, index = g.index, id = g.id, place = g.place, options = g.options, overrides = g.overrides,
-                 state = g.state }
+  local view = { route = g.route, index = g.index, id = g.id, options = g.options, overrides = g.overrides, state = g.state }
   for _, m in ipairs(g) do if m.stepped ~= false then view[#view + 1] = m end end
   return view
 end
@@ -745,7 +745,6 @@ function build(recipe, params, options, settings, progress)
       route_count[route] = route_count[route] + 1
       group_of[gkey] = g
       self.groups[#self.groups + 1] = g
-      g.place = #self.groups   -- (ctx.rng_key's streams)
     end
     local m = { name = e.name, param = e.param, grad = e.grad, tags = info.tags, info = info, state = {}, route = route,
                 lag = 0, absent_from = e.grad == nil and 0 or nil }
@@ -896,9 +895,10 @@ function Optimizer:_step_of(m, step, done)
   return t, step - lag
 end
 
--- ctx.rng_key: seed in the low word of the key, (place - 1) * 8 + k in the high one (exact in a double up to 2^18
--- groups)
-local function rng_key(seed, place, k)
+-- ctx.rng_key: seed in the low word of the key, route * 8 + k in the high one, route the 0-based place of the
+-- route's name among the recipe's, sorted (a recipe's, not a table's order: the same on every rank and run)
+local route_places = setmetatable({}, { __mode = "k" })
+local function rng_key(recipe, route, seed, k)
   if type(seed) ~= "number" or seed ~= math.floor(seed) or seed < 0 or seed >= 2 ^ 32 then
     error(("ctx.rng_key: seed must be an integer in [0, 2^32) (got %s)"):format(tostring(seed)), 3)
   end
@@ -906,12 +906,18 @@ local function rng_key(seed, place, k)
   if type(k) ~= "number" or k ~= math.floor(k) or k < 0 or k > 7 then
     error(("ctx.rng_key: stream k must be an integer in [0, 7] (got %s)"):format(tostring(k)), 3)
   end
-  if place == nil then error("ctx.rng_key: called outside a route's step", 3) end
-  local hi = (place - 1) * 8 + k
-  if hi >= 2 ^ 21 then error(("ctx.rng_key: more than %d groups"):format(2 ^ 18), 3) end
-  return seed + hi * 2 ^ 32
+  if route == nil then error("ctx.rng_key: called outside a route's step", 3) end
+  local places = route_places[recipe.routes]
+  if not places then
+    local names = {}
+    for name in pairs(recipe.routes) do names[#names + 1] = name end
+    table.sort(names)
+    places = {}
+    for i, name in ipairs(names) do places[name] = i - 1 end
+    route_places[recipe.routes] = places
+  end
+  return seed + (places[route] * 8 + k) * 2 ^ 32
 end
-
 -- the step's context, as recipes see it.  skip_t (the device-side non-finite flag of captured and
 -- device-checked steps, nil otherwise) is answered by the metatable, which notes the routes that read it.
 local function step_ctx(self, step, lr)
@@ -933,7 +939,7 @@ local function step_ctx(self, step, lr)
     end or function(key, value) report[key] = value end,
     -- a member's own step count (device scalar, number): the steps it had a gradient in (bias corrections)
     step_of = function(m) return self:_step_of(m, step, done) end,
-    rng_key = function(seed, k) return rng_key(seed, self.running_place, k) end,
+    rng_key = function(seed, k) return rng_key(self.recipe, self.running_route, seed, k) end,
   }, self.ctx_mt)
 end
 
@@ -966,7 +972,7 @@ function Optimizer:_runs()
     if n > 0 then
       local run = g
       if n < #g then
-        run = { route = g.route, index = g.index, id = g.id, place = g.place, options = g.options, state = g.state }
+        run = { route = g.route, index = g.index, id = g.id, options = g.options, state = g.state }
         for _, m in ipairs(g) do if m.grad and m.stepped ~= false then run[#run + 1] = m end end
       end
       runs[#runs + 1] = run
@@ -1019,12 +1025,12 @@ function Optimizer:_run_routes(runs, plans, c, rec)
       tensor.mul(lr_t, own.ratio, own.t)
       c.lr, c.lr_t = lr * own.ratio, own.t
     end
-    self.running_route, self.running_place = run.route, run.place
+    self.running_route = run.route
     if rec then self:_timing_mark(rec, "route", run.route) end
     C.ms_profile_push(h, self.nvtx[run.route])
     local ok, err = pcall(R.call, self.guard, r.step, run, run.options, c)
     C.ms_profile_pop(h)
-    self.running_route, self.running_place = nil, nil
+    self.running_route = nil
     c.lr, c.lr_t = lr, lr_t
     if not ok then error(err, 0) end
   end
