@@ -681,6 +681,18 @@ def _entries(params):
     return out
 
 
+def _number(value, what):
+    """value as a float, refusing what float() would take silently ("1e-3", True), naming it as `what`."""
+    if isinstance(value, (str, bytes, bool)) or not hasattr(value, "__float__"):
+        raise TypeError("%s must be a number (got %r)" % (what, value))
+    return float(value)
+
+
+def _grad_scale(value, what):
+    """A step's grad_scale as the C call takes it (None: 0, not scaled)."""
+    return 0.0 if value is None else _number(value, "%s: grad_scale" % what)
+
+
 class Optimizer:
     """A moonstep optimizer over NumPy arrays or DLPack tensors (PyTorch, CuPy), updated in place.
 
@@ -814,6 +826,7 @@ class Optimizer:
         Returns True when the step was applied, False when it was skipped (NaN/Inf gradients), None when the
         device decides (captured steps, settings["device_checks"])."""
         self._handle()
+        opts = _StepOptions(_grad_scale(grad_scale, "step"))
         if grads is not None and not isinstance(grads, dict):
             raise TypeError("step: grads must be a dict {name: gradient} (got %s)" % type(grads).__name__)
         handles, given = {}, {}    # name -> its imported gradient; tie -> (a name of it, the gradient it had)
@@ -834,7 +847,6 @@ class Optimizer:
                 if tie not in given:
                     given[tie] = (name, self._keep[name][1])
                 self._set_grad(name, grads[name], g)
-            opts = _StepOptions(grad_scale or 0.0)
             applied = ctypes.c_int(0)
             capturing = self.context.is_cuda and _lib.ms_ctx_is_capturing(self.context._handle()) != 0
             _check(self._ordered(_lib.ms_optimizer_step_with, self._handle(), ctypes.byref(opts),
@@ -861,9 +873,7 @@ class Optimizer:
 
     @lr.setter
     def lr(self, value):
-        if isinstance(value, (str, bytes, bool)) or not hasattr(value, "__float__"):   # float("1e-3") would pass
-            raise TypeError("lr must be a number (got %r)" % (value,))
-        _check(_lib.ms_optimizer_set_lr(self._handle(), float(value)))
+        _check(_lib.ms_optimizer_set_lr(self._handle(), _number(value, "lr")))
 
     def save(self, path):
         _check(self._ordered(_lib.ms_optimizer_save, self._handle(), _path(path, "path")))
@@ -898,7 +908,7 @@ class Optimizer:
         step was given one.  Ordered after the framework's current stream and before its later work, like
         step().  Recording needs settings["device_checks"] and one uncaptured step first (moonstep.h, "Inside a
         trainer's CUDA graph")."""
-        opts = _StepOptions(grad_scale or 0.0)
+        opts = _StepOptions(_grad_scale(grad_scale, "prepare_replay"))
         _check(self._ordered(_lib.ms_optimizer_prepare_replay_with, self._handle(), ctypes.byref(opts)))
 
     # --- state dicts -------------------------------------------------------------------------------

@@ -375,6 +375,9 @@ def prepare_replay_is_refused_on_the_cpu_and_changes_nothing():
     for bad in (-1.0, float("nan"), float("inf")):
         expect_error("MS_E_ARG", "ms_optimizer_prepare_replay_with: grad_scale must be a positive finite number",
                      opt.prepare_replay, grad_scale=bad)
+    for bad in (True, "4", [4.0]):   # bool() or float() would take these
+        expect(TypeError, "prepare_replay: grad_scale must be a number (got %r)" % (bad,), opt.prepare_replay,
+               grad_scale=bad)
     for round_ in range(2):
         expect_error("MS_E_UNSUPPORTED", "the optimizer runs on cpu, whose steps are never captured into a CUDA graph",
                      opt.prepare_replay)
@@ -403,6 +406,9 @@ def a_step_refused_for_a_bad_gradient_changes_nothing():
     for bad in (float("nan"), -1.0, float("inf")):
         expect_error("MS_E_ARG", "grad_scale must be a positive finite number", opt.step,
                      grads={"a": np.full(4, 9, np.float32)}, grad_scale=bad)
+    for bad in (True, "4"):
+        expect(TypeError, "step: grad_scale must be a number (got %r)" % (bad,), opt.step,
+               grads={"a": np.full(4, 9, np.float32)}, grad_scale=bad)
     assert_close(a, np.full(4, 0.5), 0, 0, "the refused steps moved the parameters")
     assert opt.step() is True
     assert_close(a, np.zeros(4), 0, 0, "a stepped on its own gradient (ones), not a refused call's")
