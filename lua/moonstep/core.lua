@@ -124,4 +124,76 @@ function M.check_keys(what, t, known, level, noun)
   end
 end
 
+
+-- The kinds of values that arguments and options take.  Unchecked, the FFI truncates a fractional integer
+-- toward zero (iters = 2.5 runs 2), wraps one past the C type's range, and takes a flag by Lua's truth
+-- ("false" and 0 are true).  `words` completes "<name> must be ...".
+local function finite(v) return type(v) == "number" and v > -math.huge and v < math.huge end
+M.kinds = {
+  integer = { test = function(v) return finite(v) and v == math.floor(v) end, words = "an integer" },
+  -- (NaN and inf pass: the engine names them with the value's own rule, "alpha = nan must be finite")
+  number = { test = function(v) return type(v) == "number" end, words = "a number" },
+  boolean = { test = function(v) return type(v) == "boolean" end, words = "true or false" },
+  string = { test = function(v) return type(v) == "string" end, words = "a string" },
+}
+-- the largest C int (dims, iteration counts), and the largest double below 2^64 (seeds: uint64_t; converting
+-- 2^64 or more is undefined)
+M.INT_MAX, M.UINT64_MAX = 2 ^ 31 - 1, 2 ^ 64 - 2 ^ 11
+
+--- A value as an error message shows it: strings quoted, numbers and booleans as written, else its type.
+function M.show(v)
+  if type(v) == "string" then return ("%q"):format(v) end
+  if type(v) == "number" or type(v) == "boolean" or v == nil then return tostring(v) end
+  return "a " .. type(v)
+end
+
+--- Checks one value against `spec`: a kind of M.kinds ("integer", "number", "boolean", "string"), or a table
+--- {kind, min =, max =, values = {allowed strings}}.  Raises "<what>: <name> must be ..." at `level` of the
+--- caller (0: none); returns v.  nil is refused like any other wrong kind: callers check optional ones only
+--- when given.
+function M.check_value(what, name, v, spec, level)
+  local kind = type(spec) == "table" and spec[1] or spec
+  local lvl = level == 0 and 0 or level + 1
+  local k = M.kinds[kind]
+  if not k.test(v) then
+    error(("%s: %s must be %s (got %s)"):format(what, name, k.words, M.show(v)), lvl)
+  end
+  if type(spec) ~= "table" then return v end
+  if spec.values then
+    for _, a in ipairs(spec.values) do if a == v then return v end end
+    error(("%s: %s must be one of %s (got %s)"):format(what, name, table.concat(spec.values, ", "), M.show(v)), lvl)
+  end
+  -- (written so that NaN fails them)
+  if spec.min ~= nil and not (v >= spec.min) then
+    error(("%s: %s must be >= %s (got %s)"):format(what, name, tostring(spec.min), M.show(v)), lvl)
+  end
+  if spec.max ~= nil and not (v <= spec.max) then
+    error(("%s: %s must be <= %s (got %s)"):format(what, name, tostring(spec.max), M.show(v)), lvl)
+  end
+  return v
+end
+
+--- Checks an option table: unknown keys refused (check_keys), then every value given against specs[key] (as
+--- check_value; a function spec is a test of its own: fn(v) -> nil or the words "must be ..." completes).  nil
+--- gives {} (no options); anything else not a table is refused.  Returns the table.
+function M.check_options(what, t, specs, level)
+  local lvl = level == 0 and 0 or level + 1
+  if t == nil then return {} end
+  -- (a tensor is a table too; its metatable is hidden behind this name)
+  if type(t) ~= "table" or getmetatable(t) == "moonstep.Tensor" then
+    error(("%s: options must be a table (got %s)"):format(what, M.show(t)), lvl)
+  end
+  M.check_keys(what, t, specs, lvl)
+  for key, v in pairs(t) do
+    local spec = specs[key]
+    if type(spec) == "function" then
+      local words = spec(v)
+      if words then error(("%s: %s must be %s (got %s)"):format(what, key, words, M.show(v)), lvl) end
+    else
+      M.check_value(what, key, v, spec, lvl)
+    end
+  end
+  return t
+end
+
 return M

@@ -71,57 +71,50 @@ end
 
 local function ctx_of(t) return tensor.handle_ctx(t:context()) end
 
--- Option tables are checked before anything runs: a misspelt key (pi_step, wieght_decay) would otherwise be
--- dropped silently for its default, and a mistyped value reach the FFI as "cannot convert" or, for a flag,
--- Lua's truth (tf32 = 0 would turn TF32 on).  Kinds: number, boolean, string, tensor, scalar (a number or a
--- one-element tensor), ids (a tensor or a Lua array), output (a tensor or a boolean), any.
-local kinds = {
-  number = function(v) return type(v) == "number" end,
-  boolean = function(v) return type(v) == "boolean" end,
-  string = function(v) return type(v) == "string" end,
-  tensor = function(v) return tensor.is_tensor(v) end,
-  scalar = function(v) return type(v) == "number" or tensor.is_tensor(v) end,
-  ids = function(v) return type(v) == "table" end,
-  output = function(v) return type(v) == "boolean" or tensor.is_tensor(v) end,
-  any = function() return true end,
-}
-local kind_words = {
-  number = "a number", boolean = "true or false", string = "a string", tensor = "a tensor",
-  scalar = "a number or a one-element tensor", ids = "an i32 tensor or a Lua array", output = "a tensor or a boolean",
-}
+-- Option tables are checked before anything runs (core.check_options): a misspelt key (pi_step, wieght_decay)
+-- would otherwise be dropped silently for its default, and a mistyped value reach the FFI as "cannot convert",
+-- truncated (steps = 2.5 runs 2) or, for a flag, as Lua's truth (tf32 = 0 would turn TF32 on).  Besides
+-- core's kinds: a tensor, a scalar (a number or a one-element tensor), ids (a tensor or a Lua array), an output
+-- (a tensor or a boolean), any.
+local function tensor_kind(v) if not tensor.is_tensor(v) then return "a tensor" end end
+local function scalar_kind(v)
+  if type(v) ~= "number" and not tensor.is_tensor(v) then return "a number or a one-element tensor" end
+end
+-- a step count (1-based): a whole number, or a one-element device tensor the kernel reads
+local function step_kind(v)
+  if tensor.is_tensor(v) then return nil end
+  if not (core.kinds.integer.test(v) and v >= 1) then return "an integer >= 1 or a one-element tensor" end
+end
+local function ids_kind(v) if type(v) ~= "table" then return "an i32 tensor or a Lua array" end end
+local function output_kind(v)
+  if type(v) ~= "boolean" and not tensor.is_tensor(v) then return "a tensor or a boolean" end
+end
+local function any_kind() end
+local COUNT = { "integer", min = 0, max = core.INT_MAX }          -- C int fields: iterations, vectors, p
+local SEED = { "integer", min = 0, max = core.UINT64_MAX }
 local function check_options(what, t, spec, level)
-  if t == nil then return {} end
-  if type(t) ~= "table" or tensor.is_tensor(t) then
-    error(("%s: options must be a table (got %s)"):format(what, type(t)), level + 1)
-  end
-  core.check_keys(what, t, spec, level + 1)
-  for k, v in pairs(t) do
-    local kind = spec[k]
-    if not kinds[kind](v) then
-      error(("%s: %s must be %s (got %s)"):format(what, k, kind_words[kind], type(v)), level + 1)
-    end
-  end
-  return t
+  return core.check_options(what, t, spec, level + 1)
 end
 local function need_tensor(what, v, name, level)
   if not tensor.is_tensor(v) then error(("%s: %s must be a tensor (got %s)"):format(what, name, type(v)), level + 1) end
 end
 
-local GRAFT = { grad_ema = "tensor", adam_v = "tensor", norm = "tensor", pgraft = "tensor", beta_grad = "number",
-                beta_graft = "number", eps = "number", step = "scalar", bias_correction = "boolean", skip = "tensor" }
-local DASH_GRAFT = { grad = "tensor" }
+local GRAFT = { grad_ema = tensor_kind, adam_v = tensor_kind, norm = tensor_kind, pgraft = tensor_kind,
+                beta_grad = "number", beta_graft = "number", eps = "number", step = step_kind,
+                bias_correction = "boolean", skip = tensor_kind }
+local DASH_GRAFT = { grad = tensor_kind }
 for k, v in pairs(GRAFT) do DASH_GRAFT[k] = v end
-local GATHER_FACTORS = { stack = "tensor", blocks = "any", left = "tensor", right = "tensor", alpha = "number",
-                         beta = "number", tf32 = "boolean", graft = "any" }
-local APPLY = { blocks = "any", stack = "tensor", scale = "tensor", lr = "scalar", weight_decay = "number",
-                step = "scalar", stochastic_round = "boolean", seed = "number", skip = "tensor", rng_ids = "ids" }
-local ROOT = { method = "string", root = "number", steps = "number", eps = "number", scaling = "string",
-               pi_steps = "number", pi_vectors = "number", pi_const = "number", eps_power_iter = "number",
+local GATHER_FACTORS = { stack = tensor_kind, blocks = any_kind, left = tensor_kind, right = tensor_kind,
+                         alpha = "number", beta = "number", tf32 = "boolean", graft = any_kind }
+local APPLY = { blocks = any_kind, stack = tensor_kind, scale = tensor_kind, lr = scalar_kind, weight_decay = "number",
+                step = step_kind, stochastic_round = "boolean", seed = SEED, skip = tensor_kind, rng_ids = ids_kind }
+local ROOT = { method = "string", root = COUNT, steps = COUNT, eps = "number", scaling = "string",
+               pi_steps = COUNT, pi_vectors = COUNT, pi_const = "number", eps_power_iter = "number",
                pi_bf16 = "boolean", tolerance = "number", matmul_dtype = "string", tf32 = "boolean",
-               evd_shift = "boolean", seed = "number", index = "ids", rng_ids = "ids", out = "tensor",
-               residual = "output", iters = "output" }
-local SPECTRUM = { vectors = "number", steps = "number", eps = "number", bf16 = "boolean", root = "number",
-                   seed = "number", rng_ids = "ids", x_root = "tensor", lam_max = "tensor", lam_min = "tensor" }
+               evd_shift = "boolean", seed = SEED, index = ids_kind, rng_ids = ids_kind, out = tensor_kind,
+               residual = output_kind, iters = output_kind }
+local SPECTRUM = { vectors = COUNT, steps = COUNT, eps = "number", bf16 = "boolean", root = COUNT,
+                   seed = SEED, rng_ids = ids_kind, x_root = tensor_kind, lam_max = tensor_kind, lam_min = tensor_kind }
 
 -- a scalar option: number -> (value, nil); device tensor -> (0, handle)
 local function scalar(v, default)

@@ -1,0 +1,72 @@
+-- Argument and option checks of the Lua surface: the value kinds of core.check_value / core.check_options, and
+-- the modules that use them.  Each bad call must be refused with an error naming the argument or option, and
+-- change nothing; a fractional integer must never reach the FFI (which truncates it toward zero).
+local ms = require("moonstep")
+local core = require("moonstep.core")
+
+local function vals(t) return t:tolist_flat() end
+
+describe("core.check_value and core.check_options", function()
+  it("name the argument and the kind, range or strings it needs", function()
+    H.expect_error(function() core.check_value("f", "iters", 2.5, "integer", 1) end, "f: iters must be an integer (got 2.5)")
+    H.expect_error(function() core.check_value("f", "iters", math.huge, "integer", 1) end, "iters must be an integer")
+    H.expect_error(function() core.check_value("f", "flag", "false", "boolean", 1) end, 'flag must be true or false (got "false")')
+    H.expect_error(function() core.check_value("f", "flag", 0, "boolean", 1) end, "flag must be true or false (got 0)")
+    H.expect_error(function() core.check_value("f", "n", {}, "number", 1) end, "n must be a number (got a table)")
+    H.expect_error(function() core.check_value("f", "n", -1, { "integer", min = 0 }, 1) end, "n must be >= 0 (got -1)")
+    H.expect_error(function() core.check_value("f", "n", 2 ^ 31, { "integer", max = core.INT_MAX }, 1) end, "n must be <=")
+    H.expect_error(function() core.check_value("f", "mode", "x", { "string", values = { "a", "b" } }, 1) end,
+      'mode must be one of a, b (got "x")')
+    assert.equals(3, core.check_value("f", "n", 3, { "integer", min = 0, max = 3 }, 1))
+    assert.equals(false, core.check_value("f", "flag", false, "boolean", 1))
+  end)
+
+  it("refuse unknown keys and non-tables, and check every value given", function()
+    local specs = { n = "integer", on = "boolean", t = function(v) if v ~= "ok" then return '"ok"' end end }
+    assert.are.same({}, core.check_options("f", nil, specs, 1))
+    H.expect_error(function() core.check_options("f", { m = 1 }, specs, 1) end, "f: unknown option 'm' (known: n, on, t)")
+    H.expect_error(function() core.check_options("f", "n", specs, 1) end, 'f: options must be a table (got "n")')
+    H.expect_error(function() core.check_options("f", ms.zeros({ 1 }), specs, 1) end, "f: options must be a table")
+    H.expect_error(function() core.check_options("f", { n = 1.5 }, specs, 1) end, "f: n must be an integer (got 1.5)")
+    H.expect_error(function() core.check_options("f", { t = "no" }, specs, 1) end, 'f: t must be "ok" (got "no")')
+    local o = { n = 2, on = true, t = "ok" }
+    assert.equals(o, core.check_options("f", o, specs, 1))
+  end)
+end)
+
+describe("the DASH primitives' integer options", function()
+  it("refuse fractional and out-of-range counts, changing nothing", function()
+    local a = ms.tensor({ { { 4, 0 }, { 0, 9 } } }, { dtype = "f32" })
+    local out = ms.zeros({ 1, 2, 2 })
+    -- each of these would have run truncated (root 2.5 as 2, steps 10.7 as 10, ...)
+    for _, o in ipairs {
+      { root = 2.5, key = "root" }, { steps = 10.7, key = "steps" }, { pi_steps = 1.5, key = "pi_steps" },
+      { pi_vectors = 4.2, key = "pi_vectors" }, { seed = 0.5, key = "seed" }, { seed = -1, key = "seed" },
+      { steps = 2 ^ 32 + 10, key = "steps" },
+    } do
+      local key = o.key
+      o.key, o.out, o.method = nil, out, "ndb"
+      H.expect_error(function() ms.inv_root(a, o) end, "inv_root: " .. key .. " must be")
+    end
+    assert.are.same({ 0, 0, 0, 0 }, vals(out))
+    local lam = ms.zeros({ 1 })
+    for key, v in pairs { vectors = 2.5, steps = 3.5, root = 4.5 } do
+      H.expect_error(function() ms.spectrum_estimate(a, { [key] = v, lam_max = lam }) end,
+        "spectrum_estimate: " .. key .. " must be an integer")
+    end
+    assert.are.same({ 0 }, vals(lam))
+    local w = ms.zeros({ 2, 3 })
+    local list = ms.block_list({ { tensor = w } })
+    local stack = ms.ones({ 1, 2, 3 })
+    H.expect_error(function() ms.blocks_apply { blocks = list, stack = stack, seed = 1.5 } end, "blocks_apply: seed must be an integer")
+    H.expect_error(function() ms.blocks_apply { blocks = list, stack = stack, step = 2.5 } end, "blocks_apply: step must be an integer >= 1")
+    H.expect_error(function() ms.blocks_apply { blocks = list, stack = stack, step = 0 } end, "blocks_apply: step must be an integer >= 1")
+    assert.are.same({ 0, 0, 0, 0, 0, 0 }, vals(w))
+    H.expect_error(function() ms.dash_graft { grad = stack, step = 1.5 } end, "dash_graft: step must be an integer >= 1")
+    -- whole values still run
+    ms.blocks_apply { blocks = list, stack = stack, lr = 1, step = 2, seed = 3 }
+    assert.are.same({ -1, -1, -1, -1, -1, -1 }, vals(w))
+    local x = ms.inv_root(a, { method = "evd", root = 2, evd_shift = false, steps = 3, seed = 7 })
+    assert(math.abs(vals(x)[1] - 0.5) < 1e-6)
+  end)
+end)
