@@ -100,10 +100,17 @@ function ms.save(path, tensors, metadata)
   return true
 end
 
+local LOAD_OPTIONS = {
+  device = function(v)
+    if type(v) ~= "string" and getmetatable(v) ~= "moonstep.Context" then return "a device name or a context" end
+  end,
+}
 --- ms.load(path [, {device = ...}]) -> {name = tensor}, metadata {string = string}, names (file order)
 function ms.load(path, opts)
   if type(path) ~= "string" then error("load: path must be a string", 2) end
-  local ctx = ms.device(opts and opts.device)
+  -- (a misspelt device key would load onto the default device, silently)
+  opts = core.check_options("load", opts, LOAD_OPTIONS, 2)
+  local ctx = ms.device(opts.device)
   core.check(C.ms_safetensors_load(tensor.handle_ctx(ctx), path, core.out_set))
   local set = core.own_set(core.out_set[0])
   local out, order = {}, {}

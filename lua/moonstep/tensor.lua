@@ -93,10 +93,21 @@ end
 -- a Context for a handle that holds its own reference (the embedding API hands the caller's context over)
 M.wrap_context = wrap_ctx
 
+-- (a misspelt key would leave its default in force; mem_limit = 1.5 or num_threads = 2^32 + 1 would reach the
+-- FFI truncated or wrapped)
+local CONTEXT_OPTIONS = {
+  device = "string",
+  num_threads = { "integer", min = 0, max = core.INT_MAX },
+  mem_limit = { "integer", min = 0, max = 2 ^ 53 },
+  stream = function(v)
+    if type(v) ~= "cdata" and type(v) ~= "userdata" then return "a pointer (a cudaStream_t as cdata)" end
+  end,
+}
+
 --- ms.context{device = "cpu"|"cuda:0"|"auto", num_threads = n, mem_limit = bytes, stream = cdata}
 function M.context(opts)
-  opts = opts or {}
   if type(opts) == "string" then opts = { device = opts } end
+  opts = core.check_options("context", opts, CONTEXT_OPTIONS, 2)
   local o = ffi.new("ms_ctx_options")
   o.mem_limit = opts.mem_limit or 0
   o.num_threads = opts.num_threads or 0
@@ -324,6 +335,7 @@ function Tensor:shape()
 end
 function Tensor:size(d)
   if d == nil then return self:shape() end
+  if not integral(d) then error(("size: dim must be an integer (got %s)"):format(core.show(d)), 2) end
   local v = tonumber(C.ms_tensor_size(H(self), d))
   if v < 0 then error(("size: dim %d out of range for a %d-dim tensor"):format(d, self:dim()), 2) end
   return v
@@ -372,7 +384,22 @@ end
 
 function Tensor:flatten() return self:reshape({ self:numel() }) end
 
+-- a dim or an index argument of a view: the FFI would truncate a fractional one toward zero (slice(0, 1.5) from
+-- row 1, transpose(0.9, 1) a no-op); nil stays nil for the caller's default
+local function index_arg(what, name, v, level)
+  -- (inf is integral to math.floor, and converting it, or anything from 2^63 on, to int64_t is undefined)
+  if v ~= nil and not (integral(v) and math.abs(v) < 2 ^ 63) then
+    error(("%s: %s must be an integer (got %s)"):format(what, name, core.show(v)), level + 1)
+  end
+  return v
+end
+
 function Tensor:slice(dim, start, stop, step)
+  if dim == nil then error("slice: dim is needed", 2) end
+  index_arg("slice", "dim", dim, 2)
+  index_arg("slice", "start", start, 2)
+  index_arg("slice", "stop", stop, 2)
+  index_arg("slice", "step", step, 2)
   check(C.ms_tensor_slice(ctx_of(self), H(self), dim, start or 0, stop or 2 ^ 62, step or 1, core.out_tensor))
   return wrap(core.out_tensor[0], tensor_ctx[self], self)
 end
@@ -380,6 +407,10 @@ end
 -- torch.narrow); unlike slice, the range must lie inside the dim (slice would clamp it, or, for a negative
 -- start with start + len >= 0, give nothing)
 function Tensor:narrow(dim, start, len)
+  if dim == nil or start == nil or len == nil then error("narrow: dim, start and length are needed", 2) end
+  index_arg("narrow", "dim", dim, 2)
+  index_arg("narrow", "start", start, 2)
+  index_arg("narrow", "length", len, 2)
   local size = self:size(dim)
   local s = start < 0 and start + size or start
   if s < 0 or len < 0 or s + len > size then
@@ -397,6 +428,8 @@ function Tensor:select(dim, index)
 end
 
 function Tensor:transpose(d0, d1)
+  index_arg("transpose", "dim0", d0, 2)
+  index_arg("transpose", "dim1", d1, 2)
   check(C.ms_tensor_transpose(ctx_of(self), H(self), d0 or -2, d1 or -1, core.out_tensor))
   return wrap(core.out_tensor[0], tensor_ctx[self], self)
 end
@@ -408,7 +441,7 @@ end
 function Tensor:permute(...)
   local p = shape_args(...)
   local arr = ffi.new("int[?]", #p > 0 and #p or 1)
-  for i = 1, #p do arr[i - 1] = p[i] end
+  for i = 1, #p do arr[i - 1] = index_arg("permute", ("dims[%d]"):format(i), p[i], 2) end
   check(C.ms_tensor_permute(ctx_of(self), H(self), #p, arr, core.out_tensor))
   return wrap(core.out_tensor[0], tensor_ctx[self], self)
 end
