@@ -126,3 +126,54 @@ describe("tensor views", function()
     assert.equals(5, t:size(-1))
   end)
 end)
+
+describe("the fused steps' arguments", function()
+  local function members(n)
+    local p, g, m, v = {}, {}, {}, {}
+    for i = 1, n do
+      p[i], g[i] = ms.ones({ 4, 4 }), ms.randn({ 4, 4 }, { seed = i })
+      m[i], v[i] = ms.zeros({ 4, 4 }), ms.zeros({ 4, 4 })
+    end
+    return p, g, m, v
+  end
+
+  it("refuse fractional counts and seeds, and flags that are not booleans, changing nothing", function()
+    local p, g, m, v = members(2)
+    local before = vals(p[1])
+    local function adamw(extra)
+      return function()
+        local a = { params = p, grads = g, exp_avg = m, exp_avg_sq = v, lr = 0.1 }
+        for k, x in pairs(extra) do a[k] = x end
+        ms.adamw_step(a)
+      end
+    end
+    -- "false" and 0 are true to Lua: they would have turned the flag on
+    H.expect_error(adamw { bias_correction = "false" }, 'adamw_step: bias_correction must be true or false (got "false")')
+    H.expect_error(adamw { stochastic_round = 0 }, "adamw_step: stochastic_round must be true or false (got 0)")
+    H.expect_error(adamw { seed = 1.5 }, "adamw_step: seed must be an integer (got 1.5)")
+    H.expect_error(adamw { seed = -1 }, "adamw_step: seed must be >= 0")
+    H.expect_error(adamw { step = 2.5 }, "adamw_step: step must be an integer >= 1")
+    H.expect_error(adamw { steps = { 1, 1.5 } }, "steps[2] must be an integer >= 1")
+    H.expect_error(adamw { beta1 = "0.9" }, 'adamw_step: beta1 must be a number (got "0.9")')
+    H.expect_error(adamw { scales = { 1, "x" } }, 'scales[2] must be a number (got "x")')
+    H.expect_error(function() ms.sgd_step { params = p, grads = g, nesterov = "no" } end, "sgd_step: nesterov must be true or false")
+    H.expect_error(function() ms.sgd_step { params = p, grads = g, momentum = true } end, "sgd_step: momentum must be a number")
+    H.expect_error(function() ms.sinkgd_step { params = p, grads = g, iters = 2.5 } end, "sinkgd_step: iters must be an integer (got 2.5)")
+    H.expect_error(function() ms.sinkgd_step { params = p, grads = g, sn_iters = 1.5, mode = "spectral" } end,
+      "sinkgd_step: sn_iters must be an integer")
+    H.expect_error(function() ms.sinkgd_step { params = p, grads = g, iters = 2 ^ 32 + 5 } end, "sinkgd_step: iters must be <=")
+    H.expect_error(function() ms.sinkgd_step { params = p, grads = g, mode = 1 } end, "sinkgd_step: mode must be a string")
+    H.expect_error(function()
+      ms.adamw8_step { params = p, grads = g, exp_avg = m, exp_avg_sq = v, exp_avg_scale = m, exp_avg_sq_scale = v,
+                       block_size = 256.5 }
+    end, "adamw8_step: block_size must be an integer (got 256.5)")
+    H.expect_error(function() ms.adamw8_qmap("yes") end, 'adamw8_qmap: signed must be true or false (got "yes")')
+    H.expect_error(function() ms.foreach_scale(p) end, "foreach_scale: s is needed")
+    assert.same(before, vals(p[1]))
+    assert.same(before, vals(p[2]))
+    -- whole values and real flags still step
+    adamw { bias_correction = false, stochastic_round = false, seed = 3, step = 2 } ()
+    ms.sinkgd_step { params = p, grads = g, iters = 2, lr = 0.1 }
+    assert.are_not.same(before, vals(p[1]))
+  end)
+end)

@@ -870,7 +870,7 @@ describe("ms.adamw_step and friends: argument tables (moonstep.fused)", function
     local p, g, m, v = members(2)
     H.expect_error(function() ms.adamw_step { params = p, grads = g, exp_avg = m, exp_avg_sq = v, lr = "0.1" } end,
                    "lr must be a number or a one-element device tensor")
-    H.expect_error(function() ms.sgd_step { params = p, grads = g, step = {} } end, "step must be a number")
+    H.expect_error(function() ms.sgd_step { params = p, grads = g, step = {} } end, "step must be an integer >= 1")
     H.expect_error(function() ms.sgd_step { params = p, grads = g, scales = 2 } end, "scales must be an array")
     H.expect_error(function() ms.sgd_step { grads = g } end, "sgd_step: params must be an array of tensors")
   end)
@@ -907,7 +907,7 @@ describe("ms.adamw_step and friends: argument tables (moonstep.fused)", function
     end, "ms_sgd_step")
     H.expect_error(function()
       ms.sgd_step { params = p, grads = g, lr = 0.1, steps = { 1, 2, 0 } }
-    end, "ms_sgd_step", "step = 0")
+    end, "steps[3] must be an integer >= 1")
     assert.same(before, values(p))
     assert.same(m_before, values(m))
     -- and a good split call still steps every member, each at its own step

@@ -139,6 +139,9 @@ M.kinds = {
 -- the largest C int (dims, iteration counts), and the largest double below 2^64 (seeds: uint64_t; converting
 -- 2^64 or more is undefined)
 M.INT_MAX, M.UINT64_MAX = 2 ^ 31 - 1, 2 ^ 64 - 2 ^ 11
+-- specs of the common integer options: a count held in a C int (iterations, vectors, p), a Philox seed
+M.COUNT = { "integer", min = 0, max = M.INT_MAX }
+M.SEED = { "integer", min = 0, max = M.UINT64_MAX }
 
 --- A value as an error message shows it: strings quoted, numbers and booleans as written, else its type.
 function M.show(v)

@@ -76,22 +76,13 @@ local function ctx_of(t) return tensor.handle_ctx(t:context()) end
 -- truncated (steps = 2.5 runs 2) or, for a flag, as Lua's truth (tf32 = 0 would turn TF32 on).  Besides
 -- core's kinds: a tensor, a scalar (a number or a one-element tensor), ids (a tensor or a Lua array), an output
 -- (a tensor or a boolean), any.
-local function tensor_kind(v) if not tensor.is_tensor(v) then return "a tensor" end end
-local function scalar_kind(v)
-  if type(v) ~= "number" and not tensor.is_tensor(v) then return "a number or a one-element tensor" end
-end
--- a step count (1-based): a whole number, or a one-element device tensor the kernel reads
-local function step_kind(v)
-  if tensor.is_tensor(v) then return nil end
-  if not (core.kinds.integer.test(v) and v >= 1) then return "an integer >= 1 or a one-element tensor" end
-end
+local tensor_kind, scalar_kind, step_kind, any_kind = tensor.kinds.tensor, tensor.kinds.scalar, tensor.kinds.step,
+                                                    tensor.kinds.any
 local function ids_kind(v) if type(v) ~= "table" then return "an i32 tensor or a Lua array" end end
 local function output_kind(v)
   if type(v) ~= "boolean" and not tensor.is_tensor(v) then return "a tensor or a boolean" end
 end
-local function any_kind() end
-local COUNT = { "integer", min = 0, max = core.INT_MAX }          -- C int fields: iterations, vectors, p
-local SEED = { "integer", min = 0, max = core.UINT64_MAX }
+local COUNT, SEED = core.COUNT, core.SEED
 local function check_options(what, t, spec, level)
   return core.check_options(what, t, spec, level + 1)
 end

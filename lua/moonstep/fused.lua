@@ -31,7 +31,10 @@ local function scales_of(s, n)
   if type(s) ~= "table" then error("scales must be an array of numbers, one per member", 3) end
   if #s ~= n then error(("scales has %d entries, %d expected"):format(#s, n), 3) end
   local out = ffi.new("double[?]", n > 0 and n or 1)
-  for i = 1, n do out[i - 1] = s[i] end
+  for i = 1, n do
+    if type(s[i]) ~= "number" then error(("scales[%d] must be a number (got %s)"):format(i, core.show(s[i])), 3) end
+    out[i - 1] = s[i]
+  end
   return out
 end
 
@@ -50,25 +53,28 @@ local function ctx_for(arr)
   return tensor.handle_ctx(arr[1]:context())
 end
 
--- Each call's argument names: a misspelt one (weight_decy =) would otherwise leave its default in force,
--- silently.  Checked first, with the member arrays, so that a refused call changes nothing.
-local function names(...)
+-- Each call's arguments and their kinds (core.check_options): a misspelt one (weight_decy =) would otherwise
+-- leave its default in force, silently, a fractional count (iters = 2.5) reach the FFI truncated, and a flag
+-- given as "false" or 0 count as true.  Checked first, with the member arrays, so that a refused call changes
+-- nothing.  (Arrays are checked where they are read: list, scales_of, by_step.)
+local K = tensor.kinds
+local COMMON = { params = K.any, grads = K.any, scales = K.any, lr = K.scalar, step = K.step, stochastic_round = "boolean",
+                 seed = core.SEED, skip = K.tensor }
+local ADAMW = { steps = K.any, exp_avg = K.any, exp_avg_sq = K.any, beta1 = "number", beta2 = "number", eps = "number",
+                weight_decay = "number", bias_correction = "boolean" }
+local function specs(...)
   local t = {}
-  for _, k in ipairs { ... } do t[k] = true end
+  for _, part in ipairs { ... } do for k, v in pairs(part) do t[k] = v end end
   return t
 end
-local COMMON = { "params", "grads", "scales", "lr", "step", "stochastic_round", "seed", "skip" }
-local ADAMW = { "steps", "exp_avg", "exp_avg_sq", "beta1", "beta2", "eps", "weight_decay", "bias_correction" }
 local ARGS = {
-  adamw_step = names(unpack(COMMON)),
-  sgd_step = names("steps", "momentum_buf", "momentum", "dampening", "weight_decay", "nesterov"),
-  sinkgd_step = names("specnorm_u", "md_target_norm", "mode", "iters", "sn_iters", "target", "eps", "weight_decay"),
-  adamw8_step = names("exp_avg_scale", "exp_avg_sq_scale", "block_size", unpack(ADAMW)),
+  adamw_step = specs(COMMON, ADAMW),
+  sgd_step = specs(COMMON, { steps = K.any, momentum_buf = K.any, momentum = "number", dampening = "number",
+                             weight_decay = "number", nesterov = "boolean" }),
+  sinkgd_step = specs(COMMON, { specnorm_u = K.any, md_target_norm = K.any, mode = "string", iters = core.COUNT,
+                                sn_iters = core.COUNT, target = "string", eps = "number", weight_decay = "number" }),
+  adamw8_step = specs(COMMON, ADAMW, { exp_avg_scale = K.any, exp_avg_sq_scale = K.any, block_size = core.COUNT }),
 }
-for _, k in ipairs(ADAMW) do ARGS.adamw_step[k] = true end
-for _, what in ipairs { "sgd_step", "sinkgd_step", "adamw8_step" } do
-  for _, k in ipairs(COMMON) do ARGS[what][k] = true end
-end
 
 local function check_args(a, what)
   if type(a) ~= "table" then error(("%s takes a table of arguments (got %s)"):format(what, type(a)), 3) end
@@ -77,6 +83,7 @@ local function check_args(a, what)
     error(("%s: params must be an array of tensors%s"):format(what,
           tensor.is_tensor(a.params) and " (got a tensor: wrap it, {t})" or ""), 3)
   end
+  core.check_options(what, a, ARGS[what], 3)
 end
 
 -- The arrays of a call that hold one entry per member.
@@ -87,8 +94,12 @@ local MEMBER_ARRAYS = { "params", "grads", "exp_avg", "exp_avg_sq", "exp_avg_sca
 -- one step each: one call when every member has the same step, members in their order.
 local function by_step(a)
   local n = #a.params
-  if type(a.steps) ~= "table" or #a.steps ~= n then
+  if type(a.steps) ~= "table" or tensor.is_tensor(a.steps) or #a.steps ~= n then
     error(("steps must be an array of %d steps (numbers or device scalars), one per member"):format(n), 3)
+  end
+  for i = 1, n do
+    local why = tensor.kinds.step(a.steps[i])
+    if why then error(("steps[%d] must be %s (got %s)"):format(i, why, core.show(a.steps[i])), 3) end
   end
   -- the member arrays checked whole before the first of several calls runs: a refused call changes nothing,
   -- and its error counts the caller's members, not one call's
@@ -215,6 +226,7 @@ end
 
 --- ms.foreach_scale(tensors, s): every tensor multiplied in place by s (a number or a device scalar)
 function M.foreach_scale(arr, s)
+  if s == nil then error("foreach_scale: s is needed (a number or a device scalar)", 2) end
   local v, vt = scalar(s, 1, "foreach_scale: s")
   check(C.ms_foreach_scale(ctx_for(arr), #arr, list(arr, "tensors"), v, vt))
 end
@@ -307,6 +319,7 @@ end
 
 --- ms.adamw8_qmap(signed) -> the 256 values of the dynamic quantization map, ascending (Lua numbers)
 function M.adamw8_qmap(signed)
+  if signed ~= nil then core.check_value("adamw8_qmap", "signed", signed, "boolean", 2) end
   local q = ffi.new("float[256]")
   C.ms_adamw8_qmap(signed and 1 or 0, q)
   local out = {}

@@ -354,6 +354,22 @@ function Tensor:context() return M.ctx_object(self) end
 
 function M.is_tensor(x) return type(x) == "table" and handle[x] ~= nil end
 
+-- Kinds of option values for core.check_options that involve tensors: fn(v) -> nil, or what v must be.
+M.kinds = {
+  tensor = function(v) if not M.is_tensor(v) then return "a tensor" end end,
+  -- a scalar that may change every step: a number, or a one-element device tensor the kernel reads
+  scalar = function(v)
+    if type(v) ~= "number" and not M.is_tensor(v) then return "a number or a one-element device tensor" end
+  end,
+  -- a 1-based step count, or its device tensor (the engine would round 2.5)
+  step = function(v)
+    if not M.is_tensor(v) and not (core.kinds.integer.test(v) and v >= 1) then
+      return "an integer >= 1 or a one-element device tensor"
+    end
+  end,
+  any = function() end,     -- checked where it is used
+}
+
 -- ---------------------------------------------------------------------------------------------------
 -- views
 -- ---------------------------------------------------------------------------------------------------
