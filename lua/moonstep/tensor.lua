@@ -213,7 +213,7 @@ local dtype_bytes = { f32 = 4, f64 = 8, bf16 = 2, f16 = 2, i32 = 4, u8 = 1 }
 M.dtype_bytes = dtype_bytes
 local gc_budget, gc_debt = 256 * 2 ^ 20, 0
 
-function M.empty(shape, opts)
+local function empty(shape, opts)
   local ctx = resolve_ctx(opts)
   local dt = norm_dtype(opts and opts.dtype)
   local arr, n = as_shape(shape)
@@ -232,13 +232,38 @@ function M.empty(shape, opts)
   return t
 end
 
+-- The options of the constructors, checked where the user calls them (the binding's own calls make their tables
+-- right, and skip the check): a misspelt dtype key would give f32, silently, and a misspelt seed the global
+-- generator's numbers.
+local function device_kind(v)
+  if type(v) ~= "string" and ctx_handle[v] == nil then return "a device name or a context" end
+end
+local function ctx_kind(v) if ctx_handle[v] == nil then return "a moonstep context" end end
+local NEW_OPTIONS = { dtype = "string", device = device_kind, ctx = ctx_kind }
+local function rand_options(a, b)
+  return { dtype = "string", device = device_kind, ctx = ctx_kind, seed = core.SEED, offset = core.SEED,
+           [a] = "number", [b] = "number" }
+end
+local RAND_OPTIONS, RANDN_OPTIONS = rand_options("low", "high"), rand_options("mean", "std")
+
+--- ms.empty(shape, {dtype=, device=, ctx=}): an uninitialised tensor
+function M.empty(shape, opts) return empty(shape, core.check_options("empty", opts, NEW_OPTIONS, 2)) end
+
 function M.full(shape, value, opts)
-  local t = M.empty(shape, opts)
+  core.check_options("full", opts, NEW_OPTIONS, 2)
+  core.check_value("full", "value", value, "number", 2)
+  local t = empty(shape, opts)
   check(C.ms_fill(ctx_handle[M.ctx_object(t)], H(t), value, nil))
   return t
 end
-function M.zeros(shape, opts) return M.full(shape, 0, opts) end
-function M.ones(shape, opts) return M.full(shape, 1, opts) end
+function M.zeros(shape, opts)
+  core.check_options("zeros", opts, NEW_OPTIONS, 2)
+  return M.full(shape, 0, opts)
+end
+function M.ones(shape, opts)
+  core.check_options("ones", opts, NEW_OPTIONS, 2)
+  return M.full(shape, 1, opts)
+end
 
 -- shape of a nested Lua table, checking it is rectangular
 local function nested_shape(tbl)
@@ -270,10 +295,11 @@ end
 
 --- ms.tensor(nested_table_or_number, {dtype=, device=, ctx=})
 function M.tensor(data, opts)
+  core.check_options("tensor", opts, NEW_OPTIONS, 2)
   local shape = type(data) == "number" and {} or nested_shape(data)
   local flat = flatten(data, {})
   local n = #flat
-  local host = M.empty(shape, { dtype = "f64", device = "cpu" })
+  local host = empty(shape, { dtype = "f64", device = "cpu" })
   if n > 0 then
     local buf = ffi.new("double[?]", n)
     for i = 1, n do buf[i - 1] = flat[i] end
@@ -283,7 +309,7 @@ function M.tensor(data, opts)
   local dt = norm_dtype(opts and opts.dtype)
   local ctx = resolve_ctx(opts)
   if dt == "f64" and ctx:name() == "cpu" then return host end
-  local t = M.empty(shape, { dtype = dt, ctx = ctx })
+  local t = empty(shape, { dtype = dt, ctx = ctx })
   check(C.ms_copy(ctx_handle[ctx], H(t), H(host)))
   return t
 end
@@ -305,7 +331,7 @@ function M.set_rng_state(s)
 end
 
 local function draw(shape, opts, dist, a, b)
-  local t = M.empty(shape, opts)
+  local t = empty(shape, opts)
   local o = ffi.new("ms_rand_options")
   o.dist, o.a, o.b = dist, a, b
   if opts and opts.seed then
@@ -318,9 +344,15 @@ local function draw(shape, opts, dist, a, b)
   return t
 end
 --- ms.rand(shape, {dtype=, device=, seed=, offset=, low=, high=}): uniform [low, high)
-function M.rand(shape, opts) return draw(shape, opts, C.MS_RAND_UNIFORM, opts and opts.low or 0, opts and opts.high or 1) end
+function M.rand(shape, opts)
+  core.check_options("rand", opts, RAND_OPTIONS, 2)
+  return draw(shape, opts, C.MS_RAND_UNIFORM, opts and opts.low or 0, opts and opts.high or 1)
+end
 --- ms.randn(shape, {dtype=, device=, seed=, offset=, mean=, std=})
-function M.randn(shape, opts) return draw(shape, opts, C.MS_RAND_NORMAL, opts and opts.mean or 0, opts and opts.std or 1) end
+function M.randn(shape, opts)
+  core.check_options("randn", opts, RANDN_OPTIONS, 2)
+  return draw(shape, opts, C.MS_RAND_NORMAL, opts and opts.mean or 0, opts and opts.std or 1)
+end
 
 -- ---------------------------------------------------------------------------------------------------
 -- properties
@@ -520,7 +552,7 @@ end
 function Tensor:zero_() return self:fill_(0) end
 
 function Tensor:clone()
-  local t = M.empty(self:shape(), { dtype = self:dtype(), ctx = M.ctx_object(self) })
+  local t = empty(self:shape(), { dtype = self:dtype(), ctx = M.ctx_object(self) })
   return t:copy_(self)
 end
 
@@ -536,7 +568,7 @@ function Tensor:to(a, b)
   end
   dev = dev or M.ctx_object(self)
   if dt == self:dtype() and dev:name() == self:device() then return self end
-  local t = M.empty(self:shape(), { dtype = dt, ctx = dev })
+  local t = empty(self:shape(), { dtype = dt, ctx = dev })
   check(C.ms_copy(ctx_handle[dev], H(t), H(self)))
   return t
 end
@@ -559,7 +591,7 @@ function Tensor:tolist_flat()
     for i = 1, n do out[i] = buf[i - 1] end
     return out
   end
-  local host = M.empty(self:shape(), { dtype = "f64", device = "cpu" })
+  local host = empty(self:shape(), { dtype = "f64", device = "cpu" })
   check(C.ms_copy(ctx_handle[M.device("cpu")], H(host), H(self)))
   local buf = ffi.new("double[?]", n)
   check(C.ms_tensor_read(ctx_handle[M.device("cpu")], H(host), buf, n * 8))
@@ -624,13 +656,13 @@ local function binary(op, a, b, dst)
     return frac and fractional(dt) or dt
   end
   if ta and tb then
-    dst = dst or M.empty(broadcast_shapes(a:shape(), b:shape()), { dtype = result_dtype(promote(a:dtype(), b:dtype())), ctx = M.ctx_object(a) })
+    dst = dst or empty(broadcast_shapes(a:shape(), b:shape()), { dtype = result_dtype(promote(a:dtype(), b:dtype())), ctx = M.ctx_object(a) })
     check(C.ms_binary(ctx_of(dst), H(dst), H(a), H(b), code), 3)
   elseif ta and type(b) == "number" then
-    dst = dst or M.empty(a:shape(), { dtype = result_dtype(a:dtype(), b), ctx = M.ctx_object(a) })
+    dst = dst or empty(a:shape(), { dtype = result_dtype(a:dtype(), b), ctx = M.ctx_object(a) })
     check(C.ms_binary_scalar(ctx_of(dst), H(dst), H(a), b, nil, code, 0), 3)
   elseif tb and type(a) == "number" then
-    dst = dst or M.empty(b:shape(), { dtype = result_dtype(b:dtype(), a), ctx = M.ctx_object(b) })
+    dst = dst or empty(b:shape(), { dtype = result_dtype(b:dtype(), a), ctx = M.ctx_object(b) })
     check(C.ms_binary_scalar(ctx_of(dst), H(dst), H(b), a, nil, code, 1), 3)
   else
     error(("%s: expected tensors or numbers (got %s and %s)"):format(op, type(a), type(b)), 3)
@@ -661,7 +693,7 @@ local fractional_unary = { sqrt = true, rsqrt = true, exp = true, log = true, re
 for op, code in pairs(unary_ops) do
   Tensor[op] = function(self)
     local dt = fractional_unary[op] and fractional(self:dtype()) or self:dtype()
-    local dst = M.empty(self:shape(), { dtype = dt, ctx = M.ctx_object(self) })
+    local dst = empty(self:shape(), { dtype = dt, ctx = M.ctx_object(self) })
     check(C.ms_unary(ctx_of(dst), H(dst), H(self), code))
     return dst
   end
@@ -678,7 +710,7 @@ local function clamp_into(dst, src, lo, hi)
   return dst
 end
 function Tensor:clamp(lo, hi)
-  return clamp_into(M.empty(self:shape(), { dtype = self:dtype(), ctx = M.ctx_object(self) }), self, lo, hi)
+  return clamp_into(empty(self:shape(), { dtype = self:dtype(), ctx = M.ctx_object(self) }), self, lo, hi)
 end
 function Tensor:clamp_(lo, hi) return clamp_into(self, self, lo, hi) end
 
@@ -693,7 +725,7 @@ local function result_like(a, b, c)
   for _, t in ipairs { b, c } do
     if t then shape = broadcast_shapes(shape, t:shape()) dt = promote(dt, t:dtype()) end
   end
-  return M.empty(shape, { dtype = dt, ctx = M.ctx_object(a) })
+  return empty(shape, { dtype = dt, ctx = M.ctx_object(a) })
 end
 
 function M.lerp(a, b, w, out)
@@ -736,7 +768,7 @@ local function reduce(op, self, dim, keepdim)
   local code = reduce_ops[op]
   local ctx = M.ctx_object(self)
   if dim == nil then
-    local dst = M.empty({}, { dtype = acc_dtype(self:dtype()) == "f64" and "f64" or "f32", ctx = ctx })
+    local dst = empty({}, { dtype = acc_dtype(self:dtype()) == "f64" and "f64" or "f32", ctx = ctx })
     check(C.ms_reduce(ctx_handle[ctx], H(dst), H(self), code, C.MS_DIM_ALL), 3)
     return dst:item()
   end
@@ -748,7 +780,7 @@ local function reduce(op, self, dim, keepdim)
     error(("%s: dim %d out of range for a %d-dim tensor"):format(op, dim, #shape), 3)
   end
   if keepdim then shape[d + 1] = 1 else table.remove(shape, d + 1) end
-  local dst = M.empty(shape, { dtype = acc_dtype(self:dtype()), ctx = ctx })
+  local dst = empty(shape, { dtype = acc_dtype(self:dtype()), ctx = ctx })
   check(C.ms_reduce(ctx_handle[ctx], H(dst), H(self), code, d), 3)
   return dst
 end
@@ -760,7 +792,7 @@ end
 --- ms.dot(a, b) -> number (sum of products over all elements)
 function M.dot(a, b)
   local ctx = M.ctx_object(a)
-  local dst = M.empty({}, { dtype = acc_dtype(a:dtype()) == "f64" and "f64" or "f32", ctx = ctx })
+  local dst = empty({}, { dtype = acc_dtype(a:dtype()) == "f64" and "f64" or "f32", ctx = ctx })
   check(C.ms_dot(ctx_handle[ctx], H(dst), H(a), H(b)))
   return dst:item()
 end
@@ -770,11 +802,11 @@ Tensor.dot = M.dot
 -- linear algebra
 -- ---------------------------------------------------------------------------------------------------
 --- ms.matmul(a, b, {trans_a=, trans_b=, alpha=, beta=, tf32=, out=, dtype=})
-local matmul_keys = { trans_a = true, trans_b = true, alpha = true, beta = true, tf32 = true, out = true, dtype = true }
+-- (a misspelt trans_b would silently multiply the untransposed operand, and trans_b = 0 or "false" transpose it)
+local MATMUL_OPTIONS = { trans_a = "boolean", trans_b = "boolean", alpha = "number", beta = "number", tf32 = "boolean",
+                         out = M.kinds.tensor, dtype = "string" }
 function M.matmul(a, b, opts)
-  opts = opts or {}
-  -- a misspelt trans_b would silently multiply the untransposed operand
-  core.check_keys("matmul", opts, matmul_keys, 2)
+  opts = core.check_options("matmul", opts, MATMUL_OPTIONS, 2)
   local sa, sb = a:shape(), b:shape()
   if #sa < 2 or #sb < 2 then error("matmul: a and b need at least 2 dims", 2) end
   local m = opts.trans_a and sa[#sa] or sa[#sa - 1]
@@ -786,7 +818,7 @@ function M.matmul(a, b, opts)
     for i = 1, #sb - 2 do bb[i] = sb[i] end
     local shape = broadcast_shapes(ba, bb)
     shape[#shape + 1], shape[#shape + 2] = m, n
-    out = M.empty(shape, { dtype = opts.dtype or a:dtype(), ctx = M.ctx_object(a) })
+    out = empty(shape, { dtype = opts.dtype or a:dtype(), ctx = M.ctx_object(a) })
   end
   local o = ffi.new("ms_matmul_options")
   o.trans_a, o.trans_b = opts.trans_a and 1 or 0, opts.trans_b and 1 or 0
@@ -799,7 +831,7 @@ Tensor.matmul = M.matmul
 
 function M.eye(n, m, opts)
   if type(m) == "table" then opts, m = m, nil end
-  local t = M.empty({ n, m or n }, opts)
+  local t = empty({ n, m or n }, opts)
   check(C.ms_eye(ctx_of(t), H(t)))
   return t
 end
@@ -815,20 +847,22 @@ function M.diag(src)
     shape[#shape + 1] = s[#s]
     shape[#shape + 1] = s[#s]
   end
-  local dst = M.empty(shape, { dtype = src:dtype(), ctx = M.ctx_object(src) })
+  local dst = empty(shape, { dtype = src:dtype(), ctx = M.ctx_object(src) })
   check(C.ms_diag(ctx_of(dst), H(dst), H(src)))
   return dst
 end
 Tensor.diag = M.diag
 
 --- ms.eigh(a [, {vectors = false}]) -> w (ascending), v (eigenvectors in columns)
+local EIGH_OPTIONS = { vectors = "boolean" }
 function M.eigh(a, opts)
+  opts = core.check_options("eigh", opts, EIGH_OPTIONS, 2)
   local s = a:shape()
   local ws = {}
   for i = 1, #s - 1 do ws[i] = s[i] end
   local ctx = M.ctx_object(a)
-  local w = M.empty(ws, { dtype = a:dtype(), ctx = ctx })
-  local v = not (opts and opts.vectors == false) and M.empty(s, { dtype = a:dtype(), ctx = ctx }) or nil
+  local w = empty(ws, { dtype = a:dtype(), ctx = ctx })
+  local v = opts.vectors ~= false and empty(s, { dtype = a:dtype(), ctx = ctx }) or nil
   check(C.ms_eigh(ctx_handle[ctx], H(w), v and H(v) or nil, H(a), core.out_int))
   return w, v
 end
