@@ -46,6 +46,40 @@ describe("moonstep command line", function()
     has(h, "--width", "hidden width", "--data", "flags of problem lm")
   end)
 
+  it("gives help on every command it lists, both ways, and refuses its unknown flags by name", function()
+    local usage = ms_run("--help")
+    local names = {}
+    for line in usage:match("commands:\n(.-)\n\n"):gmatch("[^\n]+") do names[#names + 1] = line:match("^  (%S+)") end
+    assert.is_true(#names >= 8, usage)
+    for _, c in ipairs(names) do
+      local h, hc = ms_run(c .. " --help")
+      assert.equals(0, hc, c .. " --help:\n" .. h)
+      local h2, hc2 = ms_run("help " .. c)
+      assert.equals(0, hc2, "help " .. c)
+      assert.equals(h, h2, c)
+      local o, rc = ms_run(c .. " --no-such-flag x")
+      assert.equals(2, rc, c .. ":\n" .. o)
+      has(o, "unknown flag '--no-such-flag'")
+    end
+    -- what follows the command's name is the command's: a problem's flags are shown
+    local h, hc = ms_run("help train --problem lm")
+    assert.equals(0, hc, h)
+    has(h, "flags of problem lm", "--width")
+    -- help on run and bench shows their help, and never runs the script or the benchmark
+    local dir = scratch()
+    local marker = dir .. "/ran"
+    write(dir .. "/s.lua", ("io.open(%q, 'w'):close()"):format(marker))
+    for _, c in ipairs { "help run " .. q(dir .. "/s.lua"), "run --help " .. q(dir .. "/s.lua"), "help bench core" } do
+      local o, rc = ms_run(c, "timeout 60")
+      assert.equals(0, rc, c .. ":\n" .. o)
+      has(o, "usage: moonstep")
+      assert.is_nil(io.open(marker, "r"), c .. " ran the script")
+    end
+    local o, rc = ms_run("help --no-such-flag")
+    assert.equals(2, rc)
+    has(o, "unknown flag '--no-such-flag' for 'moonstep help'")
+  end)
+
   it("names unknown commands and flags, and exits 2", function()
     local out, code = ms_run("trian --problem lsq")
     assert.equals(2, code)

@@ -190,7 +190,8 @@ Runs a Lua script with `ms` loaded.  The script's arguments are in `arg` (arg[0]
 `...`, as with luajit.  An error prints its traceback and exits with status 1.]=],
   run = function(argv)
     local vals, pos = M.parse("run", argv, {}, true)
-    if vals.help and #pos == 0 then show_help(by_name.run) return 0 end
+    -- (--help before the script: `moonstep help run x.lua` must not run x.lua; after it, --help is the script's)
+    if vals.help then show_help(by_name.run) return 0 end
     if #pos == 0 then usage_error("run needs a script: moonstep run FILE.lua [args...]", "run") end
     local args = {}
     for i = 2, #pos do args[#args + 1] = pos[i] end
@@ -550,7 +551,8 @@ followed by yours; without NAME, lists the benchmarks.  Benchmarks print their o
   run = function(argv)
     local vals, pos = M.parse("bench", argv, {}, true)
     local list, dir = M.benches()
-    if vals.help and #pos == 0 then
+    -- (--help before the name: `moonstep help bench core` must not run the benchmark)
+    if vals.help then
       show_help(by_name.bench)
       pos = {}
     end
@@ -909,7 +911,8 @@ command {
   summary = "help on a command: moonstep help train",
   help = "usage: moonstep help [COMMAND]",
   run = function(argv)
-    local _, pos = M.parse("help", argv, {})
+    -- (stops at the command's name: what follows is the command's, `moonstep help train --problem lm`)
+    local _, pos = M.parse("help", argv, {}, true)
     if #pos == 0 then outln(usage_text()) return 0 end
     local c = by_name[pos[1]]
     if not c then usage_error(("unknown command '%s'"):format(pos[1]), nil) end
