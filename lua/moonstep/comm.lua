@@ -45,11 +45,20 @@ local function timeout_ms(seconds, level)
 end
 
 local function integer(v, name, level)
-  if type(v) ~= "number" or v ~= math.floor(v) then
+  -- (inf passes v == floor(v); past a C int's range the FFI would wrap it)
+  if not core.kinds.integer.test(v) or math.abs(v) > core.INT_MAX then
     error(("%s must be an integer (got %s)"):format(name, tostring(v)), level + 1)
   end
   return v
 end
+
+-- The keys of each call's table (core.check_options; the values are checked where they are read): a misspelt
+-- one (world_sise, timout) would leave its default in force, silently -- one rank, no timeout.
+local function any() end
+local RENDEZVOUS = { rank = any, world_size = any, id = any, addr = "string", port = any, timeout = any }
+local NEW = { ctx = any, device = any }
+for k, v in pairs(RENDEZVOUS) do NEW[k] = v end
+local FROM_ENV = { ctx = any, device = any, timeout = any }
 
 local function id_bytes(id, level)
   if type(id) ~= "string" or #id ~= M.ID_BYTES then
@@ -70,6 +79,7 @@ end
 --- -> the id (every rank).  addr/port default to MASTER_ADDR/MASTER_PORT.
 function M.rendezvous(o)
   if type(o) ~= "table" then error("rendezvous takes a table {rank =, world_size =, id =, addr =, port =, timeout =}", 2) end
+  core.check_options("rendezvous", o, RENDEZVOUS, 2)
   local rank, world = integer(o.rank, "rank", 2), integer(o.world_size, "world_size", 2)
   local buf = ffi.new("unsigned char[?]", M.ID_BYTES)
   if rank == 0 then ffi.copy(buf, id_bytes(o.id, 2), M.ID_BYTES) end
@@ -109,6 +119,7 @@ end
 function M.new(o)
   o = o or {}
   if type(o) ~= "table" then error("comm.new takes a table of options", 2) end
+  core.check_options("comm.new", o, NEW, 2)
   local ctx = ctx_arg(o, nil)
   local opts = ffi.new("ms_comm_options")
   opts.rank = o.rank ~= nil and integer(o.rank, "rank", 2) or 0
@@ -132,6 +143,7 @@ end
 function M.from_env(o)
   o = o or {}
   if type(o) ~= "table" then error("comm.from_env takes a table of options", 2) end
+  core.check_options("comm.from_env", o, FROM_ENV, 2)
   local gpus = C.ms_device_count(C.MS_DEVICE_CUDA) > 0
   local ctx = ctx_arg(o, gpus and "cuda:" .. (os.getenv("LOCAL_RANK") or "0") or "cpu")
   local out = ffi.new("ms_comm *[1]")

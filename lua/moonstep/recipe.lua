@@ -97,6 +97,7 @@ Once a limit trips, the sandbox's pcall/xpcall re-raise the error, so a recipe c
 Trusted recipes never pass through any of this: M.call(nil, fn, ...) is a plain tail call.
 ]]
 local tensor = require("moonstep.tensor")
+local core = require("moonstep.core")
 local jit_off = jit and jit.off
 
 local MiB = 2 ^ 20
@@ -459,9 +460,13 @@ local function check_shape(r, chunkname)
   return r
 end
 
+-- (trusted = "false" or 0 is true to Lua: it would run the recipe unsandboxed)
+local LOAD_OPTIONS = { trusted = "boolean", limits = function() end }   -- (limits: check_limits)
+
 --- Loads a recipe from source text.  opts.trusted (default false) runs it with the full Lua environment.
 function M.load_string(src, chunkname, opts)
   if type(src) ~= "string" then error("recipe source must be a string", 2) end
+  core.check_options("recipe.load", opts, LOAD_OPTIONS, 2)
   chunkname = chunkname or "=(recipe)"
   local trusted = opts and opts.trusted
   if src:sub(1, 1) == "\27" then error(("recipe %s: precompiled bytecode is not accepted"):format(chunkname), 2) end

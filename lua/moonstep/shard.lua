@@ -20,6 +20,7 @@ local M = {}
 local registry = setmetatable({}, { __mode = "k" })   -- tensor -> { dim =, offset =, global =, comm = }
 
 local dims = { rows = true, cols = true, none = true }
+local SPEC_KEYS = { dim = true, offset = true, size = true }
 
 local function integer(v, what)
   -- (inf == floor(inf): the bound keeps it out, and past 2^53 a double no longer holds every integer)
@@ -34,6 +35,9 @@ end
 function M.set(t, spec, comm)
   if not tensor.is_tensor(t) then error("shard.set: expected a tensor, got " .. type(t), 2) end
   if type(spec) ~= "table" then error("shard.set: the shard must be a table {dim =, offset =, size =}", 2) end
+  -- (a misspelt offset would fail as "must be an integer", but a stray key beside a whole slice ("none") is
+  -- dropped silently)
+  require("moonstep.core").check_keys("shard.set", spec, SPEC_KEYS, 2, "key")
   if not dims[spec.dim] then
     error(("shard.set: dim must be 'rows', 'cols' or 'none' (got %s)"):format(tostring(spec.dim)), 2)
   end
