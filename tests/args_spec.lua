@@ -244,3 +244,24 @@ describe("recipe loading, communicators and shards", function()
     shard.clear(w)
   end)
 end)
+
+describe("the optimizer's load", function()
+  it("refuses a force flag that is not a boolean, loading nothing", function()
+    local function make(recipe)
+      local p = { name = "w", param = ms.ones({ 2, 2 }), grad = ms.ones({ 2, 2 }) }
+      return ms.optim.new(recipe, { p }, { lr = 0.1 }), p
+    end
+    local src = make("sgd")
+    src:step()
+    local path = os.tmpname()
+    src:save(path)
+    local opt, p = make("adamw")
+    -- "false" is true to Lua: the sgd checkpoint would have loaded into the adamw optimizer
+    H.expect_error(function() opt:load(path, { force = "false" }) end, 'load: force must be true or false (got "false")')
+    H.expect_error(function() opt:load(path, { force = 1 }) end, "load: force must be true or false (got 1)")
+    H.expect_error(function() opt:load(path, { force = false }) end, "checkpoint of recipe 'sgd'")
+    assert.equals(0, opt.step_count)
+    assert.same({ 1, 1, 1, 1 }, vals(p.param))
+    os.remove(path)
+  end)
+end)

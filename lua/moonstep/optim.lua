@@ -2191,6 +2191,8 @@ local NONFINITE = { inf = math.huge, ["-inf"] = -math.huge, nan = 0 / 0 }
 -- load's checks (errors at `level`): what it will copy and set, nothing changed yet
 function Optimizer:_load_plan(path, opts, level)
   check_args("load", opts, LOAD_OPTS, level)
+  -- (force = "false" is true to Lua: it would load another recipe's checkpoint)
+  if opts and opts.force ~= nil then core.check_value("load", "force", opts.force, "boolean", level) end
   local force = opts and opts.force
   if type(path) ~= "string" then error("load: path must be a string", level) end
   local files, meta = read_checkpoint(path, self.dist and "cpu" or self.ctx)
