@@ -46,11 +46,15 @@ for _, name in ipairs { "block_list", "blocks_gather", "blocks_apply", "blocks_s
                          "spectrum_estimate", "blocks_gather_factors" } do ms[name] = dash[name] end
 ms.block_plan = require("moonstep.blocks").plan
 
+-- (a misspelt dtype key would give t's dtype, silently)
+local LIKE_OPTIONS = { dtype = "string", ctx = function() end }   -- (ctx: checked by ms.zeros / ms.empty)
 function ms.zeros_like(t, opts)
-  return ms.zeros(t:shape(), { dtype = opts and opts.dtype or t:dtype(), ctx = opts and opts.ctx or t:context() })
+  opts = core.check_options("zeros_like", opts, LIKE_OPTIONS, 2)
+  return ms.zeros(t:shape(), { dtype = opts.dtype or t:dtype(), ctx = opts.ctx or t:context() })
 end
 function ms.empty_like(t, opts)
-  return ms.empty(t:shape(), { dtype = opts and opts.dtype or t:dtype(), ctx = opts and opts.ctx or t:context() })
+  opts = core.check_options("empty_like", opts, LIKE_OPTIONS, 2)
+  return ms.empty(t:shape(), { dtype = opts.dtype or t:dtype(), ctx = opts.ctx or t:context() })
 end
 
 --- Number of devices of a kind ("cpu" or "cuda") usable here.

@@ -775,6 +775,8 @@ local function reduce(op, self, dim, keepdim)
   local shape = self:shape()
   -- (a fractional dim would reach C truncated: sum(0.5) summed dim 0)
   if not integral(dim) then error(("%s: dim %s is not an integer"):format(op, tostring(dim)), 3) end
+  -- (keepdim = "false" or 0 is true to Lua)
+  if keepdim ~= nil then core.check_value(op, "keepdim", keepdim, "boolean", 3) end
   local d = dim < 0 and dim + #shape or dim
   if d < 0 or d >= #shape then
     error(("%s: dim %d out of range for a %d-dim tensor"):format(op, dim, #shape), 3)
@@ -831,6 +833,7 @@ Tensor.matmul = M.matmul
 
 function M.eye(n, m, opts)
   if type(m) == "table" then opts, m = m, nil end
+  core.check_options("eye", opts, NEW_OPTIONS, 2)
   local t = empty({ n, m or n }, opts)
   check(C.ms_eye(ctx_of(t), H(t)))
   return t
