@@ -777,7 +777,7 @@ return {
     seed = { default = 0, type = "integer", min = 0, max = 2 ^ 32 - 1, doc = "Philox key" },
     adamw_patterns = { default = {}, type = "patterns", doc = "name patterns routed to AdamW" },
     dash_patterns = { default = {}, type = "patterns", doc = "name patterns routed to DASH" },
-    adamw_dims = { default = {}, type = "numbers", min = 1, doc = "dim sizes routed to AdamW" },
+    adamw_dims = { default = {}, type = "numbers", integer = true, min = 1, doc = "dim sizes routed to AdamW" },
     auto_methods = { default = { "cn", "ndb" }, type = "strings", values = { "cn", "ndb" }, nonempty = true,
                      doc = "auto: iterative methods" },
     auto_tolerance = { default = 1e-3, type = "number", above = 0, below = 1, doc = "auto: accuracy of resolved roots" },

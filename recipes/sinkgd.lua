@@ -177,7 +177,7 @@ return {
     adamw_state = { default = "8bit", type = "string", values = { "8bit", "f32", "bf16" }, doc = "AdamW moment format" },
     adamw_patterns = { default = {}, type = "patterns", doc = "name patterns routed to AdamW" },
     sinkgd_patterns = { default = {}, type = "patterns", doc = "name patterns routed to SinkGD" },
-    adamw_dims = { default = {}, type = "numbers", min = 1, doc = "dim sizes routed to AdamW" },
+    adamw_dims = { default = {}, type = "numbers", integer = true, min = 1, doc = "dim sizes routed to AdamW" },
     seed = { default = 0, type = "integer", min = 0, max = 2 ^ 32 - 1, doc = "stochastic rounding and power-iteration key" },
   },
 

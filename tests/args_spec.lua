@@ -282,3 +282,22 @@ describe("flags and options of reductions, eye and the *_like constructors", fun
     assert.same({ 2, 3 }, ms.empty_like(t):shape())
   end)
 end)
+
+describe("the built-in recipes' options", function()
+  it("refuse fractional dim sizes and seeds past 2^32, naming the option", function()
+    for _, name in ipairs { "sinkgd", "dash" } do
+      local r = ms.recipe.get(name)
+      -- a fractional size never equals a dim: the parameter it meant went to the other route, silently
+      H.expect_error(function() ms.recipe.options(r, { adamw_dims = { 4096.5 } }) end,
+        name .. ": option 'adamw_dims'[1] = 4096.5: an integer is needed")
+      H.expect_error(function() ms.recipe.options(r, { adamw_dims = "64, 1.5" }) end, "option 'adamw_dims'[2] = 1.5")
+      assert.same({ 64, 4096 }, ms.recipe.options(r, { adamw_dims = "64,4096" }).adamw_dims)
+    end
+    for _, name in ipairs { "adamw", "sgd", "sinkgd", "dash" } do
+      local r = ms.recipe.get(name)
+      -- the seed is the low word of the calls' keys (ctx.rng_key), whose high word names the stream
+      H.expect_error(function() ms.recipe.options(r, { seed = 2 ^ 70 }) end, name .. ": option 'seed'", "above its maximum")
+      assert.equals(12345, ms.recipe.options(r, { seed = 12345 }).seed)
+    end
+  end)
+end)

@@ -683,7 +683,13 @@ function M.check_option(rname, name, spec, v)
     if spec.length and #x ~= spec.length then
       error(("%s: option '%s' needs %d numbers (got %d)"):format(rname, name, spec.length, #x), 0)
     end
-    for i, y in ipairs(x) do range(y, "[" .. i .. "]") end
+    for i, y in ipairs(x) do
+      -- (integer = true: a list of counts or sizes, e.g. dims, that a fraction would never match)
+      if spec.integer and y ~= math.floor(y) then
+        error(("%s: option '%s'[%d] = %s: an integer is needed"):format(rname, name, i, describe(y)), 0)
+      end
+      range(y, "[" .. i .. "]")
+    end
   end
   return x
 end
