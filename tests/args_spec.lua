@@ -301,3 +301,23 @@ describe("the built-in recipes' options", function()
     end
   end)
 end)
+
+describe("experiment.run and compare", function()
+  it("refuse trusted, force and skip_missing flags that are not booleans", function()
+    local E = require("moonstep.experiment")
+    local base = { problem = "lsq", problem_options = { dim = 4, outputs = 1, samples = 8 }, recipe = "sgd", steps = 1,
+                   device = "cpu" }
+    local function with(k, v)
+      local c = { [k] = v }
+      for key, x in pairs(base) do c[key] = x end
+      return c
+    end
+    -- "false" is true to Lua: trusted would run a recipe file unsandboxed
+    H.expect_error(function() E.run(with("trusted", "false")) end, 'run: trusted must be true or false (got "false")')
+    H.expect_error(function() E.run(with("force", 1)) end, "run: force must be true or false (got 1)")
+    local c = with("skip_missing", "yes")
+    c.recipe, c.recipes = nil, { "sgd" }
+    H.expect_error(function() E.compare(c) end, 'compare: skip_missing must be true or false (got "yes")')
+    assert.equals(1, E.run(with("trusted", false)).steps_done)
+  end)
+end)

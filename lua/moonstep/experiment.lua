@@ -169,6 +169,10 @@ local function check_cfg(what, cfg, keys)
     end
   end
   whole("seed", 0) whole("seeds", 1) whole("smooth", 1) whole("eval_every", 1) whole("stop_after", 1)
+  -- (trusted = "false" is true to Lua: a recipe file would run unsandboxed)
+  for _, flag in ipairs { "trusted", "force", "skip_missing" } do
+    if cfg[flag] ~= nil then require("moonstep.core").check_value(what, flag, cfg[flag], "boolean", 0) end
+  end
   if cfg.clip ~= nil and cfg.clip ~= false and (type(cfg.clip) ~= "number" or not (cfg.clip >= 0)) then
     error(("%s: clip must be a number >= 0 or false (got %s)"):format(what, tostring(cfg.clip)), 0)
   end
