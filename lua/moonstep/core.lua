@@ -129,19 +129,27 @@ end
 -- toward zero (iters = 2.5 runs 2), wraps one past the C type's range, and takes a flag by Lua's truth
 -- ("false" and 0 are true).  `words` completes "<name> must be ...".
 local function finite(v) return type(v) == "number" and v > -math.huge and v < math.huge end
+-- the largest C int (dims, iteration counts), and the largest double below 2^64 (seeds: uint64_t; converting
+-- 2^64 or more is undefined)
+M.INT_MAX, M.UINT64_MAX = 2 ^ 31 - 1, 2 ^ 64 - 2 ^ 11
 M.kinds = {
   integer = { test = function(v) return finite(v) and v == math.floor(v) end, words = "an integer" },
   -- (NaN and inf pass: the engine names them with the value's own rule, "alpha = nan must be finite")
   number = { test = function(v) return type(v) == "number" end, words = "a number" },
   boolean = { test = function(v) return type(v) == "boolean" end, words = "true or false" },
   string = { test = function(v) return type(v) == "string" end, words = "a string" },
+  -- a Philox seed or offset (uint64_t): a whole number, or a 64-bit integer cdata (2^63 + k is no double's)
+  uint64 = {
+    test = function(v)
+      if type(v) == "cdata" then return ffi.istype("uint64_t", v) or (ffi.istype("int64_t", v) and v >= 0) end
+      return finite(v) and v == math.floor(v) and v >= 0 and v <= M.UINT64_MAX
+    end,
+    words = "an integer in [0, 2^64)",
+  },
 }
--- the largest C int (dims, iteration counts), and the largest double below 2^64 (seeds: uint64_t; converting
--- 2^64 or more is undefined)
-M.INT_MAX, M.UINT64_MAX = 2 ^ 31 - 1, 2 ^ 64 - 2 ^ 11
--- specs of the common integer options: a count held in a C int (iterations, vectors, p), a Philox seed
+-- specs of the common integer options: a count held in a C int (iterations, vectors, p), a Philox seed or offset
 M.COUNT = { "integer", min = 0, max = M.INT_MAX }
-M.SEED = { "integer", min = 0, max = M.UINT64_MAX }
+M.SEED = "uint64"
 
 --- A value as an error message shows it: strings quoted, numbers and booleans as written, else its type.
 function M.show(v)
@@ -150,7 +158,7 @@ function M.show(v)
   return "a " .. type(v)
 end
 
---- Checks one value against `spec`: a kind of M.kinds ("integer", "number", "boolean", "string"), or a table
+--- Checks one value against `spec`: a kind of M.kinds ("integer", "number", "boolean", "string", "uint64"), or a table
 --- {kind, min =, max =, values = {allowed strings}}.  Raises "<what>: <name> must be ..." at `level` of the
 --- caller (0: none); returns v.  nil is refused like any other wrong kind: callers check optional ones only
 --- when given.
