@@ -68,7 +68,8 @@ function M.plan(params, opts)
   if type(opts) ~= "table" then error(("block_plan: options must be a table (got %s)"):format(type(opts)), 2) end
   require("moonstep.core").check_keys("block_plan", opts, { block_size = true }, 2)
   local B = opts.block_size or 1024
-  if type(B) ~= "number" or B ~= math.floor(B) or B < 1 then
+  -- (inf passes B == floor(B))
+  if type(B) ~= "number" or B ~= math.floor(B) or B < 1 or B == math.huge then
     error(("block_plan: block_size must be an integer >= 1 (got %s)"):format(tostring(B)), 2)
   end
   check_params(params, 2)

@@ -32,7 +32,8 @@ List.__newindex = function() error("a block list is read-only", 2) end
 List.__len = function(self) return lists[self].n end
 
 local function integer(v, what, level)
-  if type(v) ~= "number" or v ~= math.floor(v) or v < 0 then
+  -- (inf passes v == floor(v), and converting it to int64_t is undefined)
+  if not core.kinds.integer.test(v) or v < 0 or v >= 2 ^ 63 then
     error(("%s must be a non-negative integer (got %s)"):format(what, tostring(v)), level + 1)
   end
   return v

@@ -546,6 +546,9 @@ function Tensor:copy_(src)
 end
 
 function Tensor:fill_(v, v_t)
+  -- (the FFI takes true as 1)
+  if v ~= nil then core.check_value("fill_", "value", v, "number", 2) end
+  if v_t ~= nil and not M.is_tensor(v_t) then error("fill_: the device value must be a tensor (got " .. type(v_t) .. ")", 2) end
   check(C.ms_fill(ctx_of(self), H(self), v or 0, v_t and H(v_t) or nil))
   return self
 end
@@ -706,6 +709,8 @@ end
 Tensor.__unm = function(a) return a:neg() end
 
 local function clamp_into(dst, src, lo, hi)
+  if lo ~= nil then core.check_value("clamp", "min", lo, "number", 3) end
+  if hi ~= nil then core.check_value("clamp", "max", hi, "number", 3) end
   check(C.ms_clamp(ctx_of(dst), H(dst), H(src), lo or -math.huge, hi or math.huge), 3)
   return dst
 end
