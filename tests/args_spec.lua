@@ -341,3 +341,15 @@ describe("values the FFI would convert silently", function()
     assert.equals(1, #ms.block_plan({ { name = "a", shape = { 4, 4 } } }, { block_size = 8 }).stacks)
   end)
 end)
+
+describe("the optimizer's settings", function()
+  it("name a ctx, device or sandbox of the wrong kind", function()
+    local p = { name = "w", param = ms.ones({ 2, 2 }), grad = ms.ones({ 2, 2 }) }
+    H.expect_error(function() ms.optim.new("sgd", { p }, { lr = 0.1 }, { ctx = "cpu" }) end,
+      'setting ctx must be a moonstep context (ms.device, ms.context; got "cpu")')
+    H.expect_error(function() ms.optim.new("sgd", { p }, { lr = 0.1 }, { device = 5 }) end, "setting device must be a device name")
+    -- (with a trusted recipe the sandbox limits were never read, so a bad one passed unseen)
+    H.expect_error(function() ms.optim.new("sgd", { p }, { lr = 0.1 }, { sandbox = 5 }) end, "setting sandbox must be a table")
+    assert.equals(0, ms.optim.new("sgd", { p }, { lr = 0.1 }, { ctx = ms.device("cpu"), device = "cpu", sandbox = {} }).step_count)
+  end)
+end)

@@ -170,6 +170,17 @@ local function check_settings(s)
     error(("setting comm must be a communicator (ms.comm.new, ms.comm.from_env; got %s)"):format(
           type(out.comm) == "table" and "a table" or tostring(out.comm)), 3)
   end
+  -- (checked here, where the error can name the setting: later they fail as another function's argument, or
+  -- for sandbox, only once a recipe runs untrusted)
+  if out.ctx ~= nil and getmetatable(out.ctx) ~= "moonstep.Context" then
+    error(("setting ctx must be a moonstep context (ms.device, ms.context; got %s)"):format(core.show(out.ctx)), 3)
+  end
+  if out.device ~= nil and type(out.device) ~= "string" then
+    error(("setting device must be a device name such as \"cuda:0\" (got %s)"):format(core.show(out.device)), 3)
+  end
+  if out.sandbox ~= nil and type(out.sandbox) ~= "table" then
+    error(("setting sandbox must be a table {instructions =, memory =, quota =} (got %s)"):format(core.show(out.sandbox)), 3)
+  end
   if out.distribute ~= nil and out.distribute ~= "owner" and out.distribute ~= "replicate" then
     error("setting distribute must be 'owner' or 'replicate' (got " .. tostring(out.distribute) .. ")", 3)
   end
