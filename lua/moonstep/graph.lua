@@ -31,6 +31,7 @@ local out_graph = ffi.new("ms_graph *[1]")
 --- Runs fn() with ctx (a Context or a device name) capturing, and returns the captured Graph.  An error
 --- in fn, or an op that failed during the capture, ends the capture and is raised.
 function M.capture(ctx, fn)
+  if type(fn) ~= "function" then error("graph.capture: fn must be a function (got " .. type(fn) .. ")", 2) end
   ctx = tensor.device(ctx)
   local h = tensor.handle_ctx(ctx)
   core.check(C.ms_graph_begin(h), 2)
@@ -55,6 +56,7 @@ end
 --- on ctx are recorded into the owner's graph with the memory rules of a capture (ms_graph_join); returns
 --- fn's results.  An error in fn ends the join and is raised.
 function M.join(ctx, fn)
+  if type(fn) ~= "function" then error("graph.join: fn must be a function (got " .. type(fn) .. ")", 2) end
   local h = tensor.handle_ctx(tensor.device(ctx))
   core.check(C.ms_graph_join(h), 2)
   local res = { pcall(fn) }

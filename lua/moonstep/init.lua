@@ -59,6 +59,8 @@ end
 
 --- Number of devices of a kind ("cpu" or "cuda") usable here.
 function ms.device_count(kind)
+  -- (any other word counted CPUs: device_count("gpu") was 1)
+  core.check_value("device_count", "kind", kind, { "string", values = { "cpu", "cuda" } }, 2)
   return C.ms_device_count(kind == "cuda" and C.MS_DEVICE_CUDA or C.MS_DEVICE_CPU)
 end
 
