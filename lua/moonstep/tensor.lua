@@ -186,8 +186,9 @@ function M.ctx_object(t)
 end
 local function ctx_of(t) return ctx_handle[M.ctx_object(t)] end
 
--- a whole number (a dim, an index, a size): the FFI would truncate a fractional one toward zero
-local function integral(v) return type(v) == "number" and v == math.floor(v) end
+-- a whole number (a dim, an index, a size): the FFI would truncate a fractional one toward zero, and turn inf
+-- or anything from 2^63 on into int64_t's smallest value
+local function integral(v) return core.kinds.integer.test(v) and math.abs(v) < 2 ^ 63 end
 
 local function as_shape(shape, level)
   if type(shape) ~= "table" then error("shape must be a table of sizes (got " .. type(shape) .. ")", level or 3) end
@@ -316,13 +317,13 @@ end
 
 -- the global generator: (seed, offset); every draw takes the next offset
 local rng = { seed = 0, offset = 0 }
+-- a generator state: non-negative integers below 2^64 (what the engine's uint64 seed and offset hold), as numbers
+local function rng_count(v) return type(v) == "number" and core.kinds.uint64.test(v) end
 function M.manual_seed(n)
-  if not (integral(n) and n >= 0) then error("manual_seed: a non-negative integer is needed", 2) end
+  if not rng_count(n) then error("manual_seed: a non-negative integer below 2^64 is needed", 2) end
   rng.seed, rng.offset = n, 0
 end
 function M.rng_state() return { seed = rng.seed, offset = rng.offset } end
--- a generator state: non-negative integers below 2^64 (what the engine's uint64 seed and offset hold)
-local function rng_count(v) return integral(v) and v >= 0 and v < 2 ^ 64 end
 function M.valid_rng_state(s) return type(s) == "table" and rng_count(s.seed) and rng_count(s.offset) end
 function M.set_rng_state(s)
   -- checked first: a bad value would only fail at the next draw, in every later caller's hands
@@ -435,8 +436,7 @@ function Tensor:flatten() return self:reshape({ self:numel() }) end
 -- a dim or an index argument of a view: the FFI would truncate a fractional one toward zero (slice(0, 1.5) from
 -- row 1, transpose(0.9, 1) a no-op); nil stays nil for the caller's default
 local function index_arg(what, name, v, level)
-  -- (inf is integral to math.floor, and converting it, or anything from 2^63 on, to int64_t is undefined)
-  if v ~= nil and not (integral(v) and math.abs(v) < 2 ^ 63) then
+  if v ~= nil and not integral(v) then
     error(("%s: %s must be an integer (got %s)"):format(what, name, core.show(v)), level + 1)
   end
   return v
