@@ -378,3 +378,18 @@ describe("sizes, dims, indices and seeds of inf", function()
     ms.set_rng_state(state)
   end)
 end)
+
+describe("plot.write and report.write", function()
+  it("refuse unknown keys of the plot and of the options", function()
+    local plot, report = require("moonstep.plot"), require("moonstep.report")
+    local spec = { title = "t", series = { { name = "a", train = { { 1, 2 }, { 1, 0.5 } } } } }
+    H.expect_error(function() plot.write("/nonexistent/x", { title = "t", logY = true, series = {} }) end,
+      "plot.write: unknown spec key 'logY'")
+    H.expect_error(function() plot.write("/nonexistent/x", spec, { plotr = "builtin" }) end, "plot.write: unknown option 'plotr'")
+    H.expect_error(function() report.write("/nonexistent/x", {}, { plotr = "builtin" }) end, "report.write: unknown option 'plotr'")
+    local dir = H.tmpdir()
+    local files = plot.write(dir .. "/loss", spec, { plotter = "builtin" })
+    assert.equals(dir .. "/loss.svg", files[1])
+    os.execute("rm -rf " .. H.q(dir))
+  end)
+end)

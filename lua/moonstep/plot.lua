@@ -283,7 +283,13 @@ end
 --- Writes base.png and base.svg (gnuplot; base.gp beside them) or base.svg alone (built-in renderer).
 --- opts.plotter: "auto" (gnuplot when found), "gnuplot" (required), "builtin".
 --- Returns {files}, note.
+local SPEC_KEYS = { title = true, xlabel = true, ylabel = true, logy = true, ymin = true, ymax = true, series = true }
 function M.write(base, spec, opts)
+  -- (a misspelt key, logY or plotr, would draw with the default silently)
+  local core = require("moonstep.core")
+  if type(spec) ~= "table" then error("plot.write: spec must be a table (got " .. type(spec) .. ")", 2) end
+  core.check_keys("plot.write", spec, SPEC_KEYS, 2, "spec key")
+  if opts ~= nil then core.check_options("plot.write", opts, { plotter = "string" }, 2) end
   local plotter = opts and opts.plotter or "auto"
   if plotter ~= "auto" and plotter ~= "gnuplot" and plotter ~= "builtin" then
     error(("unknown plotter '%s' (auto, gnuplot or builtin)"):format(tostring(plotter)), 0)

@@ -119,9 +119,12 @@ function M.plot_spec(cmp, opts)
   }
 end
 
+local REPORT_KEYS = { problem = true, ctx = true, steps = true, plotter = true }
 --- Writes the comparison's files into dir.  opts: problem, ctx, steps, plotter.
 --- Returns {csv=, summary=, txt=, png=, svg=}, and a note on how the plot was made.
 function M.write(dir, cmp, opts)
+  -- (a misspelt plotter key would plot with "auto", silently)
+  require("moonstep.core").check_keys("report.write", opts or {}, REPORT_KEYS, 2)
   mkdir_p(dir)
   local files = { csv = dir .. "/loss.csv", summary = dir .. "/summary.csv", txt = dir .. "/summary.txt" }
 
