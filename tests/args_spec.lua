@@ -349,7 +349,7 @@ describe("the optimizer's settings", function()
       'setting ctx must be a moonstep context (ms.device, ms.context; got "cpu")')
     H.expect_error(function() ms.optim.new("sgd", { p }, { lr = 0.1 }, { device = 5 }) end, "setting device must be a device name")
     -- (with a trusted recipe the sandbox limits were never read, so a bad one passed unseen)
-    H.expect_error(function() ms.optim.new("sgd", { p }, { lr = 0.1 }, { sandbox = 5 }) end, "setting sandbox must be a table")
+    H.expect_error(function() ms.optim.new("sgd", { p }, { lr = 0.1 }, { sandbox = 5 }) end, "setting sandbox: the sandbox limits must be a table")
     assert.equals(0, ms.optim.new("sgd", { p }, { lr = 0.1 }, { ctx = ms.device("cpu"), device = "cpu", sandbox = {} }).step_count)
   end)
 end)
@@ -391,5 +391,25 @@ describe("plot.write and report.write", function()
     local files = plot.write(dir .. "/loss", spec, { plotter = "builtin" })
     assert.equals(dir .. "/loss.svg", files[1])
     os.execute("rm -rf " .. H.q(dir))
+  end)
+end)
+
+describe("counts of inf where a loop runs that many times", function()
+  it("are refused, not run forever", function()
+    local E = require("moonstep.experiment")
+    -- each of these passed v == floor(v) and would have looped without end
+    H.expect_error(function() ms.block_plan({ { name = "w", shape = { math.huge, 4 } } }) end, "shape[1] = inf is not a size")
+    local base = { problem = "lsq", problem_options = { dim = 4, outputs = 1, samples = 8 }, recipe = "sgd", device = "cpu" }
+    local function with(k, v)
+      local c = { [k] = v }
+      for key, x in pairs(base) do c[key] = x end
+      return c
+    end
+    H.expect_error(function() E.run(with("steps", math.huge)) end, "steps must be a positive integer (got inf)")
+    H.expect_error(function() E.run(with("seed", math.huge)) end, "run: seed must be an integer >= 0 (got inf)")
+    local c = with("seeds", math.huge)
+    c.recipe, c.recipes = nil, { "sgd" }
+    H.expect_error(function() E.compare(c) end, "compare: seeds must be an integer >= 1 (got inf)")
+    H.expect_error(function() require("moonstep.problems").new("lsq", {}, { seed = math.huge }) end, "seed must be a non-negative integer (got inf)")
   end)
 end)

@@ -54,7 +54,8 @@ local function check_params(params, level)
       error(("block_plan: params[%d] must be {name = <string>, shape = {...}}"):format(i), level + 1)
     end
     for d, v in ipairs(p.shape) do
-      if type(v) ~= "number" or v ~= math.floor(v) or v < 0 then
+      -- (inf passes v == floor(v), and its pieces would never end)
+      if type(v) ~= "number" or v ~= math.floor(v) or v < 0 or v == math.huge then
         error(("block_plan: params[%d] ('%s') shape[%d] = %s is not a size"):format(i, p.name, d, tostring(v)), level + 1)
       end
     end

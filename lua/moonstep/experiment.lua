@@ -164,7 +164,8 @@ local function check_cfg(what, cfg, keys)
   require("moonstep.core").check_keys(what, cfg, keys, 0, "setting")
   local function whole(name, min)
     local v = cfg[name]
-    if v ~= nil and (type(v) ~= "number" or v ~= math.floor(v) or v < min) then
+    -- (inf passes v == floor(v): seeds = inf would compare forever)
+    if v ~= nil and (type(v) ~= "number" or v ~= math.floor(v) or v < min or v == math.huge) then
       error(("%s: %s must be an integer >= %d (got %s)"):format(what, name, min, type(v) == "string" and ("%q"):format(v) or tostring(v)), 0)
     end
   end
@@ -216,7 +217,7 @@ function E.run(cfg)
   end
 
   local steps = cfg.steps or defaults.steps or 100
-  if type(steps) ~= "number" or steps < 1 or steps ~= math.floor(steps) then
+  if type(steps) ~= "number" or steps < 1 or steps ~= math.floor(steps) or steps == math.huge then
     error("steps must be a positive integer (got " .. tostring(steps) .. ")", 0)
   end
   local ctx = cfg.ctx or ms.device(cfg.device or ms.best_device())

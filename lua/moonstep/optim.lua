@@ -179,7 +179,8 @@ local function check_settings(s)
     error(("setting device must be a device name such as \"cuda:0\" (got %s)"):format(core.show(out.device)), 3)
   end
   if out.sandbox ~= nil and type(out.sandbox) ~= "table" then
-    error(("setting sandbox must be a table {instructions =, memory =, quota =} (got %s)"):format(core.show(out.sandbox)), 3)
+    error(("setting sandbox: the sandbox limits must be a table {instructions =, memory =, quota =} (got %s)")
+          :format(core.show(out.sandbox)), 3)
   end
   if out.distribute ~= nil and out.distribute ~= "owner" and out.distribute ~= "replicate" then
     error("setting distribute must be 'owner' or 'replicate' (got " .. tostring(out.distribute) .. ")", 3)

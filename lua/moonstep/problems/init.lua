@@ -64,7 +64,7 @@ function M.new(problem, given, env)
   local dtype = require("moonstep.tensor").norm_dtype(env.dtype, 0)
   local ctx = env.ctx or ms.device(env.device)
   local seed = env.seed or 0
-  if type(seed) ~= "number" or seed < 0 or seed ~= math.floor(seed) then
+  if type(seed) ~= "number" or seed < 0 or seed ~= math.floor(seed) or seed == math.huge then
     error("seed must be a non-negative integer (got " .. tostring(seed) .. ")", 0)
   end
   local inst = problem.new(M.options(problem, given), { ctx = ctx, dtype = dtype, seed = seed })
