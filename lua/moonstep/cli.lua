@@ -769,8 +769,13 @@ end
 
 --- Starts n ranks of `exe run script args...`; waits for them all; returns the first non-zero exit status
 --- (0 when all succeeded).  When one fails the others get SIGTERM, and SIGKILL after `grace` seconds.
+local LAUNCH_OPTIONS = { exe = "string", port = { "integer", min = 1, max = 65535 }, grace = { "number", min = 0 } }
 function M.launch(n, script, args, opts)
-  opts = opts or {}
+  -- (n = 2.5 started 2 ranks told WORLD_SIZE=2.5; a misspelt key was dropped for its default)
+  local core = require("moonstep.core")
+  core.check_value("launch", "n", n, { "integer", min = 1, max = 1024 }, 2)
+  if type(script) ~= "string" then error("launch: script must be a path (got " .. core.show(script) .. ")", 2) end
+  opts = core.check_options("launch", opts, LAUNCH_OPTIONS, 2)
   local exe = opts.exe or self_executable()
   local port = opts.port or ms.comm.free_port()
   local keep = {}

@@ -36,6 +36,8 @@ end
 
 --- A recipe table from a name or path; files outside the built-in folders are sandboxed unless trusted.
 function E.recipe(spec, trusted)
+  -- ("false" is true to Lua: the file would run unsandboxed)
+  if trusted ~= nil then require("moonstep.core").check_value("recipe", "trusted", trusted, "boolean", 2) end
   if type(spec) == "table" then return R.resolve(spec) end
   return R.resolve(spec, { trusted = trusted and true or false })
 end
