@@ -216,8 +216,21 @@ function M.sgd_step(a)
                       list(a.momentum_buf, "momentum_buf", n, true), scales_of(a.scales, n), o))
 end
 
+-- the tensors of a foreach call, checked before `#` and arr[1]:context() would fail on them unnamed
+local function foreach_tensors(what, arr)
+  if type(arr) ~= "table" or tensor.is_tensor(arr) then
+    error(("%s: tensors must be an array of tensors (got %s)"):format(what, tensor.is_tensor(arr) and "a tensor: wrap it, {t}"
+          or core.show(arr)), 3)
+  end
+  for i = 1, #arr do
+    if not tensor.is_tensor(arr[i]) then error(("%s: tensors[%d] must be a tensor (got %s)"):format(what, i, core.show(arr[i])), 3) end
+  end
+end
+
 --- ms.foreach_sumsq(tensors [, out]) -> a [n] f32 tensor of the tensors' sums of squares (on their device)
 function M.foreach_sumsq(arr, out)
+  foreach_tensors("foreach_sumsq", arr)
+  if out ~= nil and not tensor.is_tensor(out) then error("foreach_sumsq: out must be a tensor (got " .. core.show(out) .. ")", 2) end
   local n = #arr
   out = out or tensor.empty({ n }, { dtype = "f32", ctx = n > 0 and arr[1]:context() or nil })
   check(C.ms_foreach_sumsq(tensor.handle_ctx(out:context()), H(out), n, list(arr, "tensors", nil, false, true)))
@@ -226,6 +239,7 @@ end
 
 --- ms.foreach_scale(tensors, s): every tensor multiplied in place by s (a number or a device scalar)
 function M.foreach_scale(arr, s)
+  foreach_tensors("foreach_scale", arr)
   if s == nil then error("foreach_scale: s is needed (a number or a device scalar)", 2) end
   local v, vt = scalar(s, 1, "foreach_scale: s")
   check(C.ms_foreach_scale(ctx_for(arr), #arr, list(arr, "tensors"), v, vt))
