@@ -720,8 +720,10 @@ end
 function Tensor:clamp_(lo, hi) return clamp_into(self, self, lo, hi) end
 
 -- a scalar argument is a number or a one-element tensor (a device scalar)
-local function scalar(x)
+local function scalar(x, what, name)
   if type(x) == "number" then return x, nil end
+  local why = M.kinds.scalar(x)
+  if why then error(("%s: %s must be %s (got %s)"):format(what, name, why, core.show(x)), 3) end
   return 0, H(x)
 end
 
@@ -735,7 +737,7 @@ end
 
 function M.lerp(a, b, w, out)
   out = out or result_like(a, b)
-  local v, vt = scalar(w)
+  local v, vt = scalar(w, "lerp", "weight")
   check(C.ms_lerp(ctx_of(out), H(out), H(a), H(b), v, vt))
   return out
 end
@@ -744,13 +746,13 @@ function Tensor:lerp_(b, w) return M.lerp(self, b, w, self) end
 
 function M.addcmul(a, b, c, value, out)
   out = out or result_like(a, b, c)
-  local v, vt = scalar(value == nil and 1 or value)
+  local v, vt = scalar(value == nil and 1 or value, "addcmul", "value")
   check(C.ms_addcmul(ctx_of(out), H(out), H(a), H(b), H(c), v, vt))
   return out
 end
 function M.addcdiv(a, b, c, value, out)
   out = out or result_like(a, b, c)
-  local v, vt = scalar(value == nil and 1 or value)
+  local v, vt = scalar(value == nil and 1 or value, "addcdiv", "value")
   check(C.ms_addcdiv(ctx_of(out), H(out), H(a), H(b), H(c), v, vt))
   return out
 end
