@@ -699,17 +699,9 @@ end
 function M.options(recipe, given, base, guard)
   given = given or {}
   if type(given) ~= "table" then error(recipe.name .. ": options must be a table", 2) end
+  core.check_keys(recipe.name, given, recipe.options, 0)
   local out = {}
-  for k, v in pairs(given) do
-    local spec = recipe.options[k]
-    if spec == nil then
-      local known = {}
-      for n in pairs(recipe.options) do known[#known + 1] = n end
-      table.sort(known)
-      error(("%s: unknown option '%s' (known: %s)"):format(recipe.name, tostring(k), table.concat(known, ", ")), 0)
-    end
-    out[k] = M.check_option(recipe.name, k, spec, v)
-  end
+  for k, v in pairs(given) do out[k] = M.check_option(recipe.name, k, recipe.options[k], v) end
   for k, spec in pairs(recipe.options) do
     if out[k] == nil then
       if base and base[k] ~= nil then out[k] = base[k]

@@ -36,17 +36,9 @@ end
 
 --- The problem's options: given values checked against its specs (unknown names refused), defaults filled.
 function M.options(problem, given)
+  require("moonstep.core").check_keys(problem.name, given or {}, problem.options, 0, "problem option")
   local out = {}
-  for k, v in pairs(given or {}) do
-    local spec = problem.options[k]
-    if not spec then
-      local known = {}
-      for n in pairs(problem.options) do known[#known + 1] = n end
-      table.sort(known)
-      error(("%s: unknown problem option '%s' (known: %s)"):format(problem.name, tostring(k), table.concat(known, ", ")), 0)
-    end
-    out[k] = R.check_option(problem.name, k, spec, v)
-  end
+  for k, v in pairs(given or {}) do out[k] = R.check_option(problem.name, k, problem.options[k], v) end
   for k, spec in pairs(problem.options) do
     if out[k] == nil then out[k] = spec.default end
   end
