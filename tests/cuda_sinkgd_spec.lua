@@ -359,7 +359,8 @@ describe("cuda ms_sinkgd_step", function()
       cm[42].g:copy_(ms.tensor({ { a, a } }))
       gm[42].g:copy_(gpu(cm[42].g))
       if cm[42].u then cm[42].u:copy_(ms.tensor({ b, -b })) end
-      step_and_compare(cm, gm, step_options(mode), nil, mode .. " many matrices")
+      local o = step_options(mode)
+      step_and_compare(cm, gm, o, nil, mode .. " many matrices")
       for k = 3, #gm, 3 do if gm[k].u then gm[k].u:zero_() end end
       if gm[42].u then gm[42].u:copy_(gpu(ms.tensor({ b, -b }))) end
       local start, first = {}, {}
