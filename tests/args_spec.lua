@@ -452,3 +452,16 @@ describe("lerp, addcmul and addcdiv", function()
     assert.same({ 0.5, 0.5 }, vals(ms.lerp(a, b, ms.full({ 1 }, 0.5))))
   end)
 end)
+
+describe("the optimizer's parameter entries", function()
+  it("refuse a key they do not know, naming it and the parameter, before anything is made", function()
+    local w = ms.randn({ 3, 4 }, { seed = H.seed() })
+    -- `tag` for `tags`: the parameter would route as untagged (no_decay lost), silently
+    H.expect_error(function()
+      ms.optim.new("sinkgd", { { name = "w", param = w, grad = ms.zeros({ 3, 4 }), tag = { "no_decay" } } })
+    end, "parameter 'w': unknown key 'tag' (known: grad, name, options, param, shard, tags)")
+    local opt = ms.optim.new("sinkgd", { { name = "w", param = w, grad = ms.zeros({ 3, 4 }), tags = { "no_decay" },
+                                           options = { lr = 1e-3 } } })
+    assert.equals(1, #opt:info().params)
+  end)
+end)

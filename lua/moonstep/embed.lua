@@ -169,7 +169,7 @@ function M.new(ctx_p, recipe, options_json, settings_json, abi_fn)
   local probe = ms.optim.new(recipe, {}, options, settings)
   return setmetatable({
     ctx = ctx, ctx_h = tensor.handle_ctx(ctx), recipe = probe.recipe, options = options, settings = settings,
-    probe = probe, params = {}, by_name = {}, ties = {}, opt = nil, lr = nil, released = 0,
+    probe = probe, params = {}, by_name = {}, ties = {}, tie_of = {}, opt = nil, lr = nil, released = 0,
     recorded = nil,           -- {scaled =} once a step was recorded into a graph (prepare_replay needs one)
     in_capture = false,       -- the current call runs while the context's stream is being captured
   }, Embedded)
@@ -219,7 +219,7 @@ function methods:add_param(name, param_p, grad_p, tags, shard_dim, shard_offset,
     local why = ms.optim._tie_conflict({ name = e.name, tags = tie[1].tags, grad = e.grad }, entry)
     if why then fail(C.MS_E_ARG, "%s", why) end
   end
-  entry.tie = tie
+  self.tie_of[name] = tie   -- (not in the entry: ms.optim.new refuses keys it does not know)
   tie[#tie + 1] = entry
   self.ties[key] = tie
   self.params[#self.params + 1] = entry
@@ -252,7 +252,7 @@ function methods:set_grad(name, grad_p)
   local old = entry.grad
   if self.opt then self.opt:set_grad(name, grad) end
   -- through any name of a tie: its one gradient
-  for _, e in ipairs(entry.tie) do e.grad = grad end
+  for _, e in ipairs(self.tie_of[name]) do e.grad = grad end
   if old ~= grad then release(self, old) end
 end
 

@@ -619,6 +619,9 @@ end
 
 local build
 
+-- the keys of a parameter entry (ms.optim.new's params)
+local PARAM_KEYS = { name = true, param = true, grad = true, tags = true, options = true, shard = true }
+
 --- ms.optim.new(recipe, params, options, settings) -> optimizer
 function M.new(recipe, params, options, settings)
   local s = check_settings(settings)
@@ -700,6 +703,7 @@ function build(recipe, params, options, settings, progress)
     if type(p) ~= "table" then error(("params[%d] must be a table {name=, param=, grad=}"):format(i), 2) end
     if type(p.name) ~= "string" or p.name == "" then error(("params[%d]: name must be a non-empty string"):format(i), 2) end
     if self.by_name[p.name] or self.aliases[p.name] then error(("params[%d]: duplicate name '%s'"):format(i, p.name), 2) end
+    core.check_keys(("parameter '%s'"):format(p.name), p, PARAM_KEYS, 2, "key")   -- (tag = {...} would route untagged)
     if not ms.is_tensor(p.param) then error(("parameter '%s': param must be a tensor"):format(p.name), 2) end
     if p.param:device() ~= ctx:name() then
       error(("parameter '%s' is on %s but the optimizer runs on %s"):format(p.name, p.param:device(), ctx:name()), 2)
