@@ -21,9 +21,9 @@ The engine carries X as two scale vectors (X = diag(r) G diag(c)), never writing
 X between half-steps (ms.sinkgd_step; semantics in moonstep.h).
 
 Everything else -- parameters of fewer than 2 dims, and by default those whose names contain embed_tokens,
-lm_head, wte, word_embeddings or modules_to_save (PEFT) -- goes to AdamW with weight_decay 0 and the plain lr,
-its moments in 8 bits (torchao's block-wise dynamic-tree quantization) when the tensor has >= 4096 elements
-and a multiple of block_size, else in f32.
+lm_head, wte or word_embeddings or end with modules_to_save.default.weight (PEFT) -- goes to AdamW with
+weight_decay 0 and the plain lr, its moments in 8 bits (torchao's block-wise dynamic-tree quantization) when
+the tensor has >= 4096 elements and a multiple of block_size, else in f32.
 
 Sources: Scetbon, Ma, Gong, Meeds, "Gradient Multi-Normalization for Efficient LLM Training" (arXiv
 2502.06742, Algorithms 3 and 4); axolotl's SinkGD / SinkGDMD (PRs 3763 and 3785: knobs, routing, spectral
@@ -36,12 +36,14 @@ Routing, first rule that applies (tags are given with the parameter: {name=, par
   3. name matches one of sinkgd_patterns                -> sinkgd
   4. name matches one of adamw_patterns                 -> adamw
   5. a dim equal to one of adamw_dims (e.g. the vocab)  -> adamw
-  6. name contains embed_tokens, lm_head, wte, word_embeddings or modules_to_save  -> adamw
+  6. name contains embed_tokens, lm_head, wte or word_embeddings, or ends with
+     modules_to_save.default.weight                    -> adamw
   7. otherwise                                          -> sinkgd
 A parameter tagged "no_decay" (the Python bridge's param groups with weight_decay 0) takes no weight decay.
-Patterns are Lua patterns (string.find), e.g. "tok_embeddings", "^output%.weight$", "wpe".  axolotl matches
-PEFT heads by the suffix "modules_to_save.default.weight"; here any name containing "modules_to_save" (any
-adapter name) goes to AdamW.
+Patterns are Lua patterns (string.find), e.g. "tok_embeddings", "^output%.weight$", "wpe".  Rule 6 is
+axolotl's, suffix included: the matrices inside a saved module (modules_to_save.default.dense.weight) and
+another adapter's copies go to SinkGD there, so here too; adamw_patterns = {"modules_to_save"} sends them all
+to AdamW.
 
 Options (axolotl's names and defaults; strings from config files are converted: "False", "0.1"):
   lr                          base learning rate (the runtime's schedule scales it)            1e-3
@@ -84,7 +86,9 @@ recipe -- info.shape is the whole one (alpha_eff's width, the muon target), the 
 uses_8bit).
 ]]
 
-local DEFAULT_ADAMW_NAMES = { "embed_tokens", "lm_head", "wte", "word_embeddings", "modules_to_save" }
+-- rule 6: axolotl's substrings, and its suffix of a PEFT head copy (a suffix, not a substring, as axolotl)
+local DEFAULT_ADAMW_NAMES = { "embed_tokens", "lm_head", "wte", "word_embeddings" }
+local PEFT_SAVED_SUFFIX = "modules_to_save.default.weight"
 
 local function matches(name, list)
   for _, pat in ipairs(list) do
@@ -149,6 +153,7 @@ local function pick_route(p, o)
     end
   end
   if contains_any(p.name, DEFAULT_ADAMW_NAMES) then return "adamw" end
+  if p.name:sub(-#PEFT_SAVED_SUFFIX) == PEFT_SAVED_SUFFIX then return "adamw" end
   return "sinkgd"
 end
 

@@ -1079,6 +1079,10 @@ describe("the sinkgd recipe", function()
       P("base_model.model.model.layers.0.self_attn.q_proj.lora_A.default.weight", { 4, 16 }),
       P("base_model.model.model.layers.0.self_attn.q_proj.lora_B.default.weight", { 16, 4 }),
       P("base_model.model.score.modules_to_save.default.weight", { 3, 16 }),
+      -- axolotl catches PEFT copies by the suffix modules_to_save.default.weight only: the linears inside a saved
+      -- module (a two-layer classifier head) and another adapter's copy stay SinkGD's
+      P("base_model.model.classifier.modules_to_save.default.dense.weight", { 16, 16 }),
+      P("base_model.model.score.modules_to_save.other.weight", { 3, 16 }),
     }
     local want = {
       ["model.embed_tokens.weight"] = "adamw", ["model.layers.0.self_attn.q_proj.weight"] = "sinkgd",
@@ -1092,6 +1096,8 @@ describe("the sinkgd recipe", function()
       ["base_model.model.model.layers.0.self_attn.q_proj.lora_A.default.weight"] = "sinkgd",
       ["base_model.model.model.layers.0.self_attn.q_proj.lora_B.default.weight"] = "sinkgd",
       ["base_model.model.score.modules_to_save.default.weight"] = "adamw",
+      ["base_model.model.classifier.modules_to_save.default.dense.weight"] = "sinkgd",
+      ["base_model.model.score.modules_to_save.other.weight"] = "sinkgd",
     }
     local opt = ms.optim.new("sinkgd", params, { sinkgd_spectral_norm = true })
     local got, data = routes_of(opt)
