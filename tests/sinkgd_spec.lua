@@ -1192,6 +1192,23 @@ describe("the sinkgd recipe", function()
     end
   end)
 
+  it("steps SinkGD by lr * schedule * alpha_eff with weight decay on that step, AdamW by lr * schedule with none", function()
+    -- axolotl: the scheduler scales group["lr"]; SinkGD multiplies it by alpha_eff, decay included
+    local w, b = P("q.weight", { 4, 8 }), P("norm.weight", { 8 })
+    local opt = ms.optim.new("sinkgd", { w, b }, { lr = 0.5, weight_decay = 0.1, sinkhorn_iters = 0, sinkgd_base_width = 4 },
+                             { schedule = { kind = "cosine", warmup_steps = 2, total_steps = 6 } })
+    for s, mult in ipairs { 0.5, 1, 0.5 * (1 + math.cos(math.pi / 4)) } do
+      local p0, g, b0, gb = vals(w.param), vals(w.grad), vals(b.param), vals(b.grad)
+      opt:step()
+      local eta, now = 0.5 * mult * 0.05 * (4 / 8), vals(w.param)
+      for i = 1, #p0 do H.assert_close(now[i], p0[i] * (1 - eta * 0.1) - eta * g[i], 1e-6, 1e-7, "step " .. s) end
+      if s == 1 then   -- AdamW's first step: lr * schedule * g / (|g| + eps), no decay
+        local bn = vals(b.param)
+        for i = 1, #b0 do H.assert_close(b0[i] - bn[i], 0.5 * mult * gb[i] / (abs(gb[i]) + 1e-8), 1e-5, 0, "adamw") end
+      end
+    end
+  end)
+
   it("steps a group holding empty matrices ([m, 0], [0, n], [0, m, n]) in every mode, width transfer on", function()
     for _, o in ipairs { { sinkgd_base_width = 8 }, { sinkgd_base_width = 8, sinkgd_spectral_norm = true },
                          { sinkgd_base_width = 8, sinkgd_md_sphere = true } } do
