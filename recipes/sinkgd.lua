@@ -75,6 +75,19 @@ Refused: sinkhorn_iters < 0, sinkgd_spectral_norm_iters < 1, a target other than
 sinkgd_base_width together with sinkgd_spectral_norm and the muon target (both correct for width: the
 correction would count twice; axolotl refuses it too).
 
+Where moonstep deliberately differs from axolotl (options, defaults, routing and the math above are its):
+  - X is never rounded between half-steps (above); results match axolotl's compiled path to bf16 tolerance.
+  - the power iteration's first u is the seeded vector of ms.sinkgd_step (key: seed), not an unseeded
+    torch.randn, and has the two guards above.
+  - AdamW moments too small for 8 bits (or not a multiple of block_size) are f32; torchao keeps them in the
+    param's dtype (bf16 for bf16 params).
+  - bf16_stochastic_round rounds f16 params too (axolotl: bf16 only).
+  - every option given as a string is converted; axolotl leaves sinkgd_eps, bf16_stochastic_round and
+    block_size as strings (its "False" turns stochastic rounding on).
+  - refused where axolotl goes on: sinkgd_spectral_norm_iters = 0 (axolotl crashes in the step), eps = 0 or
+    sinkgd_eps = 0 (torchao takes eps = 0: a zero gradient element then gives 0/0), sinkgd_base_width < 1.
+  - a matrix with an empty last dim (d_in = 0) takes the plain alpha (axolotl divides by zero).
+
 State: sinkgd matrices none (base), specnorm_u f32 [..., n] (spectral, sphere), md_target_norm f32 [...]
 (sphere; -1 until captured); adamw exp_avg and exp_avg_sq (u8 codes with f32 exp_avg_scale and
 exp_avg_sq_scale [numel / block_size] in 8 bits).
