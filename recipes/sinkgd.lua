@@ -9,7 +9,9 @@ and the step is
     W <- W (1 - eta wd) - eta X,          eta = lr * alpha_eff
 with alpha_eff = sinkgd_lr_scale, times (sinkgd_base_width / n)^sinkgd_lr_width_exponent when
 sinkgd_base_width is set (width transfer; n = d_in = the last dim).  Weight decay is scaled by eta, as in
-axolotl: with alpha 0.05 it is 20 times weaker than AdamW's with the same weight_decay.
+axolotl: with alpha 0.05 it is 20 times weaker than AdamW's with the same weight_decay.  As in axolotl, m and n
+are the last two dims whatever the layout: experts stored [E, in, out] get the width factor and the muon
+target of their transpose.
   spectral (sinkgd_spectral_norm): the step is rescaled to operator norm eta * tau, tau = 1 ("unit") or
     sqrt(m / n) ("muon"), with sigma = ||X||_2 estimated by warm-started power iteration (state specnorm_u).
     A u that X nearly annihilates (||X u|| <= 1e-4 ||X||_F ||u||) restarts the step once from the seeded start
@@ -82,8 +84,8 @@ Where moonstep deliberately differs from axolotl (options, defaults, routing and
   - AdamW moments too small for 8 bits (or not a multiple of block_size) are f32; torchao keeps them in the
     param's dtype (bf16 for bf16 params).
   - bf16_stochastic_round rounds f16 params too (axolotl: bf16 only).
-  - every option given as a string is converted; axolotl leaves sinkgd_eps, bf16_stochastic_round and
-    block_size as strings (its "False" turns stochastic rounding on).
+  - every option given as a string is converted; axolotl's "k=v" optim_args leave sinkgd_eps,
+    bf16_stochastic_round and block_size strings (its "False" turns stochastic rounding on).
   - refused where axolotl goes on: sinkgd_spectral_norm_iters = 0 (axolotl crashes in the step), eps = 0 or
     sinkgd_eps = 0 (torchao takes eps = 0: a zero gradient element then gives 0/0), sinkgd_base_width < 1.
   - a matrix with an empty last dim (d_in = 0) takes the plain alpha (axolotl divides by zero).
@@ -103,16 +105,10 @@ uses_8bit).
 local DEFAULT_ADAMW_NAMES = { "embed_tokens", "lm_head", "wte", "word_embeddings" }
 local PEFT_SAVED_SUFFIX = "modules_to_save.default.weight"
 
-local function matches(name, list)
-  for _, pat in ipairs(list) do
-    if name:find(pat) then return true end
-  end
-  return false
-end
-
-local function contains_any(name, list)
+-- whether name holds one of list's entries: Lua patterns (the options), or plain substrings (the defaults)
+local function finds_any(name, list, plain)
   for _, s in ipairs(list) do
-    if name:find(s, 1, true) then return true end
+    if name:find(s, 1, plain) then return true end
   end
   return false
 end
@@ -158,14 +154,14 @@ local function pick_route(p, o)
   if tagged_a then return "adamw" end
   if tagged_s then return "sinkgd" end
   if p.ndim < 2 then return "adamw" end
-  if matches(p.name, o.sinkgd_patterns) then return "sinkgd" end
-  if matches(p.name, o.adamw_patterns) then return "adamw" end
+  if finds_any(p.name, o.sinkgd_patterns) then return "sinkgd" end
+  if finds_any(p.name, o.adamw_patterns) then return "adamw" end
   for _, d in ipairs(p.shape) do
     for _, a in ipairs(o.adamw_dims) do
       if d == a then return "adamw" end
     end
   end
-  if contains_any(p.name, DEFAULT_ADAMW_NAMES) then return "adamw" end
+  if finds_any(p.name, DEFAULT_ADAMW_NAMES, true) then return "adamw" end
   if p.name:sub(-#PEFT_SAVED_SUFFIX) == PEFT_SAVED_SUFFIX then return "adamw" end
   return "sinkgd"
 end
