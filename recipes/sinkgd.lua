@@ -87,7 +87,8 @@ Where moonstep deliberately differs from axolotl (options, defaults, routing and
   - every option given as a string is converted; axolotl's "k=v" optim_args leave sinkgd_eps,
     bf16_stochastic_round and block_size strings (its "False" turns stochastic rounding on).
   - refused where axolotl goes on: sinkgd_spectral_norm_iters = 0 (axolotl crashes in the step), eps = 0 or
-    sinkgd_eps = 0 (torchao takes eps = 0: a zero gradient element then gives 0/0), sinkgd_base_width < 1.
+    sinkgd_eps = 0 (torchao takes eps = 0: a zero gradient element then gives 0/0), sinkgd_base_width < 1,
+    a flag string other than true/false, 1/0, yes/no, on/off (axolotl reads any other word as false).
   - a matrix with an empty last dim (d_in = 0) takes the plain alpha (axolotl divides by zero).
 
 State: sinkgd matrices none (base), specnorm_u f32 [..., n] (spectral, sphere), md_target_norm f32 [...]
