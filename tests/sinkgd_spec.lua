@@ -1209,6 +1209,31 @@ describe("the sinkgd recipe", function()
     end
   end)
 
+  it("sphere mode is axolotl's SinkGDMD: sinkgd_spectral_norm, its target and weight_decay change nothing", function()
+    local function run(o)
+      local params = { P("w", { 12, 8 }), P("experts", { 3, 6, 10 }, "bf16"), P("norm.weight", { 8 }) }
+      for i, p in ipairs(params) do
+        p.param:copy_(ms.randn(p.param:shape(), { seed = 40, offset = i }))
+        p.grad:copy_(ms.randn(p.param:shape(), { seed = 41, offset = i }))
+      end
+      local opt = ms.optim.new("sinkgd", params, o)
+      opt:step()
+      opt:step()
+      local out = {}
+      for i, p in ipairs(params) do out[i] = vals(p.param) end
+      return out
+    end
+    local want = run({ sinkgd_md_sphere = true, lr = 0.1 })
+    local got = run({ sinkgd_md_sphere = true, lr = 0.1, sinkgd_spectral_norm = true, sinkgd_spectral_target = "muon",
+                      weight_decay = 0.5 })
+    for i = 1, #want do assert_same(got[i], want[i], "param " .. i) end
+    -- axolotl checks the width double count whatever the class
+    H.expect_error(function()
+      ms.recipe.options(recipe, { sinkgd_md_sphere = true, sinkgd_base_width = 8, sinkgd_spectral_norm = true,
+                                  sinkgd_spectral_target = "muon" })
+    end, "sinkgd_base_width", "count twice")
+  end)
+
   it("steps a group holding empty matrices ([m, 0], [0, n], [0, m, n]) in every mode, width transfer on", function()
     for _, o in ipairs { { sinkgd_base_width = 8 }, { sinkgd_base_width = 8, sinkgd_spectral_norm = true },
                          { sinkgd_base_width = 8, sinkgd_md_sphere = true } } do
