@@ -1083,6 +1083,8 @@ describe("the sinkgd recipe", function()
       -- module (a two-layer classifier head) and another adapter's copy stay SinkGD's
       P("base_model.model.classifier.modules_to_save.default.dense.weight", { 16, 16 }),
       P("base_model.model.score.modules_to_save.other.weight", { 3, 16 }),
+      -- axolotl's names are substrings, not name segments
+      P("model.mtp.embed_tokens_proj.weight", { 16, 16 }), P("transformer.h.0.attn.wte_gate.weight", { 16, 16 }),
     }
     local want = {
       ["model.embed_tokens.weight"] = "adamw", ["model.layers.0.self_attn.q_proj.weight"] = "sinkgd",
@@ -1098,6 +1100,7 @@ describe("the sinkgd recipe", function()
       ["base_model.model.score.modules_to_save.default.weight"] = "adamw",
       ["base_model.model.classifier.modules_to_save.default.dense.weight"] = "sinkgd",
       ["base_model.model.score.modules_to_save.other.weight"] = "sinkgd",
+      ["model.mtp.embed_tokens_proj.weight"] = "adamw", ["transformer.h.0.attn.wte_gate.weight"] = "adamw",
     }
     local opt = ms.optim.new("sinkgd", params, { sinkgd_spectral_norm = true })
     local got, data = routes_of(opt)
