@@ -1040,7 +1040,8 @@ def _make_torch_optimizer():
         params: model.named_parameters() (names reach the recipe's routing and the checkpoints), tensors
         (named "0", "1", ...), or param groups {"params": [...], "weight_decay": 0} (such a group's parameters
         are tagged "no_decay", which every built-in recipe honours: no weight decay on any route) with an
-        optional "tags" list.  param_groups[0]["lr"] is the learning rate of
+        optional "tags" list.  Frozen parameters (requires_grad=False) are left out: they get no state, and a
+        step that finds a gradient on one is refused (make the optimizer after unfreezing it).  param_groups[0]["lr"] is the learning rate of
         every step (torch LR schedulers set it); the settings take no "schedule".
 
         capturable=True (settings["device_checks"]: the non-finite check on the device, no host sync per step)
@@ -1073,8 +1074,16 @@ def _make_torch_optimizer():
 
         def __init__(self, params, recipe="adamw", lr=1e-3, options=None, settings=None, capturable=False,
                      comm=None, shards=None, distribute=None):
-            named, tags = self._named(params)
-            shard_of = self._shards(named, shards)
+            given, tags = self._named(params)
+            shard_of = self._shards(given, shards)
+            # frozen parameters (requires_grad=False: a LoRA run's base weights) get no state, as axolotl leaves
+            # them out and torch makes none before a gradient: the recipes allocate state at creation (8-bit
+            # moments of an 8B model's embeddings are gigabytes)
+            named = [(n, p) for n, p in given if p.requires_grad]
+            self._given_names = [n for n, _ in given]   # (a torch optimizer's state dict counts the frozen too)
+            self._frozen = [(n, p) for n, p in given if not p.requires_grad]
+            if not named:
+                raise ValueError("no trainable parameters: every one given has requires_grad=False")
             if distribute is not None:
                 if settings and "distribute" in settings and settings["distribute"] != distribute:
                     raise ValueError("distribute=%r and settings['distribute']=%r disagree"
@@ -1171,6 +1180,11 @@ def _make_torch_optimizer():
                 raise MoonstepError("MS_E_UNSUPPORTED", "step() inside torch.cuda.graph needs "
                                     "TorchOptimizer(..., capturable=True) and one uncaptured step() first")
             self._push_lr()
+            for name, p in self._frozen:
+                if p.grad is not None:
+                    raise MoonstepError("MS_E_ARG", "step: parameter %r has a gradient, but it was frozen "
+                                        "(requires_grad=False) when the optimizer was made and has no state: make the "
+                                        "optimizer after unfreezing it" % (name,))
             for name, p in zip(self.param_names, self.param_groups[0]["params"]):
                 key = self._grad_key(p.grad)
                 if key != self._grad_keys[name]:          # a new gradient tensor (zero_grad set it to None)
@@ -1201,7 +1215,7 @@ def _make_torch_optimizer():
                 self.moonstep.load_checkpoint_bytes(state_dict["moonstep"])
                 report = None
             else:
-                report = self.moonstep.load_adamw_state(state_dict, names=self.param_names)
+                report = self.moonstep.load_adamw_state(state_dict, names=self._given_names)
             for key, value in state_dict["param_groups"][0].items():
                 if key not in ("params", "param_names"):
                     self.param_groups[0][key] = value

@@ -207,6 +207,54 @@ def a_torch_adamw_run_moves_to_moonstep():
 
 
 @test({"torch"})
+def frozen_parameters_get_no_state_and_a_torch_adamw_state_still_moves():
+    # a LoRA-style run: the first layer frozen.  torch.optim.AdamW over every parameter makes no state for it;
+    # moonstep leaves it out (its recipes allocate state at creation) and tracks torch on the rest
+    import moonstep
+    data = make_data()
+    ref_model = make_model(5)
+    ref_model[0].requires_grad_(False)
+    hp = dict(lr=2e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
+    ref_opt = torch.optim.AdamW(ref_model.parameters(), **hp)
+    train(ref_model, ref_opt, data, 10)
+    model = copy.deepcopy(ref_model)
+    opt = moonstep.TorchOptimizer(model.named_parameters(), "adamw", lr=hp["lr"], options={"weight_decay": 0.0})
+    names = [p["name"] for p in opt.moonstep.info()["params"]]
+    assert "0.weight" not in names and "0.bias" not in names and len(names) == 4, names
+    assert opt.param_names == names, (opt.param_names, names)
+    # the torch state dict counts the frozen parameters by position: matched all the same
+    report = opt.load_state_dict(ref_opt.state_dict())
+    assert sorted(report["loaded"]) == sorted(names) and report["kept"] == [], report
+    la = train(ref_model, ref_opt, data, 30)
+    lb = train(model, opt, data, 30)
+    assert_tracks(la, lb, 1e-3, "losses with a frozen layer")
+    assert_params_close(ref_model, model, 1e-4, "parameters with a frozen layer")
+    # unfrozen after the optimizer was made: refused by name, nothing stepped
+    model[0].requires_grad_(True)
+    before = [p.detach().clone() for p in model.parameters()]
+    loss = torch.nn.functional.mse_loss(model(data[0]), data[1])
+    opt.zero_grad()
+    loss.backward()
+    try:
+        opt.step()
+    except moonstep.MoonstepError as e:
+        assert "'0.weight'" in str(e) and "frozen" in str(e), e
+    else:
+        raise AssertionError("a step with a gradient on a parameter frozen at creation was not refused")
+    for b, p in zip(before, model.parameters()):
+        assert torch.equal(b, p.detach()), "the refused step changed a parameter"
+    model[0].requires_grad_(False)
+    model[0].weight.grad = None
+    model[0].bias.grad = None
+    try:
+        moonstep.TorchOptimizer([p for p in model[0].parameters()], "adamw")
+    except ValueError as e:
+        assert "requires_grad=False" in str(e), e
+    else:
+        raise AssertionError("an optimizer of frozen parameters only was not refused")
+
+
+@test({"torch"})
 def state_dict_through_torch_save_resumes_bit_for_bit():
     import moonstep
     data = make_data()
