@@ -293,6 +293,42 @@ local function root_options(o, method, steps, p, seed)
   }
 end
 
+-- ms.inv_root(A, ro), except that EVD's non-finite blocks do not stop the others.  EVD refuses a whole call
+-- with a non-finite block (moonstep.h: MS_E_NUMERIC, nothing written), where the iterative solvers give that
+-- block a NaN root and the others theirs; a factor once NaN stays NaN (its EMA keeps it), so one NaN gradient
+-- (settings.nonfinite = "apply") or an overflowing factor would stop every later refresh of the group.  On
+-- that error (rare: no cost otherwise) the finite blocks are solved and the others get NaN roots (residuals),
+-- as with the other solvers; any other error goes on up.
+local function inv_root_isolated(A, ro)
+  if ro.method ~= "evd" then return ms.inv_root(A, ro) end
+  local ok, err = pcall(ms.inv_root, A, ro)
+  if ok then return end
+  local n = A:size(0)
+  -- max |a| per block: NaN or inf exactly where the block has a non-finite entry (max propagates NaN)
+  local amax = A:reshape({ n, A:size(1) * A:size(2) }):amax(1):tolist_flat()
+  local wanted = ro.index and (ms.is_tensor(ro.index) and ro.index:tolist_flat() or ro.index) or nil
+  if not wanted then
+    wanted = {}
+    for k = 1, n do wanted[k] = k - 1 end
+  end
+  local good, bad = {}, {}
+  for _, k in ipairs(wanted) do
+    local v = amax[k + 1]
+    if v - v == 0 then good[#good + 1] = k else bad[#bad + 1] = k end   -- v - v: NaN for NaN and inf
+  end
+  if #bad == 0 then error(err, 0) end
+  if #good > 0 then
+    local again = {}
+    for key, v in pairs(ro) do again[key] = v end
+    again.index = good
+    ms.inv_root(A, again)
+  end
+  for _, k in ipairs(bad) do
+    ro.out:select(0, k):fill_(0 / 0)
+    if ms.is_tensor(ro.residual) then ro.residual:narrow(0, k, 1):fill_(0 / 0) end
+  end
+end
+
 -- the shape DASH works on: the parameter's, squeezed (dims of size 1 dropped; all of them: [1])
 local function dash_shape(shape)
   local out = {}
@@ -517,7 +553,7 @@ local function auto_refresh(o, st, w, f, seed)
     local ro = root_options(o, call.method, call.steps, f.root, seed)
     ro.index, ro.rng_ids, ro.out, ro.iters = call.index, ids, X, t.iters
     if w.auto_estimate then ro.residual = st.residual[f.key] end
-    ms.inv_root(call.damped and t.damped or A, ro)
+    inv_root_isolated(call.damped and t.damped or A, ro)
   end
   if w.auto_estimate then
     pi.x_root, pi.lam_min = X, st.lam_min[f.key]
@@ -682,7 +718,7 @@ local dash_route = {
           local steps = o.inv_root_method == "chebyshev" and o.cbshv_degree or o.newton_steps
           local ro = root_options(o, o.inv_root_method, steps, f.root, seed)
           ro.out, ro.rng_ids = st.root[f.key], w.rng_ids[f.key]
-          ms.inv_root(st.factor[f.key], ro)
+          inv_root_isolated(st.factor[f.key], ro)
         end
       end
     end
