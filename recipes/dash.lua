@@ -38,9 +38,30 @@ Rule 5 is moonstep's (as sinkgd's and muon's), not DASH's: DASH preconditions ev
 dims, the embedding and lm_head included (dash_base.py; research/dash.md §1.5 counts their blocks).
 dash_patterns = {"embed_tokens", "lm_head", "wte"} (the model's names) routes them as DASH does.
 A parameter tagged "no_decay" (the Python bridge's param groups with weight_decay 0) takes no weight decay on
-either route.
+either route.  A matrix routed to AdamW (rules 1, 3-5) takes adamw_weight_decay, not weight_decay (DASH
+decays every matrix with weight_decay; its AdamW route has only 1-D parameters, undecayed).
 
-Options (DASH's names; defaults from its paper grid, research/dash.md §4; every knob explicit):
+Where moonstep differs from DASH on purpose (research/dash.md; the rest follows DashGpu v1.1.15's numerics):
+  - shapes: any shape is blocked, both dims cut (DistributedShampoo's rule) where DASH needs R % B == 0 or
+    C % B == 0; 1-D parameters of any length (DashGpu: all of one length, a multiple of B).
+  - refresh: also on the first step at or past start_prec_step (DASH waits for t % f == 0 there, using roots
+    it never computed).
+  - CN stops each block on its own at cn_tolerance (DASH: one test over the whole stacked batch, all blocks
+    iterating until the worst converges); NDB may stop at ndb_tolerance (DASH: never; the default 0 is DASH's).
+    Both stop a block whose iterate leaves the region of convergence, keeping it finite (the CPU always,
+    CUDA when the tolerance is > 0: moonstep.h, ms_inv_root).
+  - chebyshev is moonstep's interpolant of y^(-1/p) on [25 / d^2, 1] of A_reg / s, rescaled by s^(-1/p),
+    and eps_inv_root is absolute (A + eps I) as for the other solvers; DASH fits on [eps, 1 + eps] of A / s,
+    i.e. its eps is relative to the scale s (moonstep.h, ms_inv_root).
+  - evd: with eps_inv_root = 0 a zero eigenvalue contributes 0 (pseudo-inverse) where DASH's root is Inf/NaN;
+    a factor block with a NaN/Inf entry gets a NaN root and the other blocks are solved (DASH's eigh raises).
+  - matmul_dtype bf16/f16 in CN keeps M in 16 bits between iterations (DASH keeps M in f32 and casts the
+    operand); Frobenius scales are computed in f32 (DASH HEAD: on a bf16 copy).
+  - use_nesterov is DashLayerwise's P + mu M (DashGpu computes mu P + M).
+  - the weight update is one f32 expression rounded once into a bf16/f16 parameter (DASH: two 16-bit ops).
+
+Options (DASH's names; defaults of the paper grid's EVD run, research/dash.md §4, except algo_one_dim =
+"adamw", DashConfig's default, where the grid ran "shampoo"; set every knob explicitly):
   lr                         base learning rate (the runtime's schedule scales it)                 1e-3
   weight_decay               decoupled, matrices only                                              0
   beta_G                     gradient EMA ("beta1"; 0: the raw gradient)                          0.9
@@ -326,6 +347,7 @@ local function inv_root_isolated(A, ro)
   for _, k in ipairs(bad) do
     ro.out:select(0, k):fill_(0 / 0)
     if ms.is_tensor(ro.residual) then ro.residual:narrow(0, k, 1):fill_(0 / 0) end
+    if ms.is_tensor(ro.iters) then ro.iters:narrow(0, k, 1):fill_(0) end
   end
 end
 
