@@ -102,7 +102,8 @@ root 2 under-inverts), so its roots of blocks with condition numbers past ~1 / f
 The policy, per factor block and from the estimates of the last refresh (lambda_max by power iteration,
 lambda_min from the last root, the root's residual), is the table SOLVERS below (GEMMs per block for T
 iterations on the GPU; floors from the scalar iterations, at auto_tolerance) and auto_pick:
-  - a (nearly) zero block gets the cheapest class (CN, 1 iteration: no GEMM);
+  - a (nearly) zero block (lambda_max within the power iteration's noise: 2^-6 eps_power_iter with pi_bf16,
+    2^-16 eps_power_iter in f32) gets the cheapest class (CN, 1 iteration: no GEMM);
   - a block with y >= y_damp = auto_damping lambda_max / s gets the cheapest (method, T) whose floor lies
     auto_margin below y, when that costs no more than the damped class below (it does for every y NDB-10
     resolves);
@@ -269,6 +270,13 @@ end
 --- The relative damping of unresolved blocks of root p (auto_damping = {p = 2, p = 4}).
 local function damping_of(o, p) return o.auto_damping[p == 2 and 1 or 2] end
 
+-- The lambda_max estimate at or below which a block counts as zero: the power iteration's own noise.  It runs
+-- on A + eps_power_iter I, rounded to bf16 with pi_bf16: a zero block's estimate is off by up to ~3e-3
+-- eps_power_iter there (~1e-7 in f32); 2^-6 (2^-16) leaves a margin of 5x (100x).  Not eps_power_iter itself:
+-- gradients of 1e-5 give 1024-blocks lambda_max ~ 1e-7, which NDB-10 still resolves to condition ~20
+-- (y_max = lambda / 2 (lambda + eps_power_iter) ~ 0.05), where the cheapest class resolves nothing.
+local function zero_level(o) return o.eps_power_iter * (o.pi_bf16 and 2 ^ -6 or 2 ^ -16) end
+
 --- What one block gets, as the code stored in state.class: i > 0 ladder class i on the factor itself,
 --- -i the ladder class i on the factor damped by auto_damping lambda_max I, #ladder + 1 EVD.
 --- e = {lam_max, y, y_damp, kappa, residual, previous}: the block's lambda_max estimate, its normalized
@@ -276,7 +284,7 @@ local function damping_of(o, p) return o.auto_damping[p == 2 and 1 or 2] end
 --- (s the solver's scale), its condition estimate, the residual of its last root and that root's code (nil
 --- at the first classification: no residual yet).
 local function auto_pick(ladder, o, e)
-  if e.lam_max <= o.eps_power_iter then return 1 end    -- (nearly) zero: nothing to resolve
+  if e.lam_max <= zero_level(o) then return 1 end    -- (nearly) zero: nothing to resolve
   local damped = cheapest(ladder, e.y_damp, DAMPED_MARGIN) or #ladder
   -- a root that missed its class's promise (beyond f32's 1e-7 kappa) leaves y overestimated: not trusted
   local trusted = e.previous == nil or e.residual <= math.max(o.auto_residual, 1e-6 * e.kappa)

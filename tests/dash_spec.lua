@@ -859,6 +859,36 @@ describe("the dash recipe's plan, policy and state", function()
     assert(ea <= ed * 1.02 + 1e-3, ("undamped: auto %.3g, exact roots damped at NDB-10's floor %.3g"):format(ea, ed))
   end)
 
+  -- Factors of small gradients: 1e-5 per element gives 1024-blocks lambda_max ~ 1e-7, below eps_power_iter
+  -- (1e-6).  NDB-10 still resolves them (its scale 2 (lambda + eps_power_iter) leaves y_max ~ 0.05); auto used
+  -- to take every block with lambda_max <= eps_power_iter for a zero block (CN-1: the identity's direction).
+  it("auto: factors with lambda_max below eps_power_iter are no zero blocks, resolved as well as NDB-10 does", function()
+    local b, kappas = 32, { 3, 10, 30, 100 }
+    local np = #kappas
+    local params = square_params(np, b, 14)
+    local opt = ms.optim.new("dash", params, { inv_root_method = "auto", inv_root_freq = 1, beta_LR = 1, block_size = b,
+                                               eps_inv_root = 0 })
+    local g = opt.groups[1]
+    local F = g.state.factor["32p4"]
+    local A = {}
+    for k = 1, 2 * np do
+      F:select(0, k - 1):copy_(controlled(b, kappas[(k - 1) % np + 1], 700 + k) * 1e-7)
+      A[k] = F:select(0, k - 1):to("f64")
+    end
+    opt:step()
+    opt:step()
+    for k, c in ipairs(vals(g.state.class["32p4"])) do assert(c ~= 1, ("block %d taken for a zero block"):format(k)) end
+    local ndb = ms.inv_root(F, { method = "ndb", root = 4, steps = 10, scaling = "pim", eps = 0 })
+    local X = g.state.root["32p4"]
+    local ea, en = 0, 0
+    for k = 1, 2 * np do
+      local want = f64_root(A[k], 0, 4, false)
+      ea = ea + normalized_err(X:select(0, k - 1):to("f64"), want)
+      en = en + normalized_err(ndb:select(0, k - 1):to("f64"), want)
+    end
+    assert(ea <= en, ("auto's roots are off by %.3g in all, NDB-10's by %.3g"):format(ea, en))
+  end)
+
   H.cuda_it("auto on CUDA makes the CPU's decisions, and its roots match (TF32 off)", function()
     local b = 16
     local kappas = { 1, 10, 100, 1e4, 1e8, 0 }
