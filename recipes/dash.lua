@@ -334,7 +334,8 @@ local function inv_root_isolated(A, ro)
   if ok then return end
   local n = A:size(0)
   -- max |a| per block: NaN or inf exactly where the block has a non-finite entry (max propagates NaN)
-  local amax = A:reshape({ n, A:size(1) * A:size(2) }):amax(1):tolist_flat()
+  local read, amax = pcall(function() return A:reshape({ n, A:size(1) * A:size(2) }):amax(1):tolist_flat() end)
+  if not read then error(err, 0) end   -- (the first error is the one to report)
   local wanted = ro.index and (ms.is_tensor(ro.index) and ro.index:tolist_flat() or ro.index) or nil
   if not wanted then
     wanted = {}
