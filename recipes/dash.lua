@@ -32,7 +32,8 @@ Routing, first rule that applies (tags are given with the parameter: {name=, par
      "shampoo", else adamw
   3. name matches one of dash_patterns -> dash;  one of adamw_patterns -> adamw
   4. a dim equal to one of adamw_dims (e.g. the vocab) -> adamw
-  5. name contains embed_tokens, lm_head, wte, word_embeddings or modules_to_save -> adamw
+  5. name contains embed_tokens, lm_head, wte or word_embeddings, or ends with modules_to_save.default.weight
+     (a PEFT head copy; the matrices inside a saved module go on) -> adamw
   6. otherwise -> dash
 Rule 5 is moonstep's (as sinkgd's and muon's), not DASH's: DASH preconditions every parameter of 2 or more
 dims, the embedding and lm_head included (dash_base.py; research/dash.md §1.5 counts their blocks).
@@ -142,18 +143,18 @@ Device-side skipping (captured steps) is not offered by the dash route: its fact
 flag, so a captured DASH step needs settings.nonfinite = "apply".
 ]]
 
-local DEFAULT_ADAMW_NAMES = { "embed_tokens", "lm_head", "wte", "word_embeddings", "modules_to_save" }
+-- rule 5: sinkgd's names (axolotl's substrings, and its suffix of a PEFT head copy)
+local DEFAULT_ADAMW_NAMES = { "embed_tokens", "lm_head", "wte", "word_embeddings" }
+local PEFT_SAVED_SUFFIX = "modules_to_save.default.weight"
 
 -- ---------------------------------------------------------------------------------------------------
 -- routing by name (the pattern options are checked as the "patterns" type: moonstep.recipe)
 -- ---------------------------------------------------------------------------------------------------
-local function matches(name, list)
-  for _, pat in ipairs(list) do if name:find(pat) then return true end end
-  return false
-end
-
-local function contains_any(name, list)
-  for _, s in ipairs(list) do if name:find(s, 1, true) then return true end end
+-- whether name holds one of list's entries: Lua patterns (the options), or plain substrings (the defaults)
+local function finds_any(name, list, plain)
+  for _, s in ipairs(list) do
+    if name:find(s, 1, plain) then return true end
+  end
   return false
 end
 
@@ -791,12 +792,13 @@ local function pick_route(p, o)
   local ndim = 0   -- DASH's rank of the parameter: its squeezed shape's
   for _, d in ipairs(p.shape) do if d ~= 1 then ndim = ndim + 1 end end
   if ndim <= 1 then return o.algo_one_dim == "shampoo" and "dash" or "adamw" end
-  if matches(p.name, o.dash_patterns) then return "dash" end
-  if matches(p.name, o.adamw_patterns) then return "adamw" end
+  if finds_any(p.name, o.dash_patterns) then return "dash" end
+  if finds_any(p.name, o.adamw_patterns) then return "adamw" end
   for _, d in ipairs(p.shape) do
     for _, a in ipairs(o.adamw_dims) do if d == a then return "adamw" end end
   end
-  if contains_any(p.name, DEFAULT_ADAMW_NAMES) then return "adamw" end
+  if finds_any(p.name, DEFAULT_ADAMW_NAMES, true) then return "adamw" end
+  if p.name:sub(-#PEFT_SAVED_SUFFIX) == PEFT_SAVED_SUFFIX then return "adamw" end
   return "dash"
 end
 

@@ -977,6 +977,11 @@ describe("the dash recipe's plan, policy and state", function()
     assert.are.equal("dash", route("bias", { 8 }, nil, { "dash" }))
     assert.are.equal("adamw", route("w", { 32, 8 }, { adamw_dims = { 32 } }))
     assert.are.equal("dash", route("model.embed_tokens.weight", { 64, 8 }, { dash_patterns = "embed" }))
+    -- PEFT head copies by sinkgd's (axolotl's) suffix; the linears inside a saved module and other adapters' copies
+    -- are matrices like any other
+    assert.are.equal("adamw", route("base_model.model.score.modules_to_save.default.weight", { 3, 16 }))
+    assert.are.equal("dash", route("base_model.model.classifier.modules_to_save.default.dense.weight", { 16, 16 }))
+    assert.are.equal("dash", route("base_model.model.score.modules_to_save.other.weight", { 3, 16 }))
     -- DASH itself preconditions the embedding and lm_head (rule 5 is moonstep's): the header's patterns do that
     for _, n in ipairs { "model.embed_tokens.weight", "lm_head.weight", "transformer.wte.weight" } do
       assert.are.equal("dash", route(n, { 64, 8 }, { dash_patterns = { "embed_tokens", "lm_head", "wte" } }))
