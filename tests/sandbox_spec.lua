@@ -298,6 +298,26 @@ describe("the recipe sandbox", function()
     assert.is_true(o:stats().last.reports.ok)
   end)
 
+  it("caps the heap between two looks of the hook (concatenation builds gigabytes in a few instructions)", function()
+    -- 40 strings of 16 MB in about 400 instructions, before the hook's first look: the call used to succeed,
+    -- holding 640 MB under a memory limit of 16 MB (with 64 MB strings, 100 of them, the machine ran out)
+    local bombs = {
+      "local s = ('x'):rep(2^22) local t = {} for i = 1, 40 do t[i] = s .. s .. s .. s .. i end",
+      -- the recipe's pcall catches the "not enough memory" of the refused request, and the guard trips anyway
+      "local s = ('x'):rep(2^22) local t = {} for i = 1, 40 do pcall(function() t[i] = s .. s .. s .. s .. i end) end",
+    }
+    for _, b in ipairs(bombs) do
+      fails(function() run({ step = b }, { sandbox = { memory = 2 ^ 24 } }) end, "memory limit of 16777216", 10)
+    end
+    -- the cap is lifted when the call ends, failed or not: the trusted side allocates freely again
+    local big = ("x"):rep(2 ^ 26) .. "y"
+    assert.equals(2 ^ 26 + 1, #big)
+    -- and a recipe that stays within its limit runs
+    local o = run({ step = "local s = ('x'):rep(2^20) local t = {} for i = 1, 4 do t[i] = s .. i end ctx.report('n', #t)" },
+                  { sandbox = { memory = 2 ^ 24 } })
+    assert.equals(4, o:stats().last.reports.n)
+  end)
+
   it("sizes string results from arguments the C functions convert (numeric strings, numbers)", function()
     -- (string.rep reads a count "4194304" as 4194304, and numbers become strings of up to 24 bytes: the size
     -- checks must count them as the C functions will, or one call builds past the limit before the hook looks)

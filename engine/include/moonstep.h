@@ -1176,6 +1176,28 @@ MS_API void ms_profile_push(ms_ctx *ctx, const char *name);
 MS_API void ms_profile_pop(ms_ctx *ctx);
 
 /* ---------------------------------------------------------------------------------------------------
+** A cap on a Lua state's heap (the recipe sandbox)
+**
+** The sandbox's instruction hook looks at the Lua heap only every so many instructions, and one concatenation
+** can build a string of gigabytes in between.  moonstep.recipe therefore puts this allocator in front of the
+** state's own (lua_setallocf, cap->alloc and cap->ud holding the previous pair) while an untrusted recipe
+** runs: it forwards every request, and refuses (NULL, so Lua raises "not enough memory") one that would make
+** `grown` (bytes allocated less bytes freed since the cap was armed) exceed `limit`, setting `refused`.
+** Shrinks and frees are never refused.
+** ------------------------------------------------------------------------------------------------- */
+
+typedef struct ms_lua_heap_cap {
+    void   *(*alloc)(void *ud, void *ptr, size_t osize, size_t nsize);   /* the allocator wrapped */
+    void    *ud;
+    int64_t  grown;
+    int64_t  limit;
+    int32_t  refused;
+} ms_lua_heap_cap;
+
+/* A lua_Alloc whose ud is an ms_lua_heap_cap. */
+MS_API void *ms_lua_heap_cap_alloc(void *ud, void *ptr, size_t osize, size_t nsize);
+
+/* ---------------------------------------------------------------------------------------------------
 ** Communicators (NCCL on CUDA, TCP on the CPU)
 **
 ** A communicator joins one context per process (rank) of a job of world_size ranks, and runs collectives

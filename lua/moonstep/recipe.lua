@@ -85,7 +85,8 @@ Limits, enforced while untrusted code runs (M.call):
                 possibly cyclic table), so compiled trusted traces end on their own; trusted code whose loop
                 counts come from the recipe's numbers (ms.block_plan) is never compiled.
   memory        the Lua heap may grow by at most this many bytes during one call (checked in the hook;
-                a full collection first, so garbage does not count).  String functions that can build a
+                a full collection first, so garbage does not count), and between two looks of the hook the
+                state's allocator refuses growth past twice the limit (garbage included; see heap_arm).  String functions that can build a
                 large result in one C call (rep, gsub, format, table.concat) check its size beforehand,
                 and pattern functions refuse patterns whose backtracking cost on the subject is too large.
                 A C primitive whose loop count the recipe passes (ms.sinkgd_step's iters and sn_iters,
@@ -114,6 +115,45 @@ local str_rep, str_gsub, str_format, str_find = string.rep, string.gsub, string.
 local str_match, str_gmatch, tbl_concat, tbl_insert = string.match, string.gmatch, table.concat, table.insert
 
 local function memory_cap() return active and active.memory or M.limits.memory end
+
+-- The hard cap on the heap (moonstep.h, "A cap on a Lua state's heap"): the hook checks the memory limit only
+-- every HOOK_EVERY instructions, and `t[i] = s .. s .. i` in a loop builds gigabytes in fewer.  While an
+-- untrusted call runs, the state's allocator refuses growth past HEAP_CAP_FACTOR times the memory limit
+-- (garbage counts there until collected, hence the headroom).  The state is reached through a coroutine
+-- (lua_setallocf acts on the state's global part, which all its threads share); where the Lua API is not
+-- exported, the hook is the only check.
+local HEAP_CAP_FACTOR = 2
+local heap = (function()
+  local ffi = core.ffi
+  local ok = pcall(ffi.cdef, [[
+    void *lua_getallocf(void *L, void **ud);
+    void lua_setallocf(void *L, void *f, void *ud);]])
+  local thread = coroutine.create(function() end)
+  local addr = real_tostring(thread):match("^thread: 0x(%x+)$")
+  if not (ok and addr and pcall(function() return ffi.C.lua_getallocf end)) then return nil end
+  local L = ffi.cast("void *", tonumber(addr, 16))
+  return { L = L, thread = thread, C = ffi.C, cap = ffi.new("ms_lua_heap_cap[1]"), ud = ffi.new("void *[1]"),
+           alloc = core.C.ms_lua_heap_cap_alloc }
+end)()
+
+local function heap_arm(limit)
+  if heap == nil then return end
+  local cap = heap.cap[0]
+  cap.alloc = heap.C.lua_getallocf(heap.L, heap.ud)
+  cap.ud, cap.grown, cap.limit, cap.refused = heap.ud[0], 0, limit, 0
+  heap.C.lua_setallocf(heap.L, heap.alloc, heap.cap)
+  heap.armed = true
+end
+
+local function heap_disarm()
+  if heap == nil or not heap.armed then return end
+  local cap = heap.cap[0]
+  heap.C.lua_setallocf(heap.L, cap.alloc, cap.ud)
+  heap.armed = false
+end
+
+-- true once the cap refused a request during the call in progress
+local function heap_refused() return heap ~= nil and heap.cap[0].refused ~= 0 end
 
 local function too_big(what, n)
   if n > memory_cap() then
@@ -265,8 +305,9 @@ local safe_table_ro = readonly(safe_table, "table")
 local safe_math_ro = readonly(safe_math, "math")
 
 -- after a limit has tripped, the error goes on up whatever the recipe's pcall caught
+local refused
 local function settle(ok, ...)
-  if active and active.tripped then error(active.tripped, 0) end
+  if active and (active.tripped or refused(active)) then error(active.tripped, 0) end
   return ok, ...
 end
 
@@ -377,6 +418,17 @@ end
 
 local call, leave
 
+-- a request the heap cap refused trips the guard like the hook's own memory check (its "not enough memory"
+-- error could be caught by the recipe); true when tripped
+refused = function(g)
+  if g.tripped == nil and heap_refused() then
+    g.why = ("Lua memory limit of %.0f bytes exceeded (an allocation past %d times it was refused)")
+            :format(g.memory, HEAP_CAP_FACTOR)
+    g.tripped = ("%s: %s"):format(g.name, g.why)
+  end
+  return g.tripped ~= nil
+end
+
 local function trip(g, why)
   g.tripped = ("%s: %s"):format(g.name, why)
   -- never raise inside M.call's own bookkeeping (outside its pcall): the pcall's result carries it instead
@@ -388,7 +440,7 @@ end
 local function hook()
   local g = active
   if g == nil then return end
-  if g.tripped then trip(g, g.why) return end
+  if g.tripped or refused(g) then trip(g, g.why) return end
   g.count = g.count + 1
   if g.count * HOOK_EVERY > g.instructions then
     g.why = ("instruction limit of %.0f exceeded (an endless loop?)"):format(g.instructions)
@@ -408,6 +460,9 @@ end
 leave = function(g, prev, ok, ...)
   active = nil
   debug.sethook(prev[1], prev[2], prev[3])
+  -- (first: the messages below may need memory the cap would refuse)
+  heap_disarm()
+  refused(g)
   string_mt.__index = real_string_index
   tensor.set_alloc_guard(prev[4])
   local tripped = g.tripped
@@ -427,6 +482,7 @@ call = function(g, fn, ...)
   string_mt.__index = safe_string_ro
   active = g
   debug.sethook(hook, "", HOOK_EVERY)
+  heap_arm(HEAP_CAP_FACTOR * g.memory)
   return leave(g, prev, real_pcall(fn, ...))
 end
 M.call = call
