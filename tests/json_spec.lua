@@ -42,6 +42,20 @@ describe("moonstep.json", function()
     end
   end)
 
+  it("refuses what the engine's parser refuses: a key given twice, a number past the range of a double", function()
+    -- (read leniently, {"step":1,"step":2} in a checkpoint's metadata loaded as step 2, and 1e999 as inf)
+    for bad, why in pairs { ['{"step":1,"step":2}'] = 'duplicate key "step" at byte 11', ['[1,{"a":null,"a":3}]'] = "duplicate key",
+                            ["1e999"] = "out of the range of a double", ["[-1e400]"] = "out of the range of a double at byte 2" } do
+      local ok, err = pcall(json.decode, bad)
+      assert.is_false(ok, bad)
+      assert.truthy(tostring(err):find(why, 1, true), err)
+    end
+    -- the same key in two objects, and numbers near the limits, are fine
+    assert.same({ { a = 1 }, { a = 2 } }, json.decode('[{"a":1},{"a":2}]'))
+    assert.equals(1.7976931348623157e308, json.decode("1.7976931348623157e308"))
+    assert.equals(0, json.decode("1e-999"))
+  end)
+
   -- found by tests/fuzz/fuzz_checkpoint: a DEL byte in a string made the decoder spin forever
   it("takes DEL (0x7f) in strings as text, and round-trips it", function()
     assert.equals("a\127b", json.decode('"a\127b"'))

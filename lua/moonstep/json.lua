@@ -126,8 +126,10 @@ function decode_value(s, i, depth)
     if s:sub(i, i) == "}" then return obj, i + 1 end
     while true do
       if s:sub(i, i) ~= '"' then decode_error(s, i, "expected a string key") end
-      local k
+      local k, at = nil, i
       k, i = decode_string(s, i)
+      -- (as the engine's parser: the last of two values would win silently, e.g. a checkpoint's "step")
+      if obj[k] ~= nil then decode_error(s, at, ("duplicate key %q"):format(k)) end
       i = skip(s, i)
       if s:sub(i, i) ~= ":" then decode_error(s, i, "expected ':'") end
       obj[k], i = decode_value(s, i + 1, depth + 1)
@@ -163,7 +165,10 @@ function decode_value(s, i, depth)
        and not num:match("^-?%d+%.%d+[eE][-+]?%d+$") then
       decode_error(s, i, "malformed number")
     end
-    return tonumber(num), i + #num
+    local x = tonumber(num)
+    -- "1e999" reads as an infinity, which JSON cannot hold (the engine's parser refuses it too)
+    if x == math.huge or x == -math.huge then decode_error(s, i, "number out of the range of a double") end
+    return x, i + #num
   end
 end
 
