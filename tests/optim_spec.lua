@@ -879,6 +879,71 @@ describe("checkpoints", function()
     os.remove(bad)
   end)
 
+  it("refuses an index whose parts are elsewhere, of another checkpoint or with slices that overlap", function()
+    -- each index and part below is written by hand, as a two-rank save would write them, then doctored
+    local dir = os.tmpname()
+    os.remove(dir)
+    assert(os.execute("mkdir " .. dir) == 0)
+    local path = dir .. "/ck"
+    local opt = ms.optim.new("sgd", { param("a", { 3 }) }, { momentum = 0.9 })
+    opt:step()
+    opt:save(path)
+    local _, filemeta = ms.load(path)
+    local meta = ms.json.decode(filemeta.moonstep)
+    local key = "param/a/momentum_buffer"
+    local function part(r, world, values, changes)
+      local m = {}
+      for k, v in pairs(meta) do m[k] = v end
+      m.world, m.rank = world, r
+      for k, v in pairs(changes or {}) do m[k] = v end
+      local name = ("ck.rank%d-of-%d"):format(r, world)
+      ms.save(dir .. "/" .. name, { [key] = ms.tensor(values) }, { moonstep = ms.json.encode(m) })
+      return name
+    end
+    local function index(parts, changes)
+      local m = { moonstep = meta.moonstep, schema = meta.schema, recipe = meta.recipe, step = meta.step, rng = meta.rng,
+                  world = #parts, parts = parts }
+      for k, v in pairs(changes or {}) do m[k] = v end
+      ms.save(path, {}, { moonstep = ms.json.encode(m) })
+    end
+    local function split(lo, hi) return { split = { [key] = { axis = 0, lo = lo, hi = hi, total = 3 } } } end
+    local function refused(...)
+      local fresh = ms.optim.new("sgd", { param("a", { 3 }) }, { momentum = 0.9 })
+      local buf = fresh.members[1].state.momentum_buffer
+      buf:fill_(7)
+      H.expect_error(function() fresh:load(path) end, ...)
+      assert.equals(0, fresh.step_count)
+      assert.same({ 7, 7, 7 }, buf:totable())
+    end
+    -- a part outside the index's folder (the load read whatever file the index named)
+    local outside = "../" .. dir:match("[^/]*$") .. "/" .. part(0, 1, { 1, 2, 3 })
+    index({ outside })
+    refused(path, "part 0 is \"" .. outside .. "\", not a file name ending in .rank0-of-1")
+    index({ "/etc/passwd" })
+    refused("part 0 is \"/etc/passwd\"")
+    index({ 5 })
+    refused("part 0 is number")
+    -- a part of another recipe's checkpoint at the same step and world size (it loaded)
+    index({ part(0, 1, { 1, 2, 3 }, { recipe = { name = "adamw", hash = "0123456789abcdef", version = 1 } }) })
+    refused("ck.rank0-of-1: part 0 of 1", "of recipe 'adamw'", "a part of another checkpoint?")
+    -- slices whose lengths add up to the whole but overlap, leaving row 2 as it was (it loaded 1, 5, 7)
+    index({ part(0, 2, { 1, 2 }, split(0, 2)), part(1, 2, { 5 }, split(1, 2)) })
+    refused("the slices of 'param/a/momentum_buffer'", "overlap: [0, 2) and [1, 2) along dim 0")
+    -- a slice out of its range (lo = -1 copied the wrong rows), and metadata of the wrong kinds (bare Lua errors)
+    index({ part(0, 1, { 1, 2, 3, 4 }, split(-1, 3)) })
+    refused("ck.rank0-of-1: corrupt checkpoint metadata: the split of 'param/a/momentum_buffer'")
+    index({ part(0, 1, { 1, 2, 3 }, { split = 5 }) })
+    refused("ck.rank0-of-1: corrupt checkpoint metadata: 'split' is a number, not an object")
+    index({ part(0, 1, { 1, 2, 3 }, split(0, 3.5)) })
+    refused("corrupt checkpoint metadata: the split of")
+    -- and the well-formed two-part index loads
+    index({ part(0, 2, { 1, 2 }, split(0, 2)), part(1, 2, { 5 }, split(2, 3)) })
+    local fresh = ms.optim.new("sgd", { param("a", { 3 }) }, { momentum = 0.9 })
+    assert.equals(1, fresh:load(path).step)
+    assert.same({ 1, 2, 5 }, fresh.members[1].state.momentum_buffer:totable())
+    os.execute("rm -r " .. dir)
+  end)
+
   it("refuses another recipe's checkpoint unless forced, and names mismatched tensors", function()
     local path = os.tmpname()
     local a = param("a", { 3 })

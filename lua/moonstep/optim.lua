@@ -2021,6 +2021,22 @@ local function file_meta(file, filemeta)
   if meta.schema ~= M.SCHEMA then
     error(("%s: checkpoint schema %s, this moonstep reads schema %d"):format(file, tostring(meta.schema), M.SCHEMA), 0)
   end
+  -- the tables load() walks: of the wrong kind, they would fail as a bare Lua error (or, a split out of its
+  -- range, copy the wrong rows without a word)
+  local function corrupt(what) error(("%s: corrupt checkpoint metadata: %s"):format(file, what), 0) end
+  for _, k in ipairs { "recipe", "scalars", "nonfinite", "slots", "split", "groups" } do
+    if meta[k] ~= nil and type(meta[k]) ~= "table" then corrupt(("'%s' is a %s, not an object"):format(k, type(meta[k]))) end
+  end
+  for name, ids in pairs(meta.slots or {}) do
+    if type(ids) ~= "table" then corrupt(("the slots of '%s' are not a list"):format(tostring(name))) end
+  end
+  for name, sp in pairs(meta.split or {}) do
+    local good = type(sp) == "table" and is_integer(sp.axis) and sp.axis >= 0 and is_integer(sp.total)
+    good = good and is_integer(sp.lo) and is_integer(sp.hi) and 0 <= sp.lo and sp.lo <= sp.hi and sp.hi <= sp.total
+    if not good then
+      corrupt(("the split of '%s' is not {axis =, lo =, hi =, total =} with 0 <= lo <= hi <= total"):format(tostring(name)))
+    end
+  end
   return meta
 end
 
@@ -2036,12 +2052,24 @@ local function read_checkpoint(path, device)
   end
   local dir, files = path:match("^(.*/)") or "", {}
   for r, name in ipairs(meta.parts) do
-    local file = dir .. tostring(name)
+    -- a part lies beside its index, named as save() names it: an index must not send the load to any other file
+    local suffix = (".rank%d-of-%d"):format(r - 1, world)
+    if type(name) ~= "string" or name:find("/", 1, true) or #name <= #suffix or name:sub(-#suffix) ~= suffix then
+      error(("%s: corrupt checkpoint index: part %d is %s, not a file name ending in %s beside the index"):format(path,
+            r - 1, type(name) == "string" and ("%q"):format(name) or type(name), suffix), 0)
+    end
+    local file = dir .. name
     local ok, tensors, fm = pcall(ms.load, file, { device = "cpu" })
     if not ok then
       error(("%s: part %d of %d of the checkpoint %s cannot be read: %s"):format(file, r - 1, world, path, tostring(tensors)), 0)
     end
     local pm = file_meta(file, fm)
+    local pr, ir = pm.recipe or {}, meta.recipe or {}
+    if pr.name ~= ir.name or pr.hash ~= ir.hash then
+      error(("%s: part %d of %d of the checkpoint %s is of recipe '%s' (hash %s), the index of '%s' (hash %s): a part of "
+             .. "another checkpoint?"):format(file, r - 1, world, path, tostring(pr.name), tostring(pr.hash),
+             tostring(ir.name), tostring(ir.hash)), 0)
+    end
     if pm.rank ~= r - 1 or pm.world ~= world or pm.step ~= meta.step then
       error(("%s: not part %d of %d of the checkpoint %s at step %s (it is part %s of %s, at step %s)"):format(file, r - 1,
             world, path, tostring(meta.step), tostring(pm.rank), tostring(pm.world), tostring(pm.step)), 0)
@@ -2116,7 +2144,7 @@ local function plan_copies(path, name, t, files, split, slot_ids, copies, exact)
     if split then lo, hi = split.lo, split.hi elseif t:dim() <= axis or t:size(axis) ~= total then
       mismatch(holders[1], holders[1].tensors[name], (" (the checkpoint's slices join to %d along dim %d)"):format(total, axis))
     end
-    local covered = 0
+    local covered, pieces = 0, {}
     for _, f in ipairs(holders) do
       local src, fs = f.tensors[name], f.meta.split and f.meta.split[name]
       local flo, fhi = 0, total
@@ -2131,6 +2159,15 @@ local function plan_copies(path, name, t, files, split, slot_ids, copies, exact)
       if b > a then
         copies[#copies + 1] = { t:slice(axis, a - lo, b - lo), src:slice(axis, a - flo, b - flo) }
         covered = covered + (b - a)
+        pieces[#pieces + 1] = { a, b, f.path }
+      end
+    end
+    -- slices that overlap could add up to the range and leave a hole: each row must come from one file
+    table.sort(pieces, function(x, y) return x[1] < y[1] end)
+    for i = 2, #pieces do
+      if pieces[i][1] < pieces[i - 1][2] then
+        error(("%s: the slices of '%s' in %s and %s overlap: [%d, %d) and [%d, %d) along dim %d"):format(path, name,
+              pieces[i - 1][3], pieces[i][3], pieces[i - 1][1], pieces[i - 1][2], pieces[i][1], pieces[i][2], axis), 0)
       end
     end
     if covered ~= hi - lo then
