@@ -407,6 +407,19 @@ describe("the recipe sandbox", function()
     assert.equals("tensor(", rep.tensor)
   end)
 
+  it("lets string.format print no heap address either (%s of a table or function, %p)", function()
+    -- tostring hid them, but string.format('%s', {}) printed "table: 0x7f...", and '%p' any object's address
+    local o = run { step = [[
+      ctx.report('s', string.format('%s %s %s %5s', {}, function() end, group, true))
+      ctx.report('t', ('%s|%s|%d%%'):format(ms.tensor({1}), nil, 3):sub(1, 7))]] }
+    local rep = o:stats().last.reports
+    assert.equals("table function table  true", rep.s)
+    assert.equals("tensor(", rep.t)
+    for _, f in ipairs { "string.format('%p', {})", "string.format('%%d %-12p', 1, ctx)", "('%p'):format('x')" } do
+      fails(function() run { step = "local s = " .. f } end, "string.format: %p")
+    end
+  end)
+
   it("runs a legitimate untrusted recipe end to end, with the same result as the trusted one", function()
     local src = io.open("recipes/sgd.lua"):read("*a")
     local path = os.tmpname() .. ".lua"

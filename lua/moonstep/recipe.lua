@@ -200,6 +200,7 @@ local function str_len(v)
   return 0
 end
 
+local safe_tostring   -- (below: string.format needs it)
 local safe_string = {
   byte = string.byte, char = string.char, len = string.len, lower = string.lower, upper = string.upper,
   reverse = string.reverse, sub = string.sub,
@@ -233,13 +234,22 @@ local safe_string = {
     return str_gsub(s, p, repl, n)
   end,
   format = function(fmt, ...)
+    -- %s of a table or function prints its heap address, and %p any object's: tostring() hides them, so
+    -- must format (objects go through safe_tostring, %p is refused)
+    if type(fmt) == "string" then
+      for conv in str_gmatch(fmt, "%%[-+ #0]*%d*%.?%d*(.)") do
+        if conv == "p" then error("string.format: %p (an object's address) is not available to a sandboxed recipe", 2) end
+      end
+    end
+    local args = { ... }
     local n = type(fmt) == "string" and #fmt or 0
     for i = 1, select("#", ...) do
-      local v = select(i, ...)
+      local v = args[i]
+      if type(v) ~= "string" and type(v) ~= "number" then v = safe_tostring(v) args[i] = v end
       n = n + (type(v) == "string" and #v or 0) + 128      -- a number or a width/precision pads to < 128
     end
     too_big("string.format", n)
-    return str_format(fmt, ...)
+    return str_format(fmt, unpack(args, 1, select("#", ...)))
   end,
 }
 
@@ -312,7 +322,7 @@ local function settle(ok, ...)
 end
 
 -- tostring without heap addresses (functions, tables): they help no recipe and would help an exploit
-local function safe_tostring(v)
+safe_tostring = function(v)
   local tv = type(v)
   if tv == "string" or tv == "number" or tv == "boolean" or tv == "nil" then return real_tostring(v) end
   if tv == "table" and (tensor.is_tensor(v) or getmetatable(v) == "moonstep.Context") then return real_tostring(v) end
