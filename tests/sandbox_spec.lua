@@ -420,6 +420,21 @@ describe("the recipe sandbox", function()
     end
   end)
 
+  it("shows no heap address in the messages of trusted functions that a recipe catches", function()
+    -- block_plan names a bad size with the real tostring: the message the recipe caught held "table: 0x7f..."
+    local o = run { step = [[
+      local bad = { { name = 'w', shape = { {} } } }
+      ctx.report('p', select(2, pcall(ms.block_plan, bad, { block_size = 1 })))
+      local seen
+      xpcall(ms.block_plan, function(e) seen = e end, bad, { block_size = 1 })
+      ctx.report('x', seen)]] }
+    local rep = o:stats().last.reports
+    for _, k in ipairs { "p", "x" } do
+      assert.truthy(rep[k]:find("shape[1] = table is not a size", 1, true), rep[k])
+      assert.falsy(rep[k]:find("0x", 1, true), rep[k])
+    end
+  end)
+
   it("runs a legitimate untrusted recipe end to end, with the same result as the trusted one", function()
     local src = io.open("recipes/sgd.lua"):read("*a")
     local path = os.tmpname() .. ".lua"

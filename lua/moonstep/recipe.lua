@@ -318,6 +318,9 @@ local safe_math_ro = readonly(safe_math, "math")
 local refused
 local function settle(ok, ...)
   if active and (active.tripped or refused(active)) then error(active.tripped, 0) end
+  -- a trusted function's message may print an argument with the real tostring ("table: 0x7f..."): the
+  -- recipe that catches it sees the kind only, as from its own tostring
+  if not ok and type((...)) == "string" then return ok, (str_gsub((...), "(%a+): 0x%x+", "%1")) end
   return ok, ...
 end
 
@@ -333,7 +336,16 @@ local safe_globals = {
   assert = assert, error = error, ipairs = ipairs, next = next, pairs = pairs, select = select,
   tonumber = tonumber, type = type, unpack = unpack, rawequal = rawequal, tostring = safe_tostring,
   pcall = function(f, ...) return settle(real_pcall(f, ...)) end,
-  xpcall = function(f, h, ...) return settle(real_xpcall(f, h, ...)) end,
+  xpcall = function(f, h, ...)
+    local handler = h
+    if type(h) == "function" then    -- (the handler sees the message first: scrubbed as settle does)
+      handler = function(e)
+        if type(e) == "string" then e = str_gsub(e, "(%a+): 0x%x+", "%1") end
+        return h(e)
+      end
+    end
+    return settle(real_xpcall(f, handler, ...))
+  end,
 }
 
 local function sandbox_env(ms)
