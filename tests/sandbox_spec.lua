@@ -316,6 +316,12 @@ describe("the recipe sandbox", function()
     local o = run({ step = "local s = ('x'):rep(2^20) local t = {} for i = 1, 4 do t[i] = s .. i end ctx.report('n', #t)" },
                   { sandbox = { memory = 2 ^ 24 } })
     assert.equals(4, o:stats().last.reports.n)
+    -- limits at either end: twice 1e19 bytes once converted to a negative cap that refused everything (and the
+    -- process crashed at exit); a tiny one leaves the call's own bookkeeping room (the hook enforces it)
+    for _, memory in ipairs { 1e19, 2 ^ 63, 1e300, 1 } do
+      o = run({ step = "local t = {} for i = 1, 100 do t[i] = {i} end ctx.report('n', #t)" }, { sandbox = { memory = memory } })
+      assert.equals(100, o:stats().last.reports.n)
+    end
   end)
 
   it("sizes string results from arguments the C functions convert (numeric strings, numbers)", function()

@@ -1183,7 +1183,9 @@ MS_API void ms_profile_pop(ms_ctx *ctx);
 ** state's own (lua_setallocf, cap->alloc and cap->ud holding the previous pair) while an untrusted recipe
 ** runs: it forwards every request, and refuses (NULL, so Lua raises "not enough memory") one that would make
 ** `grown` (bytes allocated less bytes freed since the cap was armed) exceed `limit`, setting `refused`.
-** Shrinks and frees are never refused.
+** Shrinks and frees are never refused.  Having refused one, it puts the wrapped allocator back
+** (setallocf(L, alloc, ud), when setallocf is set): the error's unwinding, and whatever the sandbox does about
+** it, must not meet a second refusal.
 ** ------------------------------------------------------------------------------------------------- */
 
 typedef struct ms_lua_heap_cap {
@@ -1192,10 +1194,15 @@ typedef struct ms_lua_heap_cap {
     int64_t  grown;
     int64_t  limit;
     int32_t  refused;
+    void    *L;                                                        /* the Lua state, for setallocf */
+    void    (*setallocf)(void *L, void *f, void *ud);                  /* lua_setallocf, or NULL */
 } ms_lua_heap_cap;
 
 /* A lua_Alloc whose ud is an ms_lua_heap_cap. */
 MS_API void *ms_lua_heap_cap_alloc(void *ud, void *ptr, size_t osize, size_t nsize);
+/* Puts the wrapped allocator back: setallocf(L, alloc, ud) (a no-op without setallocf).  From C, so that
+** disarming allocates nothing while the cap is still armed. */
+MS_API void ms_lua_heap_cap_disarm(ms_lua_heap_cap *cap);
 
 /* ---------------------------------------------------------------------------------------------------
 ** Communicators (NCCL on CUDA, TCP on the CPU)

@@ -127,28 +127,37 @@ local heap = (function()
   local ffi = core.ffi
   local ok = pcall(ffi.cdef, [[
     void *lua_getallocf(void *L, void **ud);
-    void lua_setallocf(void *L, void *f, void *ud);]])
+    void lua_setallocf(void *L, void *f, void *ud);
+    void *malloc(size_t size);]])
   local thread = coroutine.create(function() end)
   local addr = real_tostring(thread):match("^thread: 0x(%x+)$")
   if not (ok and addr and pcall(function() return ffi.C.lua_getallocf end)) then return nil end
   local L = ffi.cast("void *", tonumber(addr, 16))
-  return { L = L, thread = thread, C = ffi.C, cap = ffi.new("ms_lua_heap_cap[1]"), ud = ffi.new("void *[1]"),
-           alloc = core.C.ms_lua_heap_cap_alloc }
+  -- the cap lives outside the Lua heap, never freed: lua_close frees every Lua object through the allocator
+  -- that is current then, so a cap left armed must not be one of them
+  local cap = ffi.cast("ms_lua_heap_cap *", ffi.C.malloc(ffi.sizeof("ms_lua_heap_cap")))
+  if cap == nil then return nil end
+  return { L = L, thread = thread, C = ffi.C, cap = cap, ud = ffi.new("void *[1]"), alloc = core.C.ms_lua_heap_cap_alloc,
+           setallocf = ffi.cast("void (*)(void *, void *, void *)", ffi.C.lua_setallocf),
+           disarm = core.C.ms_lua_heap_cap_disarm, armed = false }
 end)()
 
+local HEAP_CAP_FLOOR = 2 ^ 20
 local function heap_arm(limit)
-  if heap == nil then return end
+  if heap == nil or heap.armed then return end
   local cap = heap.cap[0]
   cap.alloc = heap.C.lua_getallocf(heap.L, heap.ud)
-  cap.ud, cap.grown, cap.limit, cap.refused = heap.ud[0], 0, limit, 0
+  -- (the floor leaves room for the call's own bookkeeping under a tiny limit, which the hook enforces; a limit
+  -- past int64 would convert to garbage)
+  cap.ud, cap.grown, cap.limit, cap.refused = heap.ud[0], 0, math.min(math.max(limit, HEAP_CAP_FLOOR), 2 ^ 62), 0
+  cap.L, cap.setallocf = heap.L, heap.setallocf
   heap.C.lua_setallocf(heap.L, heap.alloc, heap.cap)
   heap.armed = true
 end
 
 local function heap_disarm()
   if heap == nil or not heap.armed then return end
-  local cap = heap.cap[0]
-  heap.C.lua_setallocf(heap.L, cap.alloc, cap.ud)
+  heap.disarm(heap.cap)
   heap.armed = false
 end
 
@@ -480,10 +489,10 @@ local function hook()
 end
 
 leave = function(g, prev, ok, ...)
+  -- (first: what follows may need memory the cap would refuse)
+  heap_disarm()
   active = nil
   debug.sethook(prev[1], prev[2], prev[3])
-  -- (first: the messages below may need memory the cap would refuse)
-  heap_disarm()
   refused(g)
   string_mt.__index = real_string_index
   tensor.set_alloc_guard(prev[4])
@@ -492,6 +501,21 @@ leave = function(g, prev, ok, ...)
   if tripped then error(tripped, 0) end
   if not ok then error((...), 0) end
   return ...
+end
+
+-- armed and disarmed inside the pcall, so that no request is refused outside it, where the error would escape
+-- M.call with its hook still set (a refused request disarms the cap by itself: see moonstep.h)
+local function disarmed(...)
+  heap_disarm()
+  return ...
+end
+local function armed(limit, fn, ...)
+  heap_arm(limit)
+  return disarmed(fn(...))
+end
+local function disarm_on_error(e)
+  heap_disarm()
+  return e
 end
 
 --- Runs fn(...) as untrusted code under guard g (from M.guard), or plainly when g is nil (trusted).
@@ -504,8 +528,7 @@ call = function(g, fn, ...)
   string_mt.__index = safe_string_ro
   active = g
   debug.sethook(hook, "", HOOK_EVERY)
-  heap_arm(HEAP_CAP_FACTOR * g.memory)
-  return leave(g, prev, real_pcall(fn, ...))
+  return leave(g, prev, real_xpcall(armed, disarm_on_error, HEAP_CAP_FACTOR * g.memory, fn, ...))
 end
 M.call = call
 
