@@ -10,6 +10,18 @@ local function direct(xs, i, w)
 end
 
 describe("experiment numbers", function()
+  it("names the folder of a checkpoint whose run description is corrupt", function()
+    local ms = H.ms
+    local dir = os.tmpname()
+    os.remove(dir)
+    assert(os.execute("mkdir " .. dir) == 0)
+    for text, why in pairs { ['{"steps":1,'] = "expected a string key", ["[1]"] = "not an object naming its problem", ['{"seed":1,"seed":2}'] = "duplicate key" } do
+      ms.save(dir .. "/model.safetensors", { w = ms.zeros({ 1 }) }, { moonstep_train = text })
+      H.expect_error(function() E.checkpoint_info(dir) end, dir .. ": model.safetensors: corrupt run description", why)
+    end
+    os.execute("rm -r " .. dir)
+  end)
+
   it("moving averages stay accurate when the loss falls by many orders of magnitude", function()
     -- a running sum that adds the new value and subtracts the one leaving the window keeps the rounding
     -- error of the largest values it has seen: 1e-16 of 1e4 swamps a loss of 1e-13

@@ -135,7 +135,13 @@ function E.checkpoint_info(dir)
   local ok, tensors, meta = pcall(ms.load, model_path(dir))
   if not ok then error(("%s: cannot read model.safetensors: %s"):format(dir, tostring(tensors)), 0) end
   if not meta.moonstep_train then error(("%s: model.safetensors was not written by moonstep train"):format(dir), 0) end
-  return json.decode(meta.moonstep_train), tensors
+  -- (a bare json error would name neither the folder nor the file)
+  local okj, info = pcall(json.decode, meta.moonstep_train)
+  if not okj or type(info) ~= "table" or type(info.problem) ~= "string" then
+    error(("%s: model.safetensors: corrupt run description: %s"):format(dir,
+          okj and "not an object naming its problem" or tostring(info)), 0)
+  end
+  return info, tensors
 end
 
 --- Trains one problem with one recipe.  cfg:
