@@ -258,6 +258,31 @@ describe("the recipe sandbox", function()
     assert.is_true(o:stats().last.reports.ok)
   end)
 
+  it("counts the elements of ops over expanded views, which loop in C and allocate nothing", function()
+    -- an expanded view costs no memory and no quota, and an op over it ran out of the hook's reach: the sum of
+    -- 2^34 elements took 20 s here under an instruction limit that stops a loop in 0.25 s, and 2^50 would take days
+    local bombs = {
+      "local x = ms.zeros({1}):expand({2^50}):sum()",
+      "local x = ms.dot(ms.zeros({1}):expand({2^50}), ms.zeros({1}):expand({2^50}))",
+      "ms.zeros({1}):expand({2^50}):fill_(1)",
+      "local x = ms.foreach_sumsq({ ms.zeros({1}):expand({2^50}) })",
+      "local x = ms.zeros({1, 1}):expand({2^25, 2^25}):slice(0, 0, 2^24):t():amax()",    -- views of one too
+      "for i = 1, 200 do local x = ms.ones({1}):expand({2^20}):sum() end",             -- each below, together past
+    }
+    for _, b in ipairs(bombs) do
+      fails(function() run { step = b } end, "instruction limit of 100000000 exceeded", 2)
+    end
+    fails(function() run { step = bombs[1] } end, "an op over an expanded view of 1125899906842624 elements")
+    -- what stays cheap: properties and views of a huge one, and ops over a small one
+    local o = run { step = [[
+      local e = ms.zeros({1}):expand({2^50})
+      local v = e:slice(0, 0, 10):view({2, 5})
+      ctx.report('meta', e:numel() + e:dim() + #e:shape() + v:numel())
+      ctx.report('sum', ms.ones({1}):expand({1000}):sum())]] }
+    assert.equals(2 ^ 50 + 12, o:stats().last.reports.meta)
+    assert.equals(1000, o:stats().last.reports.sum)
+  end)
+
   it("bounds what reading a tensor back into Lua may build, expanded views included", function()
     -- an expanded view costs no engine memory, so no quota: reading 2^26 elements of one back built a 512 MB
     -- Lua table (in compiled code, out of the hook's reach) under the 256 MB memory limit, and the call succeeded

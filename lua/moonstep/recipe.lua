@@ -430,13 +430,16 @@ new_guard = function(name, limits, params)
   -- iterations of a C loop the recipe sized (moonstep.tensor.charge_work): each counts as one hook period of
   -- instructions, since no hook runs inside the call; past the limit it trips like the hook (no pcall keeps it)
   g.work = function(what, iterations)
-    g.count = g.count + iterations
-    if g.count * HOOK_EVERY > g.instructions then
+    -- (the message first: formatting runs code the hook counts, and with the count already past the limit the
+    -- hook would trip first, with its own vaguer message)
+    if (g.count + iterations) * HOOK_EVERY > g.instructions then
       g.why = ("instruction limit of %.0f exceeded: %s asks for %.0f iterations (each counts as %d instructions)")
               :format(g.instructions, what, iterations, HOOK_EVERY)
       g.tripped = ("%s: %s"):format(g.name, g.why)
+      g.count = g.count + iterations
       error(g.tripped, 0)
     end
+    g.count = g.count + iterations
   end
   g.charge = function(t, bytes)
     local token = newproxy(true)

@@ -162,18 +162,41 @@ end
 -- ---------------------------------------------------------------------------------------------------
 -- construction
 -- ---------------------------------------------------------------------------------------------------
+-- Views that overlap themselves (expand: a dim of size > 1 with stride 0), by their element count.  An op over
+-- one loops over every element in C, where the hook never runs, and allocates nothing a quota would see: in
+-- the sandbox, ms.zeros({1}):expand({2^50}):sum() would run for days.  So while a recipe runs, each op that
+-- takes one (H below; not the properties and views, HM) counts its elements against the instruction limit,
+-- one instruction an element (charge_work counts an iteration as 1000).
+local overlapping = setmetatable({}, { __mode = "k" })
+local function overlap_numel(p)
+  for i = 0, C.ms_tensor_ndim(p) - 1 do
+    if C.ms_tensor_size(p, i) > 1 and C.ms_tensor_stride(p, i) == 0 then return tonumber(C.ms_tensor_numel(p)) end
+  end
+  return nil
+end
+
 local function wrap(p, ctx, base)
   local t = setmetatable({}, Tensor)
   handle[t] = core.own_tensor(p)
   tensor_ctx[t] = ctx
   if base ~= nil and anchor[base] ~= nil then anchor[t] = anchor[base] end   -- a view shares its base's charge
+  -- (only views can overlap; checked while a recipe runs, or from a view that does)
+  if base ~= nil and (alloc_guard or overlapping[base]) then overlapping[t] = overlap_numel(p) end
   return t
 end
 M.wrap = wrap
 
+local function HM(t)
+  local h = handle[t]
+  if h == nil then error("expected a moonstep tensor, got " .. type(t), 3) end
+  return h
+end
+
 local function H(t)
   local h = handle[t]
   if h == nil then error("expected a moonstep tensor, got " .. type(t), 3) end
+  local n = alloc_guard and overlapping[t]
+  if n then M.charge_work(("an op over an expanded view of %.0f elements"):format(n), n / 1000) end
   return h
 end
 M.handle = H   -- for the binding's own modules only (never exported through `ms`)
@@ -358,10 +381,10 @@ end
 -- ---------------------------------------------------------------------------------------------------
 -- properties
 -- ---------------------------------------------------------------------------------------------------
-function Tensor:dim() return C.ms_tensor_ndim(H(self)) end
+function Tensor:dim() return C.ms_tensor_ndim(HM(self)) end
 Tensor.ndim = Tensor.dim
 function Tensor:shape()
-  local h = H(self)
+  local h = HM(self)
   local s = {}
   for i = 0, C.ms_tensor_ndim(h) - 1 do s[i + 1] = tonumber(C.ms_tensor_size(h, i)) end
   return s
@@ -369,20 +392,20 @@ end
 function Tensor:size(d)
   if d == nil then return self:shape() end
   if not integral(d) then error(("size: dim must be an integer (got %s)"):format(core.show(d)), 2) end
-  local v = tonumber(C.ms_tensor_size(H(self), d))
+  local v = tonumber(C.ms_tensor_size(HM(self), d))
   if v < 0 then error(("size: dim %d out of range for a %d-dim tensor"):format(d, self:dim()), 2) end
   return v
 end
 function Tensor:strides()
-  local h = H(self)
+  local h = HM(self)
   local s = {}
   for i = 0, C.ms_tensor_ndim(h) - 1 do s[i + 1] = tonumber(C.ms_tensor_stride(h, i)) end
   return s
 end
-function Tensor:numel() return tonumber(C.ms_tensor_numel(H(self))) end
-function Tensor:dtype() return dtype_name[tonumber(C.ms_tensor_dtype(H(self)))] end
-function Tensor:device() return ffi.string(C.ms_ctx_device_name(C.ms_tensor_ctx(H(self)))) end
-function Tensor:is_contiguous() return C.ms_tensor_is_contiguous(H(self)) ~= 0 end
+function Tensor:numel() return tonumber(C.ms_tensor_numel(HM(self))) end
+function Tensor:dtype() return dtype_name[tonumber(C.ms_tensor_dtype(HM(self)))] end
+function Tensor:device() return ffi.string(C.ms_ctx_device_name(C.ms_tensor_ctx(HM(self)))) end
+function Tensor:is_contiguous() return C.ms_tensor_is_contiguous(HM(self)) ~= 0 end
 function Tensor:context() return M.ctx_object(self) end
 
 function M.is_tensor(x) return type(x) == "table" and handle[x] ~= nil end
@@ -414,7 +437,7 @@ end
 
 function Tensor:view(...)
   local arr, n = as_shape(shape_args(...))
-  check(C.ms_tensor_reshape(ctx_of(self), H(self), n, arr, core.out_tensor))
+  check(C.ms_tensor_reshape(ctx_of(self), HM(self), n, arr, core.out_tensor))
   return wrap(core.out_tensor[0], tensor_ctx[self], self)
 end
 
@@ -422,10 +445,10 @@ end
 function Tensor:reshape(...)
   local arr, n = as_shape(shape_args(...))
   local base = self
-  local st = C.ms_tensor_reshape(ctx_of(self), H(self), n, arr, core.out_tensor)
+  local st = C.ms_tensor_reshape(ctx_of(self), HM(self), n, arr, core.out_tensor)
   if st == C.MS_E_LAYOUT then
     base = self:contiguous()
-    st = C.ms_tensor_reshape(ctx_of(base), H(base), n, arr, core.out_tensor)
+    st = C.ms_tensor_reshape(ctx_of(base), HM(base), n, arr, core.out_tensor)
   end
   check(st)
   return wrap(core.out_tensor[0], tensor_ctx[self], base)
@@ -448,7 +471,7 @@ function Tensor:slice(dim, start, stop, step)
   index_arg("slice", "start", start, 2)
   index_arg("slice", "stop", stop, 2)
   index_arg("slice", "step", step, 2)
-  check(C.ms_tensor_slice(ctx_of(self), H(self), dim, start or 0, stop or 2 ^ 62, step or 1, core.out_tensor))
+  check(C.ms_tensor_slice(ctx_of(self), HM(self), dim, start or 0, stop or 2 ^ 62, step or 1, core.out_tensor))
   return wrap(core.out_tensor[0], tensor_ctx[self], self)
 end
 --- narrow(dim, start, len): elements [start, start + len) of dim, a negative start counting from the end (as
@@ -471,14 +494,14 @@ function Tensor:select(dim, index)
   -- (t[1.9] read row 1; checked without a table, since t[i] comes here)
   if not integral(dim) then error(("select: dim %s is not an integer"):format(tostring(dim)), 2) end
   if not integral(index) then error(("select: index %s is not an integer"):format(tostring(index)), 2) end
-  check(C.ms_tensor_select(ctx_of(self), H(self), dim, index, core.out_tensor))
+  check(C.ms_tensor_select(ctx_of(self), HM(self), dim, index, core.out_tensor))
   return wrap(core.out_tensor[0], tensor_ctx[self], self)
 end
 
 function Tensor:transpose(d0, d1)
   index_arg("transpose", "dim0", d0, 2)
   index_arg("transpose", "dim1", d1, 2)
-  check(C.ms_tensor_transpose(ctx_of(self), H(self), d0 or -2, d1 or -1, core.out_tensor))
+  check(C.ms_tensor_transpose(ctx_of(self), HM(self), d0 or -2, d1 or -1, core.out_tensor))
   return wrap(core.out_tensor[0], tensor_ctx[self], self)
 end
 function Tensor:t()
@@ -490,13 +513,13 @@ function Tensor:permute(...)
   local p = shape_args(...)
   local arr = ffi.new("int[?]", #p > 0 and #p or 1)
   for i = 1, #p do arr[i - 1] = index_arg("permute", ("dims[%d]"):format(i), p[i], 2) end
-  check(C.ms_tensor_permute(ctx_of(self), H(self), #p, arr, core.out_tensor))
+  check(C.ms_tensor_permute(ctx_of(self), HM(self), #p, arr, core.out_tensor))
   return wrap(core.out_tensor[0], tensor_ctx[self], self)
 end
 
 function Tensor:expand(...)
   local arr, n = as_shape(shape_args(...))
-  check(C.ms_tensor_expand(ctx_of(self), H(self), n, arr, core.out_tensor))
+  check(C.ms_tensor_expand(ctx_of(self), HM(self), n, arr, core.out_tensor))
   return wrap(core.out_tensor[0], tensor_ctx[self], self)
 end
 
