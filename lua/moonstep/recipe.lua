@@ -86,12 +86,14 @@ Limits, enforced while untrusted code runs (M.call):
                 counts come from the recipe's numbers (ms.block_plan) is never compiled.
   memory        the Lua heap may grow by at most this many bytes during one call (checked in the hook;
                 a full collection first, so garbage does not count), and between two looks of the hook the
-                state's allocator refuses growth past twice the limit (garbage included; see heap_arm).  String functions that can build a
-                large result in one C call (rep, gsub, format, table.concat) check its size beforehand,
-                and pattern functions refuse patterns whose backtracking cost on the subject is too large.
+                state's allocator refuses growth past twice the limit (garbage included; see heap_arm).
+                String functions that can build a large result in one C call (rep, gsub, format,
+                table.concat) check its size beforehand, and pattern functions refuse patterns whose
+                backtracking cost on the subject is too large.
                 A C primitive whose loop count the recipe passes (ms.sinkgd_step's iters and sn_iters,
                 ms.inv_root's steps and pi_steps, ms.spectrum_estimate's steps) runs out of the hook's reach:
-                each of its iterations counts as HOOK_EVERY instructions, checked before the call.
+                each of its iterations counts as HOOK_EVERY instructions, checked before the call.  An op
+                over an expanded view counts one instruction an element (moonstep.tensor, "overlapping").
   quota         bytes of engine memory held by tensors the recipe allocated (live, per optimizer: a
                 charge is released when the tensor and all its views are collected).
 Once a limit trips, the sandbox's pcall/xpcall re-raise the error, so a recipe cannot swallow it.
@@ -162,7 +164,8 @@ local function heap_disarm()
 end
 
 -- true once the cap refused a request during the call in progress
-local function heap_refused() return heap ~= nil and heap.cap[0].refused ~= 0 end
+-- (through the pointer: no struct reference to allocate while the cap is armed)
+local function heap_refused() return heap ~= nil and heap.cap.refused ~= 0 end
 
 local function too_big(what, n)
   if n > memory_cap() then
@@ -243,7 +246,7 @@ local safe_string = {
     return str_gsub(s, p, repl, n)
   end,
   format = function(fmt, ...)
-    -- %s of a table or function prints its heap address, and %p any object's: tostring() hides them, so
+    -- %s of a table or function prints its heap address, and %p any object's: tostring() hides them, and so
     -- must format (objects go through safe_tostring, %p is refused)
     if type(fmt) == "string" then
       for conv in str_gmatch(fmt, "%%[-+ #0]*%d*%.?%d*(.)") do
