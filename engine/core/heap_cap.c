@@ -4,6 +4,23 @@
 */
 #include "internal.h"
 
+#include <pthread.h>
+#include <stdlib.h>
+
+static ms_lua_heap_cap *caps;   /* every cap made, for the life of the process */
+static pthread_mutex_t caps_lock = PTHREAD_MUTEX_INITIALIZER;
+
+MS_API ms_lua_heap_cap *ms_lua_heap_cap_new(void)
+{
+    ms_lua_heap_cap *cap = calloc(1, sizeof *cap);
+    if (cap == NULL) return NULL;
+    pthread_mutex_lock(&caps_lock);
+    cap->next = caps;
+    caps = cap;
+    pthread_mutex_unlock(&caps_lock);
+    return cap;
+}
+
 MS_API void *ms_lua_heap_cap_alloc(void *ud, void *ptr, size_t osize, size_t nsize)
 {
     ms_lua_heap_cap *cap = ud;

@@ -1196,7 +1196,13 @@ typedef struct ms_lua_heap_cap {
     int32_t  refused;
     void    *L;                                                        /* the Lua state, for setallocf */
     void    (*setallocf)(void *L, void *f, void *ud);                  /* lua_setallocf, or NULL */
+    struct ms_lua_heap_cap *next;                                      /* (the library's list of caps) */
 } ms_lua_heap_cap;
+
+/* A zeroed cap that lives as long as the process (NULL when out of memory): a Lua state closed while its cap is
+** armed frees its objects through it, so it is never freed; the library keeps it on a list, where leak checkers
+** see it reachable.  One per Lua state. */
+MS_API ms_lua_heap_cap *ms_lua_heap_cap_new(void);
 
 /* A lua_Alloc whose ud is an ms_lua_heap_cap. */
 MS_API void *ms_lua_heap_cap_alloc(void *ud, void *ptr, size_t osize, size_t nsize);

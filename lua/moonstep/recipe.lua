@@ -129,15 +129,14 @@ local heap = (function()
   local ffi = core.ffi
   local ok = pcall(ffi.cdef, [[
     void *lua_getallocf(void *L, void **ud);
-    void lua_setallocf(void *L, void *f, void *ud);
-    void *malloc(size_t size);]])
+    void lua_setallocf(void *L, void *f, void *ud);]])
   local thread = coroutine.create(function() end)
   local addr = real_tostring(thread):match("^thread: 0x(%x+)$")
   if not (ok and addr and pcall(function() return ffi.C.lua_getallocf end)) then return nil end
   local L = ffi.cast("void *", tonumber(addr, 16))
-  -- the cap lives outside the Lua heap, never freed: lua_close frees every Lua object through the allocator
-  -- that is current then, so a cap left armed must not be one of them
-  local cap = ffi.cast("ms_lua_heap_cap *", ffi.C.malloc(ffi.sizeof("ms_lua_heap_cap")))
+  -- the cap lives outside the Lua heap, never freed (ms_lua_heap_cap_new): lua_close frees every Lua object
+  -- through the allocator that is current then, so a cap left armed must not be one of them
+  local cap = core.C.ms_lua_heap_cap_new()
   if cap == nil then return nil end
   return { L = L, thread = thread, C = ffi.C, cap = cap, ud = ffi.new("void *[1]"), alloc = core.C.ms_lua_heap_cap_alloc,
            setallocf = ffi.cast("void (*)(void *, void *, void *)", ffi.C.lua_setallocf),
