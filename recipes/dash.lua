@@ -143,17 +143,14 @@ Device-side skipping (captured steps) is not offered by the dash route: its fact
 flag, so a captured DASH step needs settings.nonfinite = "apply".
 ]]
 
--- rule 5: sinkgd's names (axolotl's substrings, and its suffix of a PEFT head copy)
-local DEFAULT_ADAMW_NAMES = { "embed_tokens", "lm_head", "wte", "word_embeddings" }
-local PEFT_SAVED_SUFFIX = "modules_to_save.default.weight"
+-- rule 5 (sinkgd's: axolotl's names and PEFT suffix): moonstep.routing
+local adamw_by_name = ms.routing.adamw_by_name
 
--- ---------------------------------------------------------------------------------------------------
--- routing by name (the pattern options are checked as the "patterns" type: moonstep.recipe)
--- ---------------------------------------------------------------------------------------------------
--- whether name holds one of list's entries: Lua patterns (the options), or plain substrings (the defaults)
-local function finds_any(name, list, plain)
-  for _, s in ipairs(list) do
-    if name:find(s, 1, plain) then return true end
+-- whether name holds one of list's entries (Lua patterns: the pattern options, matched here under the sandbox's
+-- limits)
+local function finds_any(name, list)
+  for _, pat in ipairs(list) do
+    if name:find(pat) then return true end
   end
   return false
 end
@@ -797,8 +794,7 @@ local function pick_route(p, o)
   for _, d in ipairs(p.shape) do
     for _, a in ipairs(o.adamw_dims) do if d == a then return "adamw" end end
   end
-  if finds_any(p.name, DEFAULT_ADAMW_NAMES, true) then return "adamw" end
-  if p.name:sub(-#PEFT_SAVED_SUFFIX) == PEFT_SAVED_SUFFIX then return "adamw" end
+  if adamw_by_name(p.name) then return "adamw" end
   return "dash"
 end
 

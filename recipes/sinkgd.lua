@@ -102,14 +102,14 @@ recipe -- info.shape is the whole one (alpha_eff's width, the muon target), the 
 uses_8bit).
 ]]
 
--- rule 6: axolotl's substrings, and its suffix of a PEFT head copy (a suffix, not a substring, as axolotl)
-local DEFAULT_ADAMW_NAMES = { "embed_tokens", "lm_head", "wte", "word_embeddings" }
-local PEFT_SAVED_SUFFIX = "modules_to_save.default.weight"
+-- rule 6 (axolotl's names and PEFT suffix): moonstep.routing, shared with dash
+local adamw_by_name = ms.routing.adamw_by_name
 
--- whether name holds one of list's entries: Lua patterns (the options), or plain substrings (the defaults)
-local function finds_any(name, list, plain)
-  for _, s in ipairs(list) do
-    if name:find(s, 1, plain) then return true end
+-- whether name holds one of list's entries (Lua patterns: the pattern options, matched here under the sandbox's
+-- limits)
+local function finds_any(name, list)
+  for _, pat in ipairs(list) do
+    if name:find(pat) then return true end
   end
   return false
 end
@@ -162,8 +162,7 @@ local function pick_route(p, o)
       if d == a then return "adamw" end
     end
   end
-  if finds_any(p.name, DEFAULT_ADAMW_NAMES, true) then return "adamw" end
-  if p.name:sub(-#PEFT_SAVED_SUFFIX) == PEFT_SAVED_SUFFIX then return "adamw" end
+  if adamw_by_name(p.name) then return "adamw" end
   return "sinkgd"
 end
 

@@ -134,6 +134,7 @@ end
 ms.recipe = require("moonstep.recipe")
 ms.graph = require("moonstep.graph")
 ms.schedule = require("moonstep.schedule")
+ms.routing = require("moonstep.routing")    -- routing by name, shared by the recipes
 ms.comm = require("moonstep.comm")          -- communicators (NCCL) and the rendezvous
 ms.shard = require("moonstep.shard")        -- tensors that are one rank's slice of a matrix (sharded SinkGD)
 package.loaded.moonstep = ms     -- moonstep.optim requires moonstep: give it this table

@@ -366,6 +366,7 @@ local function sandbox_env(ms)
   local m = {}
   for _, k in ipairs(safe_ms) do m[k] = ms[k] end
   m.json = readonly({ encode = ms.json.encode, decode = ms.json.decode }, "ms.json")
+  m.routing = readonly({ adamw_by_name = ms.routing.adamw_by_name }, "ms.routing")
   env.ms = readonly(m, "ms")
   env._G = env
   return env
