@@ -327,6 +327,21 @@ return {
     assert.falsy(out:find("step 5/5", 1, true), "trained before finding the checkpoint folder unusable:\n" .. out)
   end)
 
+  it("compare leaves no output folder behind when its recipes or options are refused", function()
+    local d = scratch()
+    for _, bad in ipairs {
+      "--recipes adamw,sgd --opt lrate=1",          -- no recipe has the option
+      "--recipes adamw --opt lr=fast",              -- a bad value
+      "--recipes adamw,nosuch",                     -- a recipe that is not found
+      "--recipes adamw,adamw",                      -- the same recipe twice
+    } do
+      local out, code = ms_run("compare " .. LSQ .. " --steps 5 " .. bad .. " --out " .. q(d .. "/new/out"))
+      assert.equals(1, code, out)
+      assert.falsy(out:find("[1/", 1, true), out)
+      assert.equals("exit=0\n", H.shell("ls -A " .. q(d)), bad .. ": an output folder was created:\n" .. out)
+    end
+  end)
+
   describe("compare", function()
     it("fails, and keeps the files of an earlier comparison whole, when it cannot write its own", function()
       local d = scratch()

@@ -476,7 +476,12 @@ the loss curves as loss.png and loss.svg (gnuplot; without it the SVG alone, dra
     local E = require("moonstep.experiment")
     local total = cfg.steps or (problem.defaults or {}).steps or 100
     local prog
+    local dir = vals.out or ("runs/" .. problem.name)
+    local report = require("moonstep.report")
     cfg.on_run = function(name, seed, i, n)
+      -- the output folder once the recipes and their options are checked (bad input leaves no empty
+      -- folder behind) and before the first run (an unusable folder found after the runs would lose them)
+      if i == 1 then report.mkdir(dir) end
       if prog then prog.finish() end
       outln(("[%d/%d] %s, seed %d"):format(i, n, name, seed))
       prog = M.progress(total)
@@ -496,9 +501,6 @@ the loss curves as loss.png and loss.svg (gnuplot; without it the SVG alone, dra
       outln(("compare %s on %s: %s, %d step%s, %d seed%s"):format(problem.name, cfg.ctx:name(), table.concat(names, ", "),
         total, total == 1 and "" or "s", cfg.seeds, cfg.seeds == 1 and "" or "s"))
     end
-    local dir = vals.out or ("runs/" .. problem.name)
-    local report = require("moonstep.report")
-    report.mkdir(dir)    -- before the runs: an unusable folder found after them would lose them
     local result = E.compare(cfg)
     if prog then prog.finish() end
     local any = result.rows[1]
