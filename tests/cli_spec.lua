@@ -279,6 +279,38 @@ return {
       has(other, "lr=0.02")
     end)
 
+    it("refuses a --steps, --schedule, --warmup or --clip that changes the checkpoint's schedule, unless --force", function()
+      local d = scratch()
+      -- cosine over 12 steps, stopped at 6
+      local _, c1 = ms_run(SMALL_MLP .. "--schedule cosine --clip 1 --until 6 --save " .. q(d .. "/half"))
+      assert.equals(0, c1)
+      local resume = "train --problem mlp --recipe adamw --resume " .. q(d .. "/half")
+      for _, case in ipairs {
+        { "--steps 20", "steps 20 (the checkpoint's run: 12)" },
+        { "--schedule constant", "schedule constant (the checkpoint's run: cosine)" },
+        { "--warmup 3", "warmup 3" },
+        { "--clip 0", "clip off (the checkpoint's run: 1)" },
+      } do
+        local out, code = ms_run(resume .. " " .. case[1])
+        assert.equals(1, code, out)
+        has(out, case[2], "pass --force")
+        assert.falsy(out:find("steps 7-", 1, true), out)
+      end
+      -- the same values as the checkpoint's are no contradiction; --force resumes under the new schedule
+      local same, c2 = ms_run(resume .. " --steps 12 --schedule cosine --clip 1")
+      assert.equals(0, c2, same)
+      has(same, "steps 7-12 of 12")
+      local forced, c3 = ms_run(resume .. " --steps 20 --force")
+      assert.equals(0, c3, forced)
+      has(forced, "steps 7-20 of 20")
+      -- a constant schedule does not depend on --steps: extending such a run continues it
+      local _, c4 = ms_run(SMALL_MLP .. "--schedule constant --warmup 0 --until 6 --save " .. q(d .. "/flat"))
+      assert.equals(0, c4)
+      local longer, c5 = ms_run("train --problem mlp --recipe adamw --steps 20 --resume " .. q(d .. "/flat"))
+      assert.equals(0, c5, longer)
+      has(longer, "steps 7-20 of 20")
+    end)
+
     it("refuses a checkpoint whose two files are from different steps (a save interrupted between them)", function()
       local d = scratch()
       local common = SMALL_MLP

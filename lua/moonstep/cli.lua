@@ -342,7 +342,7 @@ local train_flags = with({ problem_flag }, {
   { name = "seed", arg = "S", type = "integer", min = 0, doc = "seed of the data, the initial weights and the batches (default 0)" },
   { name = "save", arg = "DIR", doc = "write a checkpoint folder at the end (model.safetensors + optim.safetensors)" },
   { name = "resume", arg = "DIR", doc = "continue from a checkpoint folder (unset options come from it)" },
-  { name = "force", type = "boolean", doc = "resume even when the checkpoint was made by another recipe (or version)" },
+  { name = "force", type = "boolean", doc = "resume even when the checkpoint was made by another recipe (or version), or with another schedule (--steps, --schedule, --warmup, --clip)" },
   { name = "until", key = "stop_after", arg = "N", type = "integer", min = 1, doc = "stop after step N; the schedule still spans --steps (to split a run)" },
 }, common_flags)
 
@@ -375,7 +375,8 @@ the run, final and best), the validation loss, time, and the optimizer's state b
 line on a terminal (step, loss, steps/s, ETA); plain lines at each validation otherwise.
 
 A recipe given as a file (path/to/model/optim.lua) runs sandboxed unless --trusted.  The checkpoint
-records the recipe's content hash; resuming under another recipe is refused unless --force.  Starting
+records the recipe's content hash; resuming under another recipe, or with --steps, --schedule, --warmup
+or --clip that change the run's learning-rate schedule or clipping, is refused unless --force.  Starting
 points for the known recipes' options come from the problem; --opt overrides them.]=],
   flags = train_flags,
   run = function(argv)

@@ -147,7 +147,7 @@ end
 --- Trains one problem with one recipe.  cfg:
 ---   problem (name or module), problem_options, recipe (name, path or table), recipe_options, trusted,
 ---   steps, seed, device | ctx, dtype, eval_every, smooth, schedule, warmup, clip,
----   save (folder), resume (folder), force (resume under another recipe), stop_after (step),
+---   save (folder), resume (folder), force (resume under another recipe or schedule), stop_after (step),
 ---   on_step(step, loss, run) and on_eval(step, eval, run) callbacks.  Unset values come from the problem's
 ---   defaults, else steps 100, seed 0, eval_every steps / 10, smooth steps / 20; unknown keys are refused.
 --- Returns a table: losses, smoothed, evals {step, loss, accuracy}, final_loss, best_loss, val_loss,
@@ -221,6 +221,29 @@ function E.run(cfg)
     if merged.schedule == nil then merged.schedule = resume_info.schedule end
     if merged.warmup == nil then merged.warmup = resume_info.warmup end
     if merged.clip == nil then merged.clip = resume_info.clip or 0 end
+    -- the schedule spans the whole run: another --steps (or schedule, warmup, clip) would run the rest of
+    -- the steps under other learning rates than the checkpoint's run had, not as that run continued
+    if not cfg.force then
+      local function shape(c)
+        local s = E.settings({ schedule = c.schedule or defaults.schedule, warmup = c.warmup or defaults.warmup or 0,
+                               clip = c.clip }, c.steps or defaults.steps or 100)
+        return json.encode({ schedule = s.schedule or "constant", clip = s.clip_grad_norm or false })
+      end
+      local saved_run = { steps = resume_info.steps, schedule = resume_info.schedule, warmup = resume_info.warmup,
+                          clip = resume_info.clip or 0 }
+      if shape(merged) ~= shape(saved_run) then
+        local diffs = {}
+        for _, k in ipairs { "steps", "schedule", "warmup", "clip" } do
+          local a, b = cfg[k], saved_run[k]
+          if k == "clip" then a, b = a and a > 0 and a or nil, b and b ~= false and b > 0 and b or nil end
+          if cfg[k] ~= nil and a ~= b then
+            diffs[#diffs + 1] = ("%s %s (the checkpoint's run: %s)"):format(k, tostring(a or "off"), tostring(b or (k == "clip" and "off" or "default")))
+          end
+        end
+        error(("%s: resuming with %s would change the learning-rate schedule or clipping of the checkpoint's run: " ..
+          "it would not continue as that run (pass --force to resume it anyway)"):format(cfg.resume, table.concat(diffs, ", ")), 0)
+      end
+    end
     cfg = merged
   end
 
