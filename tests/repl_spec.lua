@@ -208,4 +208,36 @@ describe("the REPL with piped input", function()
     assert.truthy(out:find("\n1\nnil\n", 1, true), out)
     assert.truthy(out:find("> nil\nnil\n", 1, true), out)
   end)
+  it(":reload and :recipes list a reloaded recipe once", function()
+    local d = tmpdir()
+    local src = [[
+return {
+  name = "twice", options = {lr = {default = %s, type = "number"}},
+  route = function() return "all" end,
+  routes = {all = {step = function(group, o, ctx)
+    for _, m in ipairs(group) do m.param:sub_(m.grad * ctx.lr) end
+  end}},
+}]]
+    local path = d .. "/twice.lua"
+    write(path, src:format("0.1"))
+    local out, code = session {
+      ("r = ms.recipe.load(%q)"):format(path),
+      ("f = io.open(%q, 'w') f:write(%q) f:close()"):format(path, src:format("0.2")),
+      ":reload", ":reload twice", ":recipes", "r.options.lr.default",
+    }
+    os.execute("rm -rf " .. q(d))
+    assert.equals(0, code, out)
+    local function count(s)
+      local n, from = 0, 1
+      while true do
+        local i = out:find(s, from, true)
+        if not i then return n end
+        n, from = n + 1, i + #s
+      end
+    end
+    assert.equals(1, count("twice: reloaded from"), out)
+    assert.equals(1, count("twice: unchanged"), out)
+    assert.equals(1, count("twice      " .. path), out)
+    assert.truthy(out:find("\n0.2\n", 1, true), out)
+  end)
 end)

@@ -108,6 +108,10 @@ function M.reload(name)
         lines[#lines + 1] = ("%s: unchanged (%s)"):format(recipe.name, meta.path)
       else
         local ok, new = pcall(R.load, meta.path, { trusted = meta.trusted })
+        -- the new table is only a carrier of fields: its metadata entry (R.meta is weak, but until the next
+        -- collection) would list the recipe twice in :recipes and reload it twice
+        local new_meta = ok and R.meta[new] or nil
+        if ok then R.meta[new] = nil end
         if not ok then
           lines[#lines + 1] = ("%s: not reloaded, the old version stays: %s"):format(recipe.name, tostring(new))
         else
@@ -136,7 +140,7 @@ function M.reload(name)
                 for _, g in ipairs(o.groups) do
                   g.options = next(g.overrides) and R.options(recipe, g.overrides, opts) or opts
                 end
-                o.recipe_hash = R.meta[new].hash
+                o.recipe_hash = new_meta.hash
               end)
               if ok2 then n_opt = n_opt + 1 else problems[#problems + 1] = tostring(err) end
             end
@@ -147,7 +151,7 @@ function M.reload(name)
             for k, v in pairs(old) do recipe[k] = v end
             lines[#lines + 1] = ("%s: not reloaded, the old version stays: %s"):format(recipe.name, problems[1])
           else
-            R.meta[recipe] = R.meta[new]
+            R.meta[recipe] = new_meta
             lines[#lines + 1] = ("%s: reloaded from %s (hash %s), %d optimizer%s updated"):format(recipe.name,
               meta.path, R.meta[recipe].hash, n_opt, n_opt == 1 and "" or "s")
           end
