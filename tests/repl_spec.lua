@@ -173,11 +173,11 @@ end)
 
 -- the REPL with piped input (no terminal needed): what it prints and whether the session survives
 describe("the REPL with piped input", function()
-  local function session(lines)
+  local function session(lines, env)
     local d = tmpdir()
     local path = d .. "/input"
     write(path, table.concat(lines, "\n") .. "\n")
-    local out, code = H.moonstep("< " .. q(path), "MOONSTEP_HISTORY= ")
+    local out, code = H.moonstep("< " .. q(path), "MOONSTEP_HISTORY= " .. (env or ""))
     os.execute("rm -rf " .. q(d))
     return out, code
   end
@@ -208,6 +208,18 @@ describe("the REPL with piped input", function()
     assert.truthy(out:find("\n1\nnil\n", 1, true), out)
     assert.truthy(out:find("> nil\nnil\n", 1, true), out)
   end)
+  it("echoes piped lines without terminal escape codes, even lines longer than 80 columns", function()
+    -- (readline, given a TERM, redraws a line that ends at its 80th column with cursor motions)
+    local lines = {}
+    for n = 70, 90 do lines[#lines + 1] = "x = 1 + 1 -- " .. ("a"):rep(n - 13) end
+    lines[#lines + 1] = "x * 21"
+    local out, code = session(lines, "TERM=xterm ")
+    assert.equals(0, code, out)
+    assert.falsy(out:find("\27", 1, true), "escape codes in piped output:\n" .. out)
+    assert.truthy(out:find("> " .. lines[9] .. "\n> " .. lines[10] .. "\n", 1, true), out)
+    assert.truthy(out:find("> x * 21\n42\n", 1, true), out)
+  end)
+
   it(":reload and :recipes list a reloaded recipe once", function()
     local d = tmpdir()
     local src = [[

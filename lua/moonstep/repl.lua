@@ -207,9 +207,17 @@ end
 
 function M.run()
   local config = package.loaded["moonstep.config"] or {}
-  local readline = config.readline or function(prompt)
-    io.write(prompt) io.flush()
-    return io.read("*l")
+  local readline = config.readline
+  if not readline or config.interactive == false then
+    -- not a terminal (a pipe, a file): no readline, whose redraws of a line longer than its 80 columns
+    -- it thinks it has put escape codes into the output; the transcript echoes the lines it read instead
+    local echo = config.interactive == false
+    readline = function(prompt)
+      io.write(prompt) io.flush()
+      local line = io.read("*l")
+      if echo and line then io.write(line, "\n") end
+      return line
+    end
   end
   -- history only for a person at a terminal: piped input (scripts, tests) stays out of it
   if config.history_file and config.interactive ~= false then
@@ -238,7 +246,10 @@ function M.run()
   local function quit() done = true end
   while not done do
     local line = readline("> ")
-    if line == nil then break end
+    if line == nil then
+      io.write("\n")   -- past the last prompt
+      break
+    end
     if line:match("^:%a") then   -- a prompt command (a line starting with a Lua label, ::name::, is code)
       command(line, quit)
     else
@@ -274,7 +285,6 @@ function M.run()
     end
   end
   ms.optim.new = new
-  if config.interactive ~= false then io.write("\n") end
 end
 
 return M
