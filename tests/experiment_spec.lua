@@ -22,6 +22,38 @@ describe("experiment numbers", function()
     os.execute("rm -r " .. dir)
   end)
 
+  it("names the folder and the field of a run description whose fields are wrong", function()
+    local ms, json = H.ms, require("moonstep.json")
+    local dir = os.tmpname()
+    os.remove(dir)
+    assert(os.execute("mkdir " .. dir) == 0)
+    local good = { problem = "lsq", problem_options = {}, seed = 0, step = 3, steps = 6, schedule = "cosine",
+                   warmup = 0, clip = false, recipe = "sgd", recipe_options = {} }
+    local function with(k, v)
+      local t = {}
+      for a, b in pairs(good) do t[a] = b end
+      t[k] = v
+      return t
+    end
+    ms.save(dir .. "/model.safetensors", { w = ms.zeros({ 1 }) }, { moonstep_train = json.encode(good) })
+    assert.equals(6, E.checkpoint_info(dir).steps)
+    for _, case in ipairs {
+      { "steps", "abc", "'steps' is \"abc\"" }, { "steps", 0, "'steps' is 0" }, { "step", 2.5, "'step' is 2.5" },
+      { "seed", -1, "'seed' is -1" }, { "warmup", "w", "'warmup' is \"w\"" }, { "clip", "c", "'clip' is \"c\"" },
+      { "schedule", "weird", "'schedule' is \"weird\"" }, { "problem_options", 5, "'problem_options' is 5" },
+      { "recipe_options", "zz", "'recipe_options' is \"zz\"" }, { "recipe", 7, "'recipe' is 7" },
+    } do
+      ms.save(dir .. "/model.safetensors", { w = ms.zeros({ 1 }) }, { moonstep_train = json.encode(with(case[1], case[2])) })
+      H.expect_error(function() E.checkpoint_info(dir) end, dir .. ": model.safetensors: corrupt run description", case[3])
+    end
+    -- a problem option the problem refuses: named with the folder, before any training
+    ms.save(dir .. "/model.safetensors", { w = ms.zeros({ 1 }) },
+            { moonstep_train = json.encode(with("problem_options", { dim = "x" })) })
+    H.expect_error(function() E.run { problem = "lsq", recipe = "sgd", resume = dir, device = "cpu" } end,
+                   dir .. ": model.safetensors: corrupt run description", "option 'dim'")
+    os.execute("rm -r " .. dir)
+  end)
+
   it("moving averages stay accurate when the loss falls by many orders of magnitude", function()
     -- a running sum that adds the new value and subtracts the one leaving the window keeps the rounding
     -- error of the largest values it has seen: 1e-16 of 1e4 swamps a loss of 1e-13

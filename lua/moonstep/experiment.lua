@@ -141,6 +141,26 @@ function E.checkpoint_info(dir)
     error(("%s: model.safetensors: corrupt run description: %s"):format(dir,
           okj and "not an object naming its problem" or tostring(info)), 0)
   end
+  -- the fields a resumed run uses, checked here: a bad one would fail deep inside the run, naming neither
+  -- the folder nor the field (or run with a value no run of moonstep train wrote)
+  local function bad(field, want)
+    local v = info[field]
+    error(("%s: model.safetensors: corrupt run description: '%s' is %s, not %s"):format(dir, field,
+          type(v) == "string" and ("%q"):format(v) or tostring(v), want), 0)
+  end
+  local function whole(v, min) return type(v) == "number" and v == math.floor(v) and v >= min and v < 2 ^ 53 end
+  if not whole(info.steps, 1) then bad("steps", "a whole number of steps >= 1") end
+  if info.step ~= nil and not whole(info.step, 0) then bad("step", "a step number >= 0") end
+  if info.seed ~= nil and not whole(info.seed, 0) then bad("seed", "a seed >= 0") end
+  if info.warmup ~= nil and not whole(info.warmup, 0) then bad("warmup", "a number of steps >= 0") end
+  if info.clip ~= nil and info.clip ~= false and not (type(info.clip) == "number" and info.clip >= 0 and info.clip < math.huge) then
+    bad("clip", "a number >= 0 or false")
+  end
+  if info.schedule ~= nil and not SCHEDULES[info.schedule] then bad("schedule", "one of " .. table.concat(E.schedules, ", ")) end
+  for _, field in ipairs { "problem_options", "recipe_options" } do
+    if info[field] ~= nil and type(info[field]) ~= "table" then bad(field, "an object") end
+  end
+  if info.recipe ~= nil and type(info.recipe) ~= "string" then bad("recipe", "a recipe name") end
   return info, tensors
 end
 
@@ -204,7 +224,10 @@ function E.run(cfg)
       error(("%s: checkpoint of problem '%s', not '%s'"):format(cfg.resume, tostring(resume_info.problem), problem.name), 0)
     end
     local given = problems.options(problem, cfg.problem_options)
-    local saved = problems.options(problem, resume_info.problem_options)
+    local oks, saved = pcall(problems.options, problem, resume_info.problem_options)
+    if not oks then
+      error(("%s: model.safetensors: corrupt run description: %s"):format(cfg.resume, tostring(saved)), 0)
+    end
     for k in pairs(cfg.problem_options or {}) do
       if given[k] ~= saved[k] then
         error(("%s: problem option '%s' is %s in the checkpoint, %s here"):format(cfg.resume, k, tostring(saved[k]), tostring(given[k])), 0)
