@@ -113,6 +113,15 @@ describe("moonstep command line", function()
     has(o, "compare needs --recipes")
   end)
 
+  it("hands the words after -e 'code' to the chunk, in `arg` and `...`, as a script gets its own", function()
+    local out, code = ms_run([[-e 'print(select("#", ...), table.concat({...}, "|"), arg[0], arg[1], arg[2])' a "b c"]])
+    assert.equals(0, code, out)
+    has(out, "2\ta|b c\t-e\ta\tb c")
+    out, code = ms_run([[-e 'print(select("#", ...), arg[0], arg[1])']])
+    assert.equals(0, code, out)
+    has(out, "0\t-e\tnil")
+  end)
+
   it("launch names a missing or infinite -n or --port value, and exits 2", function()
     -- a missing value read as "nil" is not an integer; inf passed as whole and printed as -9223372036854775808
     for _, c in ipairs { { "launch -n", "-n needs a value (N)" }, { "launch -n 2 --port", "--port needs a value (P)" },

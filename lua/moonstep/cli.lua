@@ -906,7 +906,7 @@ local function usage_text()
   lines[#lines + 1] = ""
   lines[#lines + 1] = "other forms:"
   lines[#lines + 1] = "  moonstep FILE.lua [args...]   run a script (`arg` holds its arguments, as in luajit)"
-  lines[#lines + 1] = "  moonstep -e 'lua code'        run a chunk of code with `ms` loaded"
+  lines[#lines + 1] = "  moonstep -e 'lua code' [args] run a chunk of code with `ms` loaded (`arg` and `...` hold args)"
   lines[#lines + 1] = "  moonstep --version | --help"
   lines[#lines + 1] = ""
   lines[#lines + 1] = "moonstep COMMAND --help (or moonstep help COMMAND) describes a command."
@@ -944,7 +944,11 @@ local function dispatch(argv)
     if #rest == 0 then usage_error("-e needs a chunk of Lua code", nil) end
     local chunk, err = loadstring(rest[1], "=(command line)")
     if not chunk then error(err, 0) end
-    local ok, e = xpcall(chunk, traceback)
+    -- the words after the chunk are its arguments, as a script's are (they were dropped silently)
+    local args, a = {}, { [0] = "-e" }
+    for i = 2, #rest do args[#args + 1] = rest[i] a[i - 1] = rest[i] end
+    _G.arg = a
+    local ok, e = xpcall(function() return chunk(unpack(args)) end, traceback)
     if not ok then error(e, 0) end
     return 0
   end
