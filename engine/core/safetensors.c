@@ -452,7 +452,10 @@ static ms_status write_file(ms_ctx *ctx, const char *path, const ms_json_buf *hd
 {
     const char *slash = strrchr(path, '/'), *base = slash ? slash + 1 : path;
     size_t dlen = (size_t)(base - path), tlen = strlen(path) + 48, stage_size = 0;
-    if (!*base) return SFAIL(ctx, MS_E_ARG, path, "the path names a folder, not a file");
+    struct stat sb;
+    /* an existing folder too (moonstep.h: MS_E_ARG), before a byte is written rather than at the rename */
+    if (!*base || (stat(path, &sb) == 0 && S_ISDIR(sb.st_mode)))
+        return SFAIL(ctx, MS_E_ARG, path, "the path names a folder, not a file");
     for (int k = 0; k < n; k++) {
         const ms_tensor *t = tensors[layout[k].index];
         size_t nbytes = (size_t)ms_tensor_numel(t) * layout[k].esize;
