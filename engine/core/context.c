@@ -118,34 +118,50 @@ MS_API ms_status ms_ctx_mem_stats(const ms_ctx *ctx, ms_mem_stats *out)
 {
     if (ctx == NULL || out == NULL) return MS_FAIL(NULL, MS_E_ARG, "ms_ctx_mem_stats: ctx or out is NULL");
     memset(out, 0, sizeof *out);
-    out->bytes_in_use = ctx->bytes_in_use;
-    out->peak_bytes = ctx->peak_bytes;
+    out->bytes_in_use = __atomic_load_n(&ctx->bytes_in_use, __ATOMIC_RELAXED);
+    out->peak_bytes = __atomic_load_n(&ctx->peak_bytes, __ATOMIC_RELAXED);
     out->limit = ctx->mem_limit;
-    out->num_allocs = ctx->num_allocs;
-    out->num_frees = ctx->num_frees;
+    out->num_allocs = __atomic_load_n(&ctx->num_allocs, __ATOMIC_RELAXED);
+    out->num_frees = __atomic_load_n(&ctx->num_frees, __ATOMIC_RELAXED);
     out->num_device_allocs = ctx->num_device_allocs;
     out->bytes_cached = ctx->bytes_cached;
     out->launches = ctx->launches;
     return MS_OK;
 }
 
+/* The accounting is atomic: tensors may be freed from any thread (moonstep.h) while the context's own thread
+** allocates, and a lost update would drift bytes_in_use, and with it the mem_limit check, for good.  The bytes
+** are reserved (against the limit) before the backend allocates, and given back when it fails. */
 ms_status ms_ctx_alloc(ms_ctx *ctx, size_t nbytes, void **out)
 {
     *out = NULL;
-    if (nbytes == 0) { ctx->num_allocs++; return MS_OK; }   /* empty tensors hold no memory */
-    if (ctx->mem_limit > 0 && (int64_t)nbytes > ctx->mem_limit - ctx->bytes_in_use)
-        return MS_FAIL(ctx, MS_E_OOM, "out of memory on %s: %zu bytes requested, %lld in use, limit %lld",
-                       ctx->name, nbytes, (long long)ctx->bytes_in_use, (long long)ctx->mem_limit);
-    MS_TRY(ctx->backend->alloc(ctx, nbytes, out));
-    ctx->bytes_in_use += (int64_t)nbytes;
-    if (ctx->bytes_in_use > ctx->peak_bytes) ctx->peak_bytes = ctx->bytes_in_use;
-    ctx->num_allocs++;
+    if (nbytes == 0) {   /* empty tensors hold no memory */
+        __atomic_fetch_add(&ctx->num_allocs, 1, __ATOMIC_RELAXED);
+        return MS_OK;
+    }
+    const int64_t n = (int64_t)nbytes;
+    int64_t used = __atomic_load_n(&ctx->bytes_in_use, __ATOMIC_RELAXED);
+    do {
+        if (ctx->mem_limit > 0 && n > ctx->mem_limit - used)
+            return MS_FAIL(ctx, MS_E_OOM, "out of memory on %s: %zu bytes requested, %lld in use, limit %lld",
+                           ctx->name, nbytes, (long long)used, (long long)ctx->mem_limit);
+    } while (!__atomic_compare_exchange_n(&ctx->bytes_in_use, &used, used + n, true, __ATOMIC_RELAXED,
+                                          __ATOMIC_RELAXED));
+    ms_status st = ctx->backend->alloc(ctx, nbytes, out);
+    if (st != MS_OK) {
+        __atomic_fetch_sub(&ctx->bytes_in_use, n, __ATOMIC_RELAXED);
+        return st;
+    }
+    int64_t peak = __atomic_load_n(&ctx->peak_bytes, __ATOMIC_RELAXED);
+    while (used + n > peak && !__atomic_compare_exchange_n(&ctx->peak_bytes, &peak, used + n, true,
+                                                           __ATOMIC_RELAXED, __ATOMIC_RELAXED)) {}
+    __atomic_fetch_add(&ctx->num_allocs, 1, __ATOMIC_RELAXED);
     return MS_OK;
 }
 
 void ms_ctx_dealloc(ms_ctx *ctx, void *ptr, size_t nbytes)
 {
     if (ptr != NULL) ctx->backend->free(ctx, ptr, nbytes);
-    ctx->bytes_in_use -= (int64_t)nbytes;
-    ctx->num_frees++;
+    __atomic_fetch_sub(&ctx->bytes_in_use, (int64_t)nbytes, __ATOMIC_RELAXED);
+    __atomic_fetch_add(&ctx->num_frees, 1, __ATOMIC_RELAXED);
 }

@@ -57,7 +57,8 @@ struct ms_ctx {
     const ms_backend  *backend;
     void              *impl;          /* backend-specific state (CUDA: stream, handles, pool) */
     int                num_threads;
-    /* memory accounting (every backend's alloc/free goes through the core, which keeps these) */
+    /* memory accounting (every backend's alloc/free goes through the core, which keeps these; bytes_in_use,
+    ** peak_bytes, num_allocs and num_frees only through __atomic builtins: frees come from any thread) */
     int64_t            mem_limit;
     int64_t            bytes_in_use, peak_bytes, num_allocs, num_frees, num_device_allocs;
     int64_t            launches;

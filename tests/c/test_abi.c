@@ -3,6 +3,7 @@
 ** memory statistics, and the error protocol (status + last-error message; nothing changed on failure).
 */
 #include <math.h>
+#include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -335,6 +336,48 @@ static void test_op_errors_name_the_call(void)
     ms_ctx_free(ctx);
 }
 
+/* moonstep.h: tensors may be freed from any thread (garbage-collector finalizers, a trainer's other threads)
+** while the context's own thread allocates.  The memory accounting behind mem_limit and ms_ctx_mem_stats must
+** not lose updates then: afterwards nothing is in use and every allocation has its free. */
+enum { RACE_N = 100000 };
+
+static void *free_all(void *arg)
+{
+    ms_tensor **ts = arg;
+    for (int i = 0; i < RACE_N; i++) ms_tensor_free(ts[i]);
+    return NULL;
+}
+
+static void test_free_from_another_thread(void)
+{
+    ms_ctx *ctx = NULL;
+    ms_ctx_options o = { .mem_limit = (int64_t)1 << 40 };
+    CHECK(ms_ctx_new("cpu", &o, &ctx) == MS_OK, "ctx");
+    ms_tensor **ts = calloc(RACE_N, sizeof *ts);
+    int made = 0;
+    for (int i = 0; i < RACE_N && ts; i++) made += ms_tensor_new(ctx, MS_DTYPE_F32, 1, (int64_t[]){ 4 }, &ts[i]) == MS_OK;
+    CHECK(made == RACE_N, "%d tensors made", made);
+    pthread_t th;
+    int started = made == RACE_N && pthread_create(&th, NULL, free_all, ts) == 0;
+    CHECK(started, "thread started");
+    int ok = 1;
+    for (int i = 0; i < RACE_N && started; i++) {   /* meanwhile this thread allocates and frees */
+        ms_tensor *t = NULL;
+        ok &= ms_tensor_new(ctx, MS_DTYPE_F32, 1, (int64_t[]){ 4 }, &t) == MS_OK;
+        ms_tensor_free(t);
+    }
+    if (started) pthread_join(th, NULL);
+    CHECK(ok, "allocations while another thread frees");
+    ms_mem_stats st;
+    CHECK(ms_ctx_mem_stats(ctx, &st) == MS_OK, "stats");
+    CHECK(st.bytes_in_use == 0, "bytes_in_use %lld after every tensor was freed (lost updates)",
+          (long long)st.bytes_in_use);
+    CHECK(st.num_allocs == st.num_frees && st.num_allocs == 2 * RACE_N, "num_allocs %lld, num_frees %lld, want %d",
+          (long long)st.num_allocs, (long long)st.num_frees, 2 * RACE_N);
+    free(ts);
+    ms_ctx_free(ctx);
+}
+
 int main(void)
 {
     test_status_names();
@@ -349,5 +392,6 @@ int main(void)
     test_write_expanded();
     test_staging_oom_names_the_call();
     test_op_errors_name_the_call();
+    test_free_from_another_thread();
     return CHECK_REPORT();
 }
