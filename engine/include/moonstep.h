@@ -225,9 +225,9 @@ MS_API ms_status ms_tensor_write(ms_ctx *ctx, ms_tensor *dst, const void *host_s
 ** Ops
 **
 ** Every op writes into a caller-provided destination of the right shape and returns MS_E_SHAPE
-** otherwise.  Elementwise ops broadcast their sources to dst's shape (NumPy rules), accept any float
-** dtype for dst and sources (computed in f64 when any of them is f64 or i32, otherwise in f32; bf16/f16
-** stored with round-to-nearest-even), and may run in place (dst the same view as a source).  Scalars
+** otherwise.  Elementwise ops broadcast their sources to dst's shape (NumPy rules), accept any dtype for
+** dst and sources, i32 and u8 included (computed in f64 when any of them is f64 or i32, otherwise in f32;
+** bf16/f16 stored with round-to-nearest-even, i32/u8 stored as ms_copy casts), and may run in place (dst the same view as a source).  Scalars
 ** (value, s, w, v, or the device scalars value_t, s_t, w_t, v_t, whatever their dtype) take the
 ** computation's precision: with f32 tensors an f64 scalar is rounded to f32 first.  A dst that partially
 ** overlaps a source, shares memory with a device scalar (unless dst is that scalar's own one-element view),
@@ -318,12 +318,14 @@ typedef enum ms_reduce_op {
 enum { MS_DIM_ALL = -1000 };     /* the `dim` that reduces over every element */
 
 /* Reduces src along `dim` (or over all elements with MS_DIM_ALL).  dst has src's shape with `dim` removed
-** or kept as size 1 (one element for MS_DIM_ALL).  Accumulates in f32 (f64 for f64 and i32 sources) in a
+** or kept as size 1 (one element for MS_DIM_ALL).  src may have any dtype, dst a float one (MS_E_DTYPE);
+** dst must not overlap src (MS_E_LAYOUT).  Accumulates in f32 (f64 for f64, i32 and u8 sources) in a
 ** fixed order: results do not depend on the thread count.  max/min propagate NaN; a reduction over zero
 ** elements gives 0 for sum/sumsq/norm2, NaN for mean and MS_E_SHAPE for max/min/amax. */
 MS_API ms_status ms_reduce(ms_ctx *ctx, ms_tensor *dst, const ms_tensor *src, ms_reduce_op op, int dim);
 
-/* dst (one element) <- sum(a * b) over all elements; a and b have the same shape. */
+/* dst (one element) <- sum(a * b) over all elements; a and b have the same shape (any dtypes; accumulated
+** in f64 when either is f64, i32 or u8, else in f32), dst a float dtype that overlaps neither (MS_E_LAYOUT). */
 MS_API ms_status ms_dot(ms_ctx *ctx, ms_tensor *dst, const ms_tensor *a, const ms_tensor *b);
 
 typedef struct ms_matmul_options {
