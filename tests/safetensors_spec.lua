@@ -275,10 +275,11 @@ describe("safetensors atomic save", function()
     assert.same({}, temp_files())
   end)
 
-  it("removes its temporary file when the rename fails", function()
+  it("refuses a path naming an existing folder before writing anything (MS_E_ARG, as moonstep.h says)", function()
     local target = path_of("a-folder")
     os.execute("mkdir -p '" .. target .. "/inside'")
-    H.expect_error(function() ms.save(target, { a = ms.ones({ 2 }) }) end, "ms_safetensors_save", "renaming")
+    H.expect_error(function() ms.save(target, { a = ms.ones({ 2 }) }) end, "ms_safetensors_save",
+      "names a folder")
     assert.same({}, temp_files())
     assert.same({ "inside" }, entries_in(target))
   end)
