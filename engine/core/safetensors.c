@@ -342,9 +342,9 @@ done:
 
 MS_API ms_status ms_safetensors_load(ms_ctx *ctx, const char *path, ms_tensor_set **out)
 {
+    if (out) *out = NULL;   /* on every error, NULL ctx and path included */
     if (!ctx) return MS_FAIL(NULL, MS_E_ARG, "ms_safetensors_load: ctx is NULL");
     if (!path || !out) return MS_FAIL(ctx, MS_E_ARG, "ms_safetensors_load: %s is NULL", path ? "out" : "path");
-    *out = NULL;
     loader L = { .ctx = ctx, .path = path };
     int fd = open(path, O_RDONLY | O_CLOEXEC);
     if (fd < 0) return LFAIL(&L, MS_E_IO, "%s", strerror(errno));
@@ -362,8 +362,8 @@ MS_API const char *ms_tensor_set_name(const ms_tensor_set *set, int i)
 
 MS_API ms_status ms_tensor_set_get(const ms_tensor_set *set, int i, ms_tensor **out)
 {
+    if (out) *out = NULL;
     if (!set || !out) return MS_FAIL(NULL, MS_E_ARG, "ms_tensor_set_get: %s is NULL", set ? "out" : "set");
-    *out = NULL;
     if (i < 0 || i >= set->n)
         return MS_FAIL(set->ctx, MS_E_ARG, "ms_tensor_set_get: index %d out of range [0, %d)", i, set->n);
     return ms_tensor_contiguous(set->ctx, set->tensors[i], out);   /* a new view of a contiguous tensor */

@@ -265,8 +265,9 @@ typedef struct ms_rand_options {
 **   w0,w1 and w2,w3), z = sqrt(-2 ln u1) cos(2 pi u2).
 ** The value a + (b - a) u (uniform) or a + b z (normal) is computed in f64 and rounded once to dst's dtype;
 ** a uniform value that rounds up to b is stored as the largest value below b, and one that rounds below a as
-** the smallest value at or above a, so [a, b) holds in bf16 too.
-** Float dtypes only. */
+** the smallest value at or above a, so [a, b) holds in bf16 too; a == b fills a (as b = 0 does for normal).
+** Float dtypes only (MS_E_DTYPE).  MS_E_ARG: an unknown dist, a non-finite a or b, a > b (uniform), a range
+** wider than the largest double or holding no value of dst's dtype, a negative std. */
 MS_API ms_status ms_rand(ms_ctx *ctx, ms_tensor *dst, const ms_rand_options *opts);
 
 typedef enum ms_unary_op {
@@ -294,7 +295,8 @@ MS_API ms_status ms_binary(ms_ctx *ctx, ms_tensor *dst, const ms_tensor *a, cons
 MS_API ms_status ms_binary_scalar(ms_ctx *ctx, ms_tensor *dst, const ms_tensor *a, double s,
                                   const ms_tensor *s_t, ms_binary_op op, int scalar_first);
 
-/* dst <- min(max(src, lo), hi); use -inf / +inf for an open side.  NaN stays NaN. */
+/* dst <- min(max(src, lo), hi); use -inf / +inf for an open side.  NaN stays NaN.  A NaN bound or lo > hi is
+** refused (MS_E_ARG). */
 MS_API ms_status ms_clamp(ms_ctx *ctx, ms_tensor *dst, const ms_tensor *src, double lo, double hi);
 
 /* dst <- a + w * (b - a). */
@@ -504,7 +506,9 @@ MS_API ms_status ms_safetensors_save(ms_ctx *ctx, const char *path, int n, const
 
 typedef struct ms_tensor_set ms_tensor_set;
 
-/* Reads a safetensors file into tensors on ctx's device (dtypes F32 F64 BF16 F16 I32 U8). */
+/* Reads a safetensors file into tensors on ctx's device (dtypes F32 F64 BF16 F16 I32 U8).
+** Errors: MS_E_ARG (NULL ctx, path or out), MS_E_IO, MS_E_FORMAT (as above), MS_E_UNSUPPORTED (another dtype,
+** more than MS_MAX_DIMS dims), MS_E_OOM (including the context's mem_limit); *out is then NULL. */
 MS_API ms_status ms_safetensors_load(ms_ctx *ctx, const char *path, ms_tensor_set **out);
 
 MS_API int ms_tensor_set_count(const ms_tensor_set *set);

@@ -420,6 +420,11 @@ static void test_load_errors(void)
           "folder: %s", ms_ctx_last_error(ctx));
     CHECK(ms_safetensors_load(NULL, path, &none) == MS_E_ARG && ms_safetensors_load(ctx, NULL, &none) == MS_E_ARG,
           "NULL arguments");
+    /* *out is NULL after every failure (moonstep.h), a NULL ctx or path included */
+    none = (ms_tensor_set *)&none;
+    CHECK(ms_safetensors_load(NULL, path, &none) == MS_E_ARG && none == NULL, "NULL ctx clears *out");
+    none = (ms_tensor_set *)&none;
+    CHECK(ms_safetensors_load(ctx, NULL, &none) == MS_E_ARG && none == NULL, "NULL path clears *out");
 
     /* tensors that do not fit the context: the error names the tensor, nothing leaks */
     ms_ctx *small = NULL;
