@@ -227,8 +227,9 @@ MS_API ms_status ms_tensor_write(ms_ctx *ctx, ms_tensor *dst, const void *host_s
 ** Every op writes into a caller-provided destination of the right shape and returns MS_E_SHAPE
 ** otherwise.  Elementwise ops broadcast their sources to dst's shape (NumPy rules), accept any dtype for
 ** dst and sources, i32 and u8 included (computed in f64 when any of them is f64 or i32, otherwise in f32;
-** bf16/f16 stored with round-to-nearest-even, i32/u8 stored as ms_copy casts), and may run in place (dst the same view as a source).  Scalars
-** (value, s, w, v, or the device scalars value_t, s_t, w_t, v_t, whatever their dtype) take the
+** bf16/f16 stored with round-to-nearest-even, i32/u8 stored as ms_copy casts), and may run in place (dst
+** the same view as a source).  Scalars (value, s, w, v, or the device scalars value_t, s_t, w_t, v_t,
+** whatever their float dtype; one element, else MS_E_SHAPE; an i32/u8 one is MS_E_DTYPE) take the
 ** computation's precision: with f32 tensors an f64 scalar is rounded to f32 first.  A dst that partially
 ** overlaps a source, shares memory with a device scalar (unless dst is that scalar's own one-element view),
 ** or could reach one address from two elements (stride-0 dims of an expanded view, or strides that do not
