@@ -915,11 +915,11 @@ end
 -- route's name among the recipe's, sorted (a recipe's, not a table's order: the same on every rank and run)
 local route_places = setmetatable({}, { __mode = "k" })
 local function rng_key(recipe, route, seed, k)
-  if type(seed) ~= "number" or seed ~= math.floor(seed) or seed < 0 or seed >= 2 ^ 32 then
+  if not core.kinds.integer.test(seed) or seed < 0 or seed >= 2 ^ 32 then
     error(("ctx.rng_key: seed must be an integer in [0, 2^32) (got %s)"):format(tostring(seed)), 3)
   end
   k = k or 0
-  if type(k) ~= "number" or k ~= math.floor(k) or k < 0 or k > 7 then
+  if not core.kinds.integer.test(k) or k < 0 or k > 7 then
     error(("ctx.rng_key: stream k must be an integer in [0, 7] (got %s)"):format(tostring(k)), 3)
   end
   if route == nil then error("ctx.rng_key: called outside a route's step", 3) end
