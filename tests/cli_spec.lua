@@ -113,6 +113,21 @@ describe("moonstep command line", function()
     has(o, "compare needs --recipes")
   end)
 
+  it("exits 2 for a script that is not there, 1 for one that fails", function()
+    local d = scratch()
+    for _, c in ipairs { "run " .. q(d .. "/missing.lua"), q(d .. "/missing.lua"), "run " .. q(d .. "/missing.lua") .. " a b" } do
+      local o, rc = ms_run(c)
+      assert.equals(2, rc, c .. ":\n" .. o)
+      has(o, "cannot read the script '" .. d .. "/missing.lua'")
+    end
+    write(d .. "/bad.lua", "error('on purpose')")
+    write(d .. "/syntax.lua", "local = 1")
+    for _, c in ipairs { "run " .. q(d .. "/bad.lua"), q(d .. "/syntax.lua") } do
+      local o, rc = ms_run(c)
+      assert.equals(1, rc, c .. ":\n" .. o)
+    end
+  end)
+
   it("hands the words after -e 'code' to the chunk, in `arg` and `...`, as a script gets its own", function()
     local out, code = ms_run([[-e 'print(select("#", ...), table.concat({...}, "|"), arg[0], arg[1], arg[2])' a "b c"]])
     assert.equals(0, code, out)
@@ -158,24 +173,26 @@ describe("moonstep command line", function()
       has(out, "unknown flag '--dim'")
     end)
 
-    it("refuses unknown problems and recipes, bad options and a missing recipe file", function()
+    it("refuses unknown problems and recipes, bad options and a missing recipe file, as usage errors (exit 2)", function()
       local out, code = ms_run("train --problem nope --recipe adamw")
       assert.equals(2, code)
       has(out, "unknown problem 'nope'", "lsq, mlp, lm")
+      -- a recipe or an --opt the command line names wrongly is a usage error (they exited 1, as a failed run)
       out, code = ms_run("train " .. LSQ .. " --recipe nosuch")
-      assert.equals(1, code)
+      assert.equals(2, code, out)
       has(out, 'no recipe named "nosuch"')
       out, code = ms_run("train " .. LSQ .. " --recipe adamw --opt lrate=1")
-      assert.equals(1, code)
+      assert.equals(2, code, out)
       has(out, "adamw: unknown option 'lrate'")
       out, code = ms_run("train " .. LSQ .. " --recipe adamw --opt lr=fast")
-      assert.equals(1, code)
+      assert.equals(2, code, out)
       has(out, "option 'lr'", "a number is needed")
+      assert.falsy(out:find("step 1", 1, true), out)
       out, code = ms_run("train " .. LSQ .. " --recipe adamw --opt lr")
       assert.equals(2, code)
       has(out, "expected key=value")
       out, code = ms_run("train " .. LSQ .. " --recipe /nonexistent/optim.lua")
-      assert.equals(1, code)
+      assert.equals(2, code, out)
       has(out, "cannot read recipe /nonexistent/optim.lua")
       out, code = ms_run("train --problem lsq --cond 0.5 --recipe adamw")
       assert.equals(2, code)
@@ -250,20 +267,20 @@ return {
       assert.is_true(n >= 5)
       -- another recipe: refused, then accepted with --force (plain sgd keeps no state: nothing to restore)
       local other, c4 = ms_run("train --problem mlp --recipe sgd --opt momentum=0 --resume " .. q(d .. "/half"))
-      assert.equals(1, c4)
+      assert.equals(2, c4, other)
       has(other, "checkpoint of recipe 'adamw'", "pass --force")
       local forced, c5 = ms_run("train --problem mlp --recipe sgd --opt momentum=0 --force --resume " .. q(d .. "/half"))
       assert.equals(0, c5, forced)
       has(forced, "steps 7-12 of 12")
       -- a resume that contradicts the checkpoint, or a folder that is not one
       local bad, c6 = ms_run("train --problem mlp --hidden 16 --recipe adamw --resume " .. q(d .. "/half"))
-      assert.equals(1, c6)
+      assert.equals(2, c6, bad)
       has(bad, "problem option 'hidden'")
       local wrong, c7 = ms_run("train --problem lsq --recipe adamw --resume " .. q(d .. "/half"))
-      assert.equals(1, c7)
+      assert.equals(2, c7, wrong)
       has(wrong, "checkpoint of problem 'mlp'")
       local none, c8 = ms_run("train --problem mlp --recipe adamw --resume " .. q(d .. "/nothing"))
-      assert.equals(1, c8)
+      assert.equals(2, c8, none)
       has(none, "not a checkpoint folder")
     end)
 
@@ -301,7 +318,7 @@ return {
         { "--clip 0", "clip off (the checkpoint's run: 1)" },
       } do
         local out, code = ms_run(resume .. " " .. case[1])
-        assert.equals(1, code, out)
+        assert.equals(2, code, out)
         has(out, case[2], "pass --force")
         assert.falsy(out:find("steps 7-", 1, true), out)
       end
@@ -330,7 +347,7 @@ return {
       -- saving over ck at step 6, stopped after optim.safetensors was replaced and before model.safetensors
       write(d .. "/ck/optim.safetensors", read(d .. "/later/optim.safetensors"))
       local out, code = ms_run("train --problem mlp --recipe adamw --resume " .. q(d .. "/ck"))
-      assert.equals(1, code, out)
+      assert.equals(2, code, out)
       has(out, "step 6", "step 3")
       assert.falsy(out:find("steps 7-12", 1, true), out)
     end)
@@ -350,7 +367,7 @@ return {
       assert.equals(0, c1)
       write(d .. "/optim.lua", src:format("0.2"))    -- same name, different code
       local out, c2 = ms_run("train --problem lsq --recipe " .. q(d .. "/optim.lua") .. " --resume " .. q(d .. "/ck"))
-      assert.equals(1, c2)
+      assert.equals(2, c2, out)
       has(out, "checkpoint of recipe 'mine'", "pass --force")
     end)
   end)
@@ -370,14 +387,15 @@ return {
 
   it("compare leaves no output folder behind when its recipes or options are refused", function()
     local d = scratch()
-    for _, bad in ipairs {
-      "--recipes adamw,sgd --opt lrate=1",          -- no recipe has the option
-      "--recipes adamw --opt lr=fast",              -- a bad value
-      "--recipes adamw,nosuch",                     -- a recipe that is not found
-      "--recipes adamw,adamw",                      -- the same recipe twice
+    for _, case in ipairs {
+      { "--recipes adamw,sgd --opt lrate=1", 2 },   -- no recipe has the option
+      { "--recipes adamw --opt lr=fast", 2 },       -- a bad value
+      { "--recipes adamw,nosuch", 2 },              -- a recipe that is not found
+      { "--recipes adamw,adamw", 1 },               -- the same recipe twice
     } do
+      local bad = case[1]
       local out, code = ms_run("compare " .. LSQ .. " --steps 5 " .. bad .. " --out " .. q(d .. "/new/out"))
-      assert.equals(1, code, out)
+      assert.equals(case[2], code, bad .. ":\n" .. out)
       assert.falsy(out:find("[1/", 1, true), out)
       assert.equals("exit=0\n", H.shell("ls -A " .. q(d)), bad .. ": an output folder was created:\n" .. out)
     end
@@ -502,17 +520,17 @@ return {
       local out, code = ms_run("compare " .. LSQ .. " --recipes sgd,adamw --steps 3 --opt betas=0.9,0.9 --out " .. q(unused))
       assert.equals(0, code, out)    -- betas exists in adamw only: applied there
       out, code = ms_run("compare " .. LSQ .. " --recipes sgd,adamw --steps 3 --opt nesterovv=true")
-      assert.equals(1, code)
+      assert.equals(2, code, out)
       has(out, "no recipe of this run (sgd, adamw) has an option 'nesterovv'")
       out, code = ms_run("compare " .. LSQ .. " --recipes sgd,adamw --steps 3 --opt lion.lr=1")
-      assert.equals(1, code)
+      assert.equals(2, code, out)
       has(out, "no recipe named 'lion' in this run")
       out, code = ms_run("compare " .. LSQ .. " --recipes sgd,sgd --steps 3")
       assert.equals(1, code)
       has(out, "recipe 'sgd' is given twice")
       -- a recipe that does not exist stops the comparison, unless --skip-missing leaves it out (make run)
       out, code = ms_run("compare " .. LSQ .. " --recipes nosuch,sgd --steps 3 --out " .. q(unused))
-      assert.equals(1, code)
+      assert.equals(2, code, out)
       has(out, 'no recipe named "nosuch"')
       out, code = ms_run("compare " .. LSQ .. " --recipes nosuch,sgd --steps 3 --skip-missing --out " .. q(unused))
       assert.equals(0, code, out)

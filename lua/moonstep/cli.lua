@@ -1,7 +1,8 @@
 --[[
 moonstep.cli -- the `moonstep` command.  The C host (engine/host/main.c) sets up the Lua state and hands
 its arguments to M.main, which returns the exit status: 0 success, 1 a failure while running, 2 a usage
-error (unknown command or flag, a bad value).
+error (unknown command or flag, a bad value, a bad --opt key or value, a script or recipe that is not there,
+a resume folder that is no checkpoint or contradicts the command line).
 
 Each subcommand is an entry of M.commands: name, one-line summary, help text, run(argv).  Flags are
 declared per command (see `parse`); a problem's options become flags of train/compare once --problem names
@@ -125,6 +126,13 @@ local function message(e)
   return debug.traceback(tostring(e), 2)
 end
 
+-- a script that is not there is a usage error (status 2); one that fails is its own failure (status 1)
+local function check_script(path, cmd)
+  local f, err = io.open(path, "r")
+  if not f then usage_error(("cannot read the script '%s' (%s)"):format(path, (tostring(err):match(":%s*([^:]*)$") or tostring(err))), cmd) end
+  f:close()
+end
+
 --- Runs a script file with its arguments (in `arg`, as luajit does, and as the chunk's varargs).
 function M.run_script(path, args)
   local chunk, err = loadfile(path)
@@ -195,6 +203,7 @@ Runs a Lua script with `ms` loaded.  The script's arguments are in `arg` (arg[0]
     if #pos == 0 then usage_error("run needs a script: moonstep run FILE.lua [args...]", "run") end
     local args = {}
     for i = 2, #pos do args[#args + 1] = pos[i] end
+    check_script(pos[1], "run")
     M.follow_launcher()
     M.run_script(pos[1], args)
     return 0
@@ -250,6 +259,32 @@ local function problem_flags(cmd, argv)
     flags[#flags + 1] = { name = n:gsub("_", "-"), key = "popt:" .. n, arg = spec.type == "string" and "S" or "X", doc = spec.doc }
   end
   return p, flags
+end
+
+-- A recipe that is not there (no such file, no built-in of that name) is a usage error; one that is there
+-- and fails to load (a sandbox refusal, a syntax error) is a failure of its code, status 1.
+local function check_recipe_found(cmd, spec)
+  if spec:find("/", 1, true) or spec:find("%.lua$") then
+    local f, err = io.open(spec, "rb")
+    if not f then usage_error(("cannot read recipe %s: %s"):format(spec, tostring(err)), cmd) end
+    f:close()
+  else
+    local okf, path, why = pcall(require("moonstep.recipe").find, spec)
+    if not okf or not path then usage_error(okf and why or path, cmd) end
+  end
+end
+
+-- the recipe options of --opt (key=value assignments) for each of `recipes`, checked as the run would check
+-- them: a key no recipe has, or a value its recipe refuses, is a usage error (found before any run)
+local function checked_options(cmd, problem, recipes, assignments)
+  local E = require("moonstep.experiment")
+  local ok, given = pcall(E.distribute_options, recipes, assignments)
+  if not ok then usage_error(given, cmd) end
+  for _, r in ipairs(recipes) do
+    local okr, err = pcall(require("moonstep.recipe").options, r, E.recipe_options(problem, r, given[r]))
+    if not okr then usage_error(err, cmd) end
+  end
+  return given
 end
 
 -- "key=value" or "recipe.key=value" -> {recipe =, key =, value =}
@@ -388,14 +423,20 @@ points for the known recipes' options come from the problem; --opt overrides the
     if not vals.recipe then usage_error("train needs --recipe (a name such as adamw, or a recipe file)", "train") end
     local cfg = run_config("train", vals, problem)
     local E = require("moonstep.experiment")
+    check_recipe_found("train", vals.recipe)
     local recipe = E.recipe(vals.recipe, vals.trusted)
     local assignments = {}
     for _, s in ipairs(vals.opt or {}) do assignments[#assignments + 1] = parse_assignment("train", s) end
     cfg.recipe = recipe
-    cfg.recipe_options = E.distribute_options({ recipe }, assignments)[recipe]
+    cfg.recipe_options = checked_options("train", problem, { recipe }, assignments)[recipe]
     cfg.seed, cfg.save, cfg.resume, cfg.force, cfg.stop_after = vals.seed, vals.save, vals.resume, vals.force, vals.stop_after
     local total = cfg.steps
-    if not total and cfg.resume then total = E.checkpoint_info(cfg.resume).steps end
+    if cfg.resume then
+      -- a checkpoint that is not one, or that the command line contradicts, is refused before the run starts
+      local okr, merged = pcall(E.resume_config, cfg, problem)
+      if not okr then usage_error(merged, "train") end
+      total = merged.steps
+    end
     total = total or (problem.defaults or {}).steps or 100
     local prog = M.progress(total)
     cfg.on_step, cfg.on_eval = prog.on_step, prog.on_eval
@@ -471,6 +512,9 @@ the loss curves as loss.png and loss.svg (gnuplot; without it the SVG alone, dra
     local specs = {}
     for s in vals.recipes:gmatch("[^,]+") do specs[#specs + 1] = s end
     if #specs == 0 then usage_error("--recipes: no recipe named", "compare") end
+    if not vals.skip_missing then
+      for _, spec in ipairs(specs) do check_recipe_found("compare", spec) end
+    end
     cfg.recipes, cfg.seeds, cfg.seed = specs, vals.seeds or 1, vals.seed or 0
     cfg.options = {}
     for _, s in ipairs(vals.opt or {}) do cfg.options[#cfg.options + 1] = parse_assignment("compare", s) end
@@ -495,6 +539,8 @@ the loss curves as loss.png and loss.svg (gnuplot; without it the SVG alone, dra
     end
     cfg.skip_missing = vals.skip_missing
     cfg.on_loaded = function(recipes, skipped)
+      -- (a usage error raised here leaves E.compare before its first run)
+      checked_options("compare", problem, recipes, cfg.options)
       -- the reason without the list of folders searched (moonstep info shows where recipes are found)
       for _, sk in ipairs(skipped) do outln(("skipping %s: %s"):format(sk.recipe, (sk.error:gsub(" %(searched .*$", "")))) end
       local names = {}
@@ -910,6 +956,10 @@ local function usage_text()
   lines[#lines + 1] = "  moonstep --version | --help"
   lines[#lines + 1] = ""
   lines[#lines + 1] = "moonstep COMMAND --help (or moonstep help COMMAND) describes a command."
+  lines[#lines + 1] = ""
+  lines[#lines + 1] = "exit status: 0 success, 1 a failure while running (a recipe or script that errors, a run that"
+  lines[#lines + 1] = "diverges), 2 a usage error (an unknown command or flag, a bad value or --opt, a script or recipe"
+  lines[#lines + 1] = "that is not there, a --resume folder that is no checkpoint or that the command line contradicts)"
   return table.concat(lines, "\n")
 end
 M.usage = usage_text
@@ -960,6 +1010,8 @@ local function dispatch(argv)
   if f then f:close()
   elseif not a1:find("[/.]") then
     usage_error(("unknown command '%s'"):format(a1), nil)
+  else
+    check_script(a1, nil)
   end
   M.run_script(a1, rest)
   return 0

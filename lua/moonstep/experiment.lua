@@ -164,6 +164,93 @@ function E.checkpoint_info(dir)
   return info, tensors
 end
 
+-- the metadata of a safetensors file, read from its header alone (its tensors may be large)
+local function safetensors_meta(path)
+  local f = io.open(path, "rb")
+  if not f then return nil, "cannot be read" end
+  local head = f:read(8)
+  local n = 0
+  for i = #(head or ""), 1, -1 do n = n * 256 + head:byte(i) end
+  local text = #(head or "") == 8 and n < 2 ^ 27 and f:read(n) or nil
+  f:close()
+  local ok, h = pcall(json.decode, text or "")
+  if not ok or type(h) ~= "table" then return nil, "has no readable safetensors header" end
+  return type(h.__metadata__) == "table" and h.__metadata__ or {}
+end
+
+--- The configuration of a run that resumes from cfg.resume, checked against its checkpoint before anything
+--- is built: the problem, its options, the seed, the schedule and clipping, a resolved recipe (name and
+--- content hash; cfg.force allows another), and the step of the checkpoint's two files.  Returns cfg with what
+--- it leaves unset taken from the checkpoint, the run description and the checkpoint's parameters.  E.run
+--- calls it; `moonstep train` calls it first, so that what it refuses is a usage error, not a failed run.
+function E.resume_config(cfg, problem)
+  local defaults = problem.defaults or {}
+  local resume_info, resume_tensors = E.checkpoint_info(cfg.resume)
+  if resume_info.problem ~= problem.name then
+    error(("%s: checkpoint of problem '%s', not '%s'"):format(cfg.resume, tostring(resume_info.problem), problem.name), 0)
+  end
+  local given = problems.options(problem, cfg.problem_options)
+  local oks, saved = pcall(problems.options, problem, resume_info.problem_options)
+  if not oks then
+    error(("%s: model.safetensors: corrupt run description: %s"):format(cfg.resume, tostring(saved)), 0)
+  end
+  for k in pairs(cfg.problem_options or {}) do
+    if given[k] ~= saved[k] then
+      error(("%s: problem option '%s' is %s in the checkpoint, %s here"):format(cfg.resume, k, tostring(saved[k]), tostring(given[k])), 0)
+    end
+  end
+  if cfg.seed and cfg.seed ~= resume_info.seed then
+    error(("%s: the checkpoint's run has seed %s, not %s (its data order depends on it)"):format(cfg.resume, tostring(resume_info.seed), tostring(cfg.seed)), 0)
+  end
+  local merged = {}
+  for k, v in pairs(cfg) do merged[k] = v end
+  merged.problem_options = resume_info.problem_options
+  merged.seed = resume_info.seed
+  if merged.steps == nil then merged.steps = resume_info.steps end
+  if merged.schedule == nil then merged.schedule = resume_info.schedule end
+  if merged.warmup == nil then merged.warmup = resume_info.warmup end
+  if merged.clip == nil then merged.clip = resume_info.clip or 0 end
+  -- the schedule spans the whole run: another --steps (or schedule, warmup, clip) would run the rest of
+  -- the steps under other learning rates than the checkpoint's run had, not as that run continued
+  if not cfg.force then
+    local function shape(c)
+      local s = E.settings({ schedule = c.schedule or defaults.schedule, warmup = c.warmup or defaults.warmup or 0,
+                             clip = c.clip }, c.steps or defaults.steps or 100)
+      return json.encode({ schedule = s.schedule or "constant", clip = s.clip_grad_norm or false })
+    end
+    local saved_run = { steps = resume_info.steps, schedule = resume_info.schedule, warmup = resume_info.warmup,
+                        clip = resume_info.clip or 0 }
+    if shape(merged) ~= shape(saved_run) then
+      local diffs = {}
+      for _, k in ipairs { "steps", "schedule", "warmup", "clip" } do
+        local a, b = cfg[k], saved_run[k]
+        if k == "clip" then a, b = a and a > 0 and a or nil, b and b ~= false and b > 0 and b or nil end
+        if cfg[k] ~= nil and a ~= b then
+          diffs[#diffs + 1] = ("%s %s (the checkpoint's run: %s)"):format(k, tostring(a or "off"), tostring(b or (k == "clip" and "off" or "default")))
+        end
+      end
+      error(("%s: resuming with %s would change the learning-rate schedule or clipping of the checkpoint's run: " ..
+        "it would not continue as that run (pass --force to resume it anyway)"):format(cfg.resume, table.concat(diffs, ", ")), 0)
+    end
+  end
+
+  -- (checked again, in full, when the optimizer loads the file: these are the refusals a command line meets)
+  local recipe = cfg.recipe
+  if type(recipe) == "table" and R.meta[recipe] and not cfg.force
+     and (resume_info.recipe ~= recipe.name or resume_info.recipe_hash ~= R.meta[recipe].hash) then
+    error(("%s: checkpoint of recipe '%s' (hash %s), not '%s' (hash %s); pass --force to resume it anyway"):format(cfg.resume,
+      tostring(resume_info.recipe), tostring(resume_info.recipe_hash), recipe.name, R.meta[recipe].hash), 0)
+  end
+  local om, why = safetensors_meta(optim_path(cfg.resume))
+  if not om then error(("%s: optim.safetensors %s"):format(cfg.resume, why), 0) end
+  local okm, ometa = pcall(json.decode, om.moonstep or "")
+  if okm and type(ometa) == "table" and resume_info.step ~= nil and ometa.step ~= resume_info.step then
+    error(("%s: optim.safetensors is at step %s but model.safetensors at step %s (a save that did not finish?)")
+      :format(cfg.resume, tostring(ometa.step), tostring(resume_info.step)), 0)
+  end
+  return merged, resume_info, resume_tensors
+end
+
 --- Trains one problem with one recipe.  cfg:
 ---   problem (name or module), problem_options, recipe (name, path or table), recipe_options, trusted,
 ---   steps, seed, device | ctx, dtype, eval_every, smooth, schedule, warmup, clip,
@@ -218,57 +305,7 @@ function E.run(cfg)
 
   -- a resumed run takes what it was not told from the checkpoint, and refuses what contradicts it
   local resume_info, resume_tensors
-  if cfg.resume then
-    resume_info, resume_tensors = E.checkpoint_info(cfg.resume)
-    if resume_info.problem ~= problem.name then
-      error(("%s: checkpoint of problem '%s', not '%s'"):format(cfg.resume, tostring(resume_info.problem), problem.name), 0)
-    end
-    local given = problems.options(problem, cfg.problem_options)
-    local oks, saved = pcall(problems.options, problem, resume_info.problem_options)
-    if not oks then
-      error(("%s: model.safetensors: corrupt run description: %s"):format(cfg.resume, tostring(saved)), 0)
-    end
-    for k in pairs(cfg.problem_options or {}) do
-      if given[k] ~= saved[k] then
-        error(("%s: problem option '%s' is %s in the checkpoint, %s here"):format(cfg.resume, k, tostring(saved[k]), tostring(given[k])), 0)
-      end
-    end
-    if cfg.seed and cfg.seed ~= resume_info.seed then
-      error(("%s: the checkpoint's run has seed %s, not %s (its data order depends on it)"):format(cfg.resume, tostring(resume_info.seed), tostring(cfg.seed)), 0)
-    end
-    local merged = {}
-    for k, v in pairs(cfg) do merged[k] = v end
-    merged.problem_options = resume_info.problem_options
-    merged.seed = resume_info.seed
-    if merged.steps == nil then merged.steps = resume_info.steps end
-    if merged.schedule == nil then merged.schedule = resume_info.schedule end
-    if merged.warmup == nil then merged.warmup = resume_info.warmup end
-    if merged.clip == nil then merged.clip = resume_info.clip or 0 end
-    -- the schedule spans the whole run: another --steps (or schedule, warmup, clip) would run the rest of
-    -- the steps under other learning rates than the checkpoint's run had, not as that run continued
-    if not cfg.force then
-      local function shape(c)
-        local s = E.settings({ schedule = c.schedule or defaults.schedule, warmup = c.warmup or defaults.warmup or 0,
-                               clip = c.clip }, c.steps or defaults.steps or 100)
-        return json.encode({ schedule = s.schedule or "constant", clip = s.clip_grad_norm or false })
-      end
-      local saved_run = { steps = resume_info.steps, schedule = resume_info.schedule, warmup = resume_info.warmup,
-                          clip = resume_info.clip or 0 }
-      if shape(merged) ~= shape(saved_run) then
-        local diffs = {}
-        for _, k in ipairs { "steps", "schedule", "warmup", "clip" } do
-          local a, b = cfg[k], saved_run[k]
-          if k == "clip" then a, b = a and a > 0 and a or nil, b and b ~= false and b > 0 and b or nil end
-          if cfg[k] ~= nil and a ~= b then
-            diffs[#diffs + 1] = ("%s %s (the checkpoint's run: %s)"):format(k, tostring(a or "off"), tostring(b or (k == "clip" and "off" or "default")))
-          end
-        end
-        error(("%s: resuming with %s would change the learning-rate schedule or clipping of the checkpoint's run: " ..
-          "it would not continue as that run (pass --force to resume it anyway)"):format(cfg.resume, table.concat(diffs, ", ")), 0)
-      end
-    end
-    cfg = merged
-  end
+  if cfg.resume then cfg, resume_info, resume_tensors = E.resume_config(cfg, problem) end
 
   local steps = cfg.steps or defaults.steps or 100
   if type(steps) ~= "number" or steps < 1 or steps ~= math.floor(steps) or steps == math.huge then

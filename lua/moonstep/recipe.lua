@@ -612,24 +612,36 @@ function M.load(path, opts)
   return r
 end
 
---- A built-in recipe by name (no '/' and no '.lua'), searched in the recipe folders and then
---- MOONSTEP_RECIPE_PATH.  Built-ins are trusted; recipes found through MOONSTEP_RECIPE_PATH are not.
-function M.get(name)
+--- Where the recipe called `name` is: its file and whether it is trusted (a built-in), or nil and the message
+--- that get() raises (the folders searched).  Finds without loading: `moonstep train` tells a recipe that is
+--- not there (a usage error) from one that fails to load.
+function M.find(name)
   if type(name) ~= "string" or name == "" or name:find("/", 1, true) or name:find("%.lua$") then
     error(("recipe name %q: a built-in name has no '/' and no '.lua' (use ms.recipe.load for files)"):format(tostring(name)), 2)
   end
   local tried = {}
   for _, d in ipairs(M.search_path()) do
     local p = d .. "/" .. name .. ".lua"
-    if read_file(p) then return M.load(p, { trusted = true }) end
+    if read_file(p) then return p, true end
     tried[#tried + 1] = d
   end
   for _, d in ipairs(user_path()) do
     local p = d .. "/" .. name .. ".lua"
-    if read_file(p) then return M.load(p, { trusted = false }) end
+    if read_file(p) then return p, false end
     tried[#tried + 1] = d
   end
-  error(("no recipe named %q (searched %s and MOONSTEP_RECIPE_PATH)"):format(name, table.concat(tried, ", ")), 2)
+  return nil, ("no recipe named %q (searched %s and MOONSTEP_RECIPE_PATH)"):format(name, table.concat(tried, ", "))
+end
+
+--- A built-in recipe by name (no '/' and no '.lua'), searched in the recipe folders and then
+--- MOONSTEP_RECIPE_PATH.  Built-ins are trusted; recipes found through MOONSTEP_RECIPE_PATH are not.
+function M.get(name)
+  if type(name) ~= "string" or name == "" or name:find("/", 1, true) or name:find("%.lua$") then
+    error(("recipe name %q: a built-in name has no '/' and no '.lua' (use ms.recipe.load for files)"):format(tostring(name)), 2)
+  end
+  local p, trusted = M.find(name)
+  if not p then error(trusted, 2) end
+  return M.load(p, { trusted = trusted })
 end
 
 --- A recipe table from a table, a built-in name or a file path.
