@@ -284,6 +284,64 @@ return {
       has(none, "not a checkpoint folder")
     end)
 
+    it("resumes from the checkpoint folder alone (its problem, problem flags and recipe); refuses a --problem or --recipe that contradicts it", function()
+      local d = scratch()
+      local _, c1 = ms_run(SMALL_MLP .. "--save " .. q(d .. "/full"))
+      assert.equals(0, c1)
+      local _, c2 = ms_run(SMALL_MLP .. "--until 6 --save " .. q(d .. "/half"))
+      assert.equals(0, c2)
+      -- no --problem, no --recipe: both from the checkpoint (they were required), and the run continues bit for bit
+      local rest, c3 = ms_run("train --resume " .. q(d .. "/half") .. " --save " .. q(d .. "/rest"))
+      assert.equals(0, c3, rest)
+      has(rest, "train mlp with adamw on cpu (resuming", "steps 7-12 of 12")
+      local a, b = H.ms.load(d .. "/full/model.safetensors"), H.ms.load(d .. "/rest/model.safetensors")
+      for name, t in pairs(a) do assert.equals(0, (t - b[name]):abs():max(), name) end
+      -- the checkpoint's problem's flags are known without --problem
+      local flags, c4 = ms_run("train --resume " .. q(d .. "/half") .. " --hidden 8 --until 8")
+      assert.equals(0, c4, flags)
+      has(flags, "steps 7-8 of 12")
+      -- `train --resume DIR --steps N`: a run of a constant schedule, extended
+      local _, cf = ms_run(SMALL_MLP .. "--schedule constant --warmup 0 --until 6 --save " .. q(d .. "/flat"))
+      assert.equals(0, cf)
+      local longer, cl = ms_run("train --resume " .. q(d .. "/flat") .. " --steps 20")
+      assert.equals(0, cl, longer)
+      has(longer, "train mlp with adamw", "steps 7-20 of 20")
+      -- a --recipe or --problem that contradicts the checkpoint: a usage error naming both (--force allows another
+      -- recipe, as it does under --problem; never another problem, whose parameters these are not)
+      local other, c5 = ms_run("train --resume " .. q(d .. "/half") .. " --recipe sgd")
+      assert.equals(2, c5, other)
+      has(other, "checkpoint of recipe 'adamw'", "not 'sgd'", "pass --force")
+      local forced, c6 = ms_run("train --resume " .. q(d .. "/half") .. " --recipe sgd --opt momentum=0 --force")
+      assert.equals(0, c6, forced)
+      has(forced, "train mlp with sgd", "steps 7-12 of 12")
+      for _, force in ipairs { "", " --force" } do
+        local wrong, c7 = ms_run("train --resume " .. q(d .. "/half") .. " --problem lsq" .. force)
+        assert.equals(2, c7, wrong)
+        has(wrong, "checkpoint of problem 'mlp', not 'lsq'")
+      end
+      -- a recipe file: found again by the path the checkpoint recorded; gone, named in the error
+      write(d .. "/optim.lua", [[
+return {
+  name = "mine", options = {lr = {default = 0.1, type = "number"}},
+  route = function() return "all" end,
+  routes = {all = {step = function(group, o, ctx)
+    for _, m in ipairs(group) do m.param:sub_(m.grad * ctx.lr) end
+  end}},
+}]])
+      local _, c8 = ms_run("train " .. LSQ .. " --steps 6 --until 3 --recipe " .. q(d .. "/optim.lua") .. " --save " .. q(d .. "/ck"))
+      assert.equals(0, c8)
+      local mine, c9 = ms_run("train --resume " .. q(d .. "/ck"))
+      assert.equals(0, c9, mine)
+      has(mine, "train lsq with mine", "steps 4-6 of 6")
+      os.rename(d .. "/optim.lua", d .. "/moved.lua")
+      local gone, c10 = ms_run("train --resume " .. q(d .. "/ck"))
+      assert.equals(2, c10, gone)
+      has(gone, "the checkpoint's recipe: cannot read recipe", "optim.lua", "name the recipe with --recipe")
+      local named, c11 = ms_run("train --resume " .. q(d .. "/ck") .. " --recipe " .. q(d .. "/moved.lua"))
+      assert.equals(0, c11, named)
+      has(named, "steps 4-6 of 6")
+    end)
+
     it("resumes with the recipe options of the checkpoint's run (--opt given to the first run)", function()
       local d = scratch()
       local common = SMALL_MLP .. "--opt lr=0.01 "

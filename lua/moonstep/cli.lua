@@ -234,19 +234,20 @@ local function with(...)
   return t
 end
 
--- the value of --problem in argv, if any (problem options become flags once the problem is known); the
--- last one, as for every other flag
-local function find_problem(argv)
+-- the value of --NAME in argv, if any, before the parse (problem options become flags once the problem is
+-- known: from --problem, or from the checkpoint of --resume); the last one, as for every other flag
+local function find_flag(argv, flag)
   local found
   for i, a in ipairs(argv) do
-    if a == "--problem" then found = argv[i + 1] end
-    found = a:match("^%-%-problem=(.*)$") or found
+    if a == "--" .. flag then found = argv[i + 1] end
+    found = a:match("^%-%-" .. flag .. "=(.*)$") or found
   end
   return found
 end
 
-local function problem_flags(cmd, argv)
-  local name = find_problem(argv)
+-- the problem named by --problem, else `default` (the checkpoint's), and its options as flags
+local function problem_flags(cmd, argv, default)
+  local name = find_flag(argv, "problem") or default
   if not name then return nil, {} end
   local ok, p = pcall(problems.get, name)
   if not ok then usage_error(tostring(p), cmd) end
@@ -263,15 +264,18 @@ end
 
 -- A recipe that is not there (no such file, no built-in of that name) is a usage error; one that is there
 -- and fails to load (a sandbox refusal, a syntax error) is a failure of its code, status 1.
-local function check_recipe_found(cmd, spec)
+-- (`from` names where a recipe not given on the command line came from)
+local function check_recipe_found(cmd, spec, from)
+  local msg
   if spec:find("/", 1, true) or spec:find("%.lua$") then
     local f, err = io.open(spec, "rb")
-    if not f then usage_error(("cannot read recipe %s: %s"):format(spec, tostring(err)), cmd) end
-    f:close()
+    if f then f:close() else msg = ("cannot read recipe %s: %s"):format(spec, tostring(err)) end
   else
     local okf, path, why = pcall(require("moonstep.recipe").find, spec)
-    if not okf or not path then usage_error(okf and why or path, cmd) end
+    if not okf or not path then msg = okf and why or path end
   end
+  if msg and from then msg = ("%s; name the recipe with --recipe"):format(from .. msg) end
+  if msg then usage_error(msg, cmd) end
 end
 
 -- the recipe options of --opt (key=value assignments) for each of `recipes`, checked as the run would check
@@ -376,7 +380,7 @@ local train_flags = with({ problem_flag }, {
   { name = "opt", arg = "KEY=VALUE", many = true, doc = "a recipe option (repeatable), e.g. --opt lr=3e-4 --opt betas=0.9,0.95" },
   { name = "seed", arg = "S", type = "integer", min = 0, doc = "seed of the data, the initial weights and the batches (default 0)" },
   { name = "save", arg = "DIR", doc = "write a checkpoint folder at the end (model.safetensors + optim.safetensors)" },
-  { name = "resume", arg = "DIR", doc = "continue from a checkpoint folder (unset options come from it)" },
+  { name = "resume", arg = "DIR", doc = "continue from a checkpoint folder (unset options, the problem and the recipe come from it)" },
   { name = "force", type = "boolean", doc = "resume even when the checkpoint was made by another recipe (or version), or with another schedule (--steps, --schedule, --warmup, --clip)" },
   { name = "until", key = "stop_after", arg = "N", type = "integer", min = 1, doc = "stop after step N; the schedule still spans --steps (to split a run)" },
 }, common_flags)
@@ -404,27 +408,50 @@ command {
   summary = "train a built-in problem with a recipe",
   help = [=[usage: moonstep train --problem P --recipe R [--opt key=value ...] [--steps N] [--device D]
                       [--seed S] [--save DIR] [--resume DIR] [--trusted] [--force] [problem flags]
+       moonstep train --resume DIR [--steps N] [--save DIR] ...
 
 Trains problem P with recipe R and prints a summary: the training loss (its moving average over 5% of
 the run, final and best), the validation loss, time, and the optimizer's state bytes.  A live progress
 line on a terminal (step, loss, steps/s, ETA); plain lines at each validation otherwise.
 
 A recipe given as a file (path/to/model/optim.lua) runs sandboxed unless --trusted.  The checkpoint
-records the recipe's content hash; resuming under another recipe, or with --steps, --schedule, --warmup
-or --clip that change the run's learning-rate schedule or clipping, is refused unless --force.  Starting
+records the problem, the recipe (its name, its file's path for a file, its content hash) and the run's
+settings: --resume DIR alone continues that run, with that problem and recipe (a recipe file sandboxed
+unless --trusted, as ever).  Resuming as another problem is refused; under another recipe, or with --steps,
+--schedule, --warmup or --clip that change the run's learning-rate schedule or clipping, unless --force.  Starting
 points for the known recipes' options come from the problem; --opt overrides them.]=],
   flags = train_flags,
   run = function(argv)
-    local problem, pflags = problem_flags("train", argv)
+    local E = require("moonstep.experiment")
+    -- a resumed run's problem (its flags with it) and recipe are the checkpoint's unless given; given, what
+    -- contradicts the checkpoint is refused (E.resume_config, below)
+    local resume_dir, saved = find_flag(argv, "resume"), nil
+    if resume_dir then
+      local ok, info = pcall(E.checkpoint_info, resume_dir)
+      if ok then saved = info
+      else
+        -- (`train --resume DIR --help` still shows the help)
+        local help = false
+        for _, a in ipairs(argv) do help = help or a == "-h" or a == "--help" end
+        if not help then usage_error(info, "train") end
+      end
+    end
+    local problem, pflags = problem_flags("train", argv, saved and saved.problem)
     local flags = with(train_flags, pflags)
     local vals = M.parse("train", argv, flags)
     if vals.help then show_help({ help = by_name.train.help, flags = flags }, problem_help(problem)) return 0 end
-    if not vals.problem then usage_error("train needs --problem (" .. table.concat(problems.names, ", ") .. ")", "train") end
-    if not vals.recipe then usage_error("train needs --recipe (a name such as adamw, or a recipe file)", "train") end
+    if not problem then usage_error("train needs --problem (" .. table.concat(problems.names, ", ") .. ")", "train") end
+    local spec, from = vals.recipe, nil
+    if not spec and saved then
+      -- a recipe file by the path the checkpoint recorded; --trusted is not recorded: the folder cannot grant it
+      spec = saved.recipe_file or saved.recipe
+      from = ("%s: the checkpoint's recipe: "):format(resume_dir)
+      if not spec then usage_error(("%s: the checkpoint does not name its recipe; name it with --recipe"):format(resume_dir), "train") end
+    end
+    if not spec then usage_error("train needs --recipe (a name such as adamw, or a recipe file)", "train") end
     local cfg = run_config("train", vals, problem)
-    local E = require("moonstep.experiment")
-    check_recipe_found("train", vals.recipe)
-    local recipe = E.recipe(vals.recipe, vals.trusted)
+    check_recipe_found("train", spec, from)
+    local recipe = E.recipe(spec, vals.trusted)
     local assignments = {}
     for _, s in ipairs(vals.opt or {}) do assignments[#assignments + 1] = parse_assignment("train", s) end
     cfg.recipe = recipe

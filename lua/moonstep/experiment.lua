@@ -13,9 +13,9 @@ minibatch losses are noisy); validation every `eval_every` steps and after the l
 steps (evaluations excluded); optimizer state bytes from opt:info().
 
 Checkpoints are folders: optim.safetensors (the ms.optim checkpoint: recipe name and content hash, options,
-step, state) and model.safetensors (the parameters, with the problem, its options, the seed, the recipe options and the
-run's settings in the metadata).  Batches are a function of (seed, step), so a resumed run continues exactly as an
-uninterrupted one would.
+step, state) and model.safetensors (the parameters, with the problem, its options, the seed, the recipe (and
+its file's path, for a recipe file), its options and the run's settings in the metadata).  Batches are a
+function of (seed, step), so a resumed run continues exactly as an uninterrupted one would.
 ]]
 local ms = require("moonstep")
 local problems = require("moonstep.problems")
@@ -103,6 +103,14 @@ local function moving_average(losses, w)
 end
 E.moving_average = moving_average
 
+pcall(ffi.cdef, "char *realpath(const char *path, char *resolved);")
+--- The absolute path of an existing file or folder, without links or ".."; nil for one that does not exist.
+function E.realpath(path)
+  local buf = ffi.new("char[4097]")
+  local r = ffi.C.realpath(path, buf)
+  return r ~= nil and ffi.string(r) or nil
+end
+
 local function model_path(dir) return dir .. "/model.safetensors" end
 local function optim_path(dir) return dir .. "/optim.safetensors" end
 
@@ -161,6 +169,7 @@ function E.checkpoint_info(dir)
     if info[field] ~= nil and type(info[field]) ~= "table" then bad(field, "an object") end
   end
   if info.recipe ~= nil and type(info.recipe) ~= "string" then bad("recipe", "a recipe name") end
+  if info.recipe_file ~= nil and type(info.recipe_file) ~= "string" then bad("recipe_file", "a path") end
   return info, tensors
 end
 
@@ -441,6 +450,10 @@ function E.run(cfg)
       schedule = run_cfg.schedule, warmup = run_cfg.warmup, clip = run_cfg.clip or false,
       recipe = recipe.name, recipe_hash = result.recipe_hash, recipe_options = json_values(ropts), moonstep = ms.version,
     }
+    -- a recipe file by its absolute path, so that a resume finds it again without --recipe (one found by
+    -- name is recorded by its name alone: its file moves with the installation)
+    local rmeta = R.meta[recipe]
+    if rmeta and rmeta.path and not rmeta.by_name then meta.recipe_file = E.realpath(rmeta.path) end
     opt:save(optim_path(cfg.save))
     ms.save(model_path(cfg.save), tensors, { moonstep_train = json.encode(meta) })
     result.saved = cfg.save

@@ -641,7 +641,10 @@ function M.get(name)
   end
   local p, trusted = M.find(name)
   if not p then error(trusted, 2) end
-  return M.load(p, { trusted = trusted })
+  local r = M.load(p, { trusted = trusted })
+  -- (a checkpoint records a recipe found by name by its name alone: its file moves with the installation)
+  M.meta[r].by_name = name
+  return r
 end
 
 --- A recipe table from a table, a built-in name or a file path.
