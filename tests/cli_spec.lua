@@ -342,6 +342,40 @@ return {
       has(named, "steps 4-6 of 6")
     end)
 
+    it("refuses to --save over another run's checkpoint unless --force; the resumed one's folder is its own", function()
+      local d = scratch()
+      local _, c1 = ms_run(SMALL_MLP .. "--until 6 --save " .. q(d .. "/ck"))
+      assert.equals(0, c1)
+      local before = read(d .. "/ck/model.safetensors")
+      -- another run (it overwrote the checkpoint silently)
+      local out, c2 = ms_run("train " .. LSQ .. " --recipe sgd --steps 3 --save " .. q(d .. "/ck"))
+      assert.equals(2, c2, out)
+      has(out, "--save " .. d .. "/ck", "checkpoint of another run", "--force")
+      assert.falsy(out:find("step 1", 1, true), out)
+      assert.equals(before, read(d .. "/ck/model.safetensors"))
+      -- ... or half of one: a folder with optim.safetensors alone
+      os.execute("mkdir " .. q(d .. "/half") .. " && cp " .. q(d .. "/ck/optim.safetensors") .. " " .. q(d .. "/half/"))
+      out, c2 = ms_run("train " .. LSQ .. " --recipe sgd --steps 3 --save " .. q(d .. "/half"))
+      assert.equals(2, c2, out)
+      -- resuming into the folder it resumes from continues that run (a path to it of another spelling too)
+      out, c2 = ms_run("train --resume " .. q(d .. "/ck") .. " --until 8 --save " .. q(d .. "/./ck/"))
+      assert.equals(0, c2, out)
+      has(out, "steps 7-8 of 12")
+      assert.equals(8, require("moonstep.experiment").checkpoint_info(d .. "/ck").step)
+      -- and --force overwrites another run's
+      out, c2 = ms_run("train " .. LSQ .. " --recipe sgd --steps 3 --force --save " .. q(d .. "/ck"))
+      assert.equals(0, c2, out)
+      assert.equals("lsq", require("moonstep.experiment").checkpoint_info(d .. "/ck").problem)
+      -- an empty folder, or one without a checkpoint, is no other run's
+      os.execute("mkdir " .. q(d .. "/empty"))
+      os.execute("mkdir " .. q(d .. "/notes"))
+      write(d .. "/notes/readme.txt", "notes")
+      for _, f in ipairs { "/empty", "/notes" } do
+        out, c2 = ms_run("train " .. LSQ .. " --recipe sgd --steps 3 --save " .. q(d .. f))
+        assert.equals(0, c2, out)
+      end
+    end)
+
     it("resumes with the recipe options of the checkpoint's run (--opt given to the first run)", function()
       local d = scratch()
       local common = SMALL_MLP .. "--opt lr=0.01 "

@@ -379,9 +379,9 @@ local train_flags = with({ problem_flag }, {
   { name = "recipe", arg = "R", doc = "a built-in recipe name (adamw, ...) or a recipe file (sandboxed unless --trusted)" },
   { name = "opt", arg = "KEY=VALUE", many = true, doc = "a recipe option (repeatable), e.g. --opt lr=3e-4 --opt betas=0.9,0.95" },
   { name = "seed", arg = "S", type = "integer", min = 0, doc = "seed of the data, the initial weights and the batches (default 0)" },
-  { name = "save", arg = "DIR", doc = "write a checkpoint folder at the end (model.safetensors + optim.safetensors)" },
+  { name = "save", arg = "DIR", doc = "write a checkpoint folder at the end (model.safetensors + optim.safetensors); one holding another run's checkpoint is refused unless --force" },
   { name = "resume", arg = "DIR", doc = "continue from a checkpoint folder (unset options, the problem and the recipe come from it)" },
-  { name = "force", type = "boolean", doc = "resume even when the checkpoint was made by another recipe (or version), or with another schedule (--steps, --schedule, --warmup, --clip)" },
+  { name = "force", type = "boolean", doc = "resume even when the checkpoint was made by another recipe (or version), or with another schedule (--steps, --schedule, --warmup, --clip); --save over another run's checkpoint" },
   { name = "until", key = "stop_after", arg = "N", type = "integer", min = 1, doc = "stop after step N; the schedule still spans --steps (to split a run)" },
 }, common_flags)
 
@@ -463,6 +463,18 @@ points for the known recipes' options come from the problem; --opt overrides the
       local okr, merged = pcall(E.resume_config, cfg, problem)
       if not okr then usage_error(merged, "train") end
       total = merged.steps
+    end
+    -- another run's checkpoint is not overwritten unless --force (the one resumed is: that run, continued)
+    if cfg.save and not cfg.force then
+      local held = false
+      for _, f in ipairs { "/model.safetensors", "/optim.safetensors" } do
+        local h = io.open(cfg.save .. f, "rb")
+        if h then h:close() held = true end
+      end
+      if held and not (cfg.resume and E.realpath(cfg.save) == E.realpath(cfg.resume)) then
+        usage_error(("--save %s: the folder holds the checkpoint of another run; pass --force to overwrite it, or --save another folder")
+          :format(cfg.save), "train")
+      end
     end
     total = total or (problem.defaults or {}).steps or 100
     local prog = M.progress(total)
