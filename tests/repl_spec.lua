@@ -169,6 +169,17 @@ return {
     t.keys("C-c")
     t.close()
   end)
+
+  it("moonstep train ends its live progress line when Ctrl-C stops it", function()
+    -- (a shell that outlives the signal, to print after it: the line it printed on was the progress line's)
+    local t = terminal("sh -c " .. q("trap : INT; " .. q(host) .. " train --problem lm --width 16 --embed 2 --batch 2 " ..
+                       "--steps 1000000 --recipe sgd --eval-every 1000000; echo after-status-$?; sleep 60"), "MOONSTEP_HISTORY=")
+    t.wait_match("step %d+/1000000  loss [%d%.]+  [%d%.]+ steps/s  ETA %d+:%d%d")
+    t.keys("C-c")
+    local screen = t.wait("after-status-130")
+    assert.truthy(screen:match("ETA %d+:%d%d[^\n]*\nafter%-status%-130"), screen)
+    t.close()
+  end)
 end)
 
 -- the REPL with piped input (no terminal needed): what it prints and whether the session survives

@@ -6,9 +6,11 @@
 ** The command line itself is Lua's business: the host passes its arguments to
 ** require("moonstep.cli").main(argv), which dispatches the subcommands (repl, run, train, compare, bench,
 ** info), scripts (moonstep FILE.lua [args]) and -e, and returns the exit status.  What only C can do is
-** given to Lua through moonstep.config: readline (line editing and history) for the prompt.
+** given to Lua through moonstep.config: readline (line editing and history) for the prompt, and a SIGINT
+** handler that ends train's live progress line.
 */
 #include <limits.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -102,6 +104,39 @@ static int l_history_file(lua_State *L)
     return 1;
 }
 
+/* Ctrl-C while a live progress line is on the terminal (moonstep train): the line is ended before the process
+** dies of the signal, as it would have without this handler; otherwise the shell's next output starts on it.
+** LuaJIT has no signal API, and a Lua callback cannot run in a signal handler: Lua turns this on and off. */
+static struct sigaction sigint_before;
+
+static void end_line_on_sigint(int sig)
+{
+    ssize_t n = write(STDOUT_FILENO, "\n", 1);
+    (void)n;
+    sigaction(sig, &sigint_before, NULL);
+    raise(sig);                 /* delivered once this handler returns, under the handler it replaced */
+}
+
+/* sigint_newline(on): while on, SIGINT ends the terminal's line first; an ignored SIGINT stays ignored */
+static int l_sigint_newline(lua_State *L)
+{
+    static int on;
+    if (lua_toboolean(L, 1) && !on) {
+        struct sigaction sa;
+        memset(&sa, 0, sizeof sa);
+        sa.sa_handler = end_line_on_sigint;
+        sigemptyset(&sa.sa_mask);
+        sigaction(SIGINT, NULL, &sigint_before);
+        if (sigint_before.sa_handler == SIG_IGN) return 0;
+        sigaction(SIGINT, &sa, NULL);
+        on = 1;
+    } else if (!lua_toboolean(L, 1) && on) {
+        sigaction(SIGINT, &sigint_before, NULL);
+        on = 0;
+    }
+    return 0;
+}
+
 static int traceback(lua_State *L)
 {
     const char *msg = lua_tostring(L, 1);
@@ -160,6 +195,8 @@ static int setup(lua_State *L, const char *dir)
     lua_setfield(L, -2, "readline");
     lua_pushcfunction(L, l_history_file);
     lua_setfield(L, -2, "history_file");
+    lua_pushcfunction(L, l_sigint_newline);
+    lua_setfield(L, -2, "sigint_newline");
 #if MS_HAVE_READLINE
     lua_pushstring(L, rl_library_version);
     lua_setfield(L, -2, "readline_version");

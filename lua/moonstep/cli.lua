@@ -352,12 +352,17 @@ function M.progress(total, opts)
       val and ("  val %.4f"):format(val) or "", acc and ("  acc %.4f"):format(acc) or "", rate,
       rate > 0 and fmt_time((total - step) / rate) or "?")
   end
+  -- while the live line is drawn, Ctrl-C ends it before the process dies (the host's SIGINT handler: the
+  -- shell's next output started on the line); absent when moonstep runs inside another host
+  local okc, config = pcall(require, "moonstep.config")
+  local sigint_newline = okc and type(config) == "table" and config.sigint_newline or function() end
   function p.on_step(step, loss)
     if not first_step then first_step, t_start = step, E.clock() end
     ema = ema and (ema + alpha * (loss - ema)) or loss
     if tty then
       local now = E.clock()
       if now - last_draw >= 0.1 or step == total then
+        if last_draw < 0 then sigint_newline(true) end
         out("\r\27[K", line(step))
         io.stdout:flush()
         last_draw = now
@@ -369,7 +374,7 @@ function M.progress(total, opts)
     if not tty then outln(line(step)) end
   end
   function p.finish()
-    if tty then out("\r\27[K") io.stdout:flush() end
+    if tty then out("\r\27[K") io.stdout:flush() sigint_newline(false) end
   end
   return p
 end
