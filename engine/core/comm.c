@@ -85,6 +85,7 @@ static ms_status join_by_id(ms_ctx *ctx, const ms_comm_options *o, void **impl)
 MS_API ms_status ms_comm_new(ms_ctx *ctx, const ms_comm_options *opts, ms_comm **out)
 {
     static const char *fn = "ms_comm_new";
+    if (out) *out = NULL;   /* on every error, NULL ctx included (as every constructor) */
     if (ctx == NULL) return MS_FAIL(NULL, MS_E_ARG, "%s: ctx is NULL", fn);
     if (out == NULL) return MS_FAIL(ctx, MS_E_ARG, "%s: out is NULL", fn);
     MS_TRY(check_backend(ctx, fn));
@@ -140,6 +141,7 @@ static ms_status env_int(ms_ctx *ctx, const char *fn, const char *name, bool req
 MS_API ms_status ms_comm_new_from_env(ms_ctx *ctx, int timeout_ms, ms_comm **out)
 {
     static const char *fn = "ms_comm_new_from_env";
+    if (out) *out = NULL;   /* the environment's errors too, before ms_comm_new would clear it */
     if (ctx == NULL) return MS_FAIL(NULL, MS_E_ARG, "%s: ctx is NULL", fn);
     MS_TRY(check_backend(ctx, fn));   /* before the environment: the context is the first mistake */
     ms_comm_options o = { .timeout_ms = timeout_ms };

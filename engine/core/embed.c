@@ -556,9 +556,9 @@ MS_API ms_status ms_optimizer_load(ms_optimizer *opt, const char *path)
 
 static ms_status call_json(ms_optimizer *opt, const char *fn, const char *method, char **json_out)
 {
+    if (json_out) *json_out = NULL;   /* on every error, a NULL opt included */
     CHECK_OPT(fn);
     if (json_out == NULL) return MS_FAIL(opt->ctx, MS_E_ARG, "%s: json_out is NULL", fn);
-    *json_out = NULL;
     int base = call_begin(opt, method);
     ms_status st = call_end(opt, fn, base, 0, 1, MS_E_ARG);
     if (st != MS_OK) return st;

@@ -11,6 +11,9 @@
 **  - Every fallible call returns ms_status: MS_OK (0) or a negative error class.  On error nothing was
 **    changed, and a message naming the function, the problem and the values is kept per context
 **    (ms_ctx_last_error) and per thread (ms_last_error).  The engine never exits, aborts or prints.
+**  - A call that hands an object or a string back through an out-parameter (ms_X_new, views, ms_graph_end,
+**    ms_optimizer_info, ...) sets it to NULL on every error, a NULL context or handle included (unless the
+**    out-parameter itself is NULL).
 **  - Argument order: context, destination(s), sources, options struct, out-parameters (last).
 **  - Objects are opaque handles.  The only structs that cross the boundary are plain option structs,
 **    passed by pointer; a NULL options pointer means "all defaults" (documented per struct).

@@ -378,6 +378,42 @@ static void test_free_from_another_thread(void)
     ms_ctx_free(ctx);
 }
 
+/* A failed constructor leaves NULL in *out, whatever was there (ms_comm_new and ms_comm_new_from_env left it as
+** it was: a caller freeing *out after a failure freed whatever it held). */
+static void test_comm_new_clears_out(void)
+{
+    ms_ctx *ctx;
+    CHECK(ms_ctx_new("cpu", NULL, &ctx) == MS_OK, "ctx");
+    ms_comm *stale = (ms_comm *)&ctx;   /* never dereferenced: only compared */
+    ms_comm *c = stale;
+    CHECK(ms_comm_new(NULL, NULL, &c) == MS_E_ARG && c == NULL, "NULL ctx: %p", (void *)c);
+    c = stale;
+    ms_comm_options zero_world = { .rank = 0, .world_size = 0 };
+    CHECK(ms_comm_new(ctx, &zero_world, &c) == MS_E_ARG && c == NULL, "world_size 0: %p", (void *)c);
+    c = stale;
+    ms_comm_options bad_rank = { .rank = 3, .world_size = 2 };
+    CHECK(ms_comm_new(ctx, &bad_rank, &c) == MS_E_ARG && c == NULL, "rank 3 of 2: %p", (void *)c);
+    c = stale;
+    CHECK(ms_comm_new_from_env(NULL, 0, &c) == MS_E_ARG && c == NULL, "from_env, NULL ctx: %p", (void *)c);
+    const char *rank = getenv("RANK");
+    char *saved = rank ? strdup(rank) : NULL;
+    unsetenv("RANK");
+    c = stale;
+    CHECK(ms_comm_new_from_env(ctx, 0, &c) == MS_E_ARG && c == NULL && contains(ms_last_error(), "RANK"),
+          "from_env, RANK unset: %p %s", (void *)c, ms_last_error());
+    setenv("RANK", "x", 1);
+    c = stale;
+    CHECK(ms_comm_new_from_env(ctx, 0, &c) == MS_E_ARG && c == NULL, "from_env, RANK=x: %p", (void *)c);
+    if (saved) setenv("RANK", saved, 1); else unsetenv("RANK");
+    free(saved);
+    /* and a success still hands one back */
+    ms_comm_options one = { .rank = 0, .world_size = 1 };
+    c = NULL;
+    CHECK(ms_comm_new(ctx, &one, &c) == MS_OK && c != NULL, "world of one: %s", ms_last_error());
+    ms_comm_free(c);
+    ms_ctx_free(ctx);
+}
+
 int main(void)
 {
     test_status_names();
@@ -393,5 +429,6 @@ int main(void)
     test_staging_oom_names_the_call();
     test_op_errors_name_the_call();
     test_free_from_another_thread();
+    test_comm_new_clears_out();
     return CHECK_REPORT();
 }

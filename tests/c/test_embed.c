@@ -113,8 +113,9 @@ static void test_null_arguments(void)
     CHECK(ms_optimizer_get_lr(NULL, &lr) == MS_E_ARG, "get_lr(NULL)");
     CHECK(ms_optimizer_save(NULL, "x") == MS_E_ARG, "save(NULL)");
     CHECK(ms_optimizer_load(NULL, "x") == MS_E_ARG, "load(NULL)");
-    CHECK(ms_optimizer_info(NULL, &json) == MS_E_ARG, "info(NULL)");
-    CHECK(ms_optimizer_stats(NULL, &json) == MS_E_ARG, "stats(NULL)");
+    CHECK(ms_optimizer_info(NULL, &json) == MS_E_ARG && json == NULL, "info(NULL) clears json_out");
+    json = (char *)0x1;
+    CHECK(ms_optimizer_stats(NULL, &json) == MS_E_ARG && json == NULL, "stats(NULL) clears json_out");
     CHECK(ms_optimizer_capture(NULL) == MS_E_ARG, "capture(NULL)");
     ms_optimizer_free(NULL);
     ms_string_free(NULL);
