@@ -400,6 +400,9 @@ MS_API ms_status ms_matmul(ms_ctx *ctx, ms_tensor *dst, const ms_tensor *a, cons
                        ms_dtype_name(b->dtype));
     ms_matmul_options o = { 0, 0, 1.0, 0.0, 0 };
     if (opts) o = *opts;
+    /* refused before anything runs: a NaN or infinite coefficient would silently turn dst into NaN or inf */
+    if (!isfinite(o.alpha)) return MS_FAIL(ctx, MS_E_ARG, "%s: alpha = %g must be finite", fn, o.alpha);
+    if (!isfinite(o.beta)) return MS_FAIL(ctx, MS_E_ARG, "%s: beta = %g must be finite", fn, o.beta);
     if (a->ndim < 2 || b->ndim < 2 || dst->ndim < 2)
         return MS_FAIL(ctx, MS_E_SHAPE, "%s: a %s, b %s and dst %s need at least 2 dims", fn, ms_tshape(a),
                        ms_tshape(b), ms_tshape(dst));

@@ -343,7 +343,8 @@ typedef struct ms_matmul_options {
 /* Batched matrix product.  a: [..., m, k] (or [..., k, m] with trans_a), b: [..., k, n] (or [..., n, k]),
 ** dst: [..., m, n].  Batch dims broadcast (a 2-D operand is shared by every batch).  dtypes: f32, f64, or
 ** bf16/f16 inputs (f32 accumulation) with dst of any float dtype; a and b must have the same dtype.
-** dst must not overlap a or b.  beta = 0 ignores dst's previous contents (NaN included). */
+** dst must not overlap a or b.  beta = 0 ignores dst's previous contents (NaN included).  alpha and beta must
+** be finite: a NaN or infinite one is refused (MS_E_ARG, naming it and its value) before anything is written. */
 MS_API ms_status ms_matmul(ms_ctx *ctx, ms_tensor *dst, const ms_tensor *a, const ms_tensor *b,
                            const ms_matmul_options *opts);
 

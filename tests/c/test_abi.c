@@ -414,6 +414,44 @@ static void test_comm_new_clears_out(void)
     ms_ctx_free(ctx);
 }
 
+/* ms_matmul's host coefficients: a NaN or infinite alpha or beta is refused, named with its value, and dst is
+** left as it was (they were taken, and dst came back NaN or inf). */
+static void test_matmul_nonfinite_coefficients(void)
+{
+    ms_ctx *ctx;
+    CHECK(ms_ctx_new("cpu", NULL, &ctx) == MS_OK, "ctx");
+    int64_t s22[2] = { 2, 2 };
+    ms_tensor *a, *dst;
+    ms_tensor_new(ctx, MS_DTYPE_F32, 2, s22, &a);
+    ms_tensor_new(ctx, MS_DTYPE_F32, 2, s22, &dst);
+    ms_fill(ctx, a, 1, NULL);
+    const struct { const char *name, *value; double alpha, beta; } cases[] = {
+        { "alpha", "nan", NAN, 0 }, { "alpha", "inf", INFINITY, 1 }, { "alpha", "-inf", -INFINITY, 0 },
+        { "beta", "nan", 1, NAN }, { "beta", "inf", 1, INFINITY }, { "beta", "-inf", 2, -INFINITY },
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        ms_fill(ctx, dst, 7, NULL);
+        ms_matmul_options o = { .alpha = cases[i].alpha, .beta = cases[i].beta };
+        ms_status st = ms_matmul(ctx, dst, a, a, &o);
+        char want[64];
+        snprintf(want, sizeof want, "ms_matmul: %s = %s", cases[i].name, cases[i].value);
+        CHECK(st == MS_E_ARG && contains(ms_last_error(), want) && contains(ms_last_error(), "finite"),
+              "%s = %s: %s %s", cases[i].name, cases[i].value, ms_status_name(st), ms_last_error());
+        float host[4];
+        ms_tensor_read(ctx, dst, host, sizeof host);
+        CHECK(host[0] == 7 && host[3] == 7, "%s = %s: dst unchanged (%g)", cases[i].name, cases[i].value, host[0]);
+    }
+    /* finite ones still run: 3 * (1 1; 1 1)^2 + 0.5 * 7 = 9.5 */
+    ms_fill(ctx, dst, 7, NULL);
+    ms_matmul_options ok = { .alpha = 3, .beta = 0.5 };
+    float host[4];
+    CHECK(ms_matmul(ctx, dst, a, a, &ok) == MS_OK && ms_tensor_read(ctx, dst, host, sizeof host) == MS_OK &&
+          host[0] == 9.5f, "alpha 3, beta 0.5: %g %s", host[0], ms_last_error());
+    ms_tensor_free(a);
+    ms_tensor_free(dst);
+    ms_ctx_free(ctx);
+}
+
 int main(void)
 {
     test_status_names();
@@ -430,5 +468,6 @@ int main(void)
     test_op_errors_name_the_call();
     test_free_from_another_thread();
     test_comm_new_clears_out();
+    test_matmul_nonfinite_coefficients();
     return CHECK_REPORT();
 }
