@@ -2,7 +2,9 @@
 ** The embedding API (moonstep.h, "Embedding"): an optimizer for a C trainer.  Each ms_optimizer owns a
 ** LuaJIT state running the moonstep Lua modules and drives lua/moonstep/embed.lua, which runs the recipe
 ** through ms.optim.  This is the only code below the ABI that knows Lua exists.
-** Every call into Lua is protected: a Lua error becomes a status and a message, never a longjmp out.
+** Every call into Lua is protected: a Lua error becomes a status and a message, never a longjmp out.  So is
+** every Lua API call that can raise (out of memory making a string, a table or a reference): unprotected,
+** LuaJIT would panic and end the host process.
 */
 #include "internal.h"
 #include "json.h"
@@ -22,7 +24,9 @@ struct ms_optimizer {
     lua_State *L;
     ms_ctx    *ctx;       /* the caller's context; the Lua side holds the optimizer's reference to it */
     int        handler;   /* registry references: moonstep.embed's message handler, */
-    int        object;    /* and this optimizer's Lua object */
+    int        object;    /* this optimizer's Lua object, */
+    int        pusher;    /* and push_string_raw */
+    bool       push_failed;   /* an argument of the call being prepared could not be made (see push_string) */
     /* A captured step the next ms_optimizer_step may replay without entering Lua (moonstep.embed's step names
     ** it when nothing the graph depends on can change by itself: see optim.lua's _bare_replay_graph); any
     ** other call into Lua drops it and first tells the Lua side how many steps were replayed so. */
@@ -111,8 +115,6 @@ static ms_status lua_failure(lua_State *L, ms_ctx *ctx, const char *fn, int rc, 
     return MS_FAIL(ctx, st, "%s: %s", fn, msg ? msg : "(a Lua error without a message)");
 }
 
-/* Pushes the message handler, object[method] and the object (self); returns the handler's index.  The
-** caller pushes the arguments, then calls call_end. */
 /* Tells the Lua side about the steps replayed without it, and drops the replay graph (the call about to run
 ** may change what the graph depends on). */
 static void sync_replays(ms_optimizer *opt)
@@ -122,7 +124,7 @@ static void sync_replays(ms_optimizer *opt)
     lua_State *L = opt->L;
     int top = lua_gettop(L);
     lua_rawgeti(L, LUA_REGISTRYINDEX, opt->object);
-    lua_getfield(L, -1, "replayed");
+    lua_getfield(L, -1, "replayed");   /* (cannot raise, as call_begin's lookup) */
     lua_insert(L, -2);
     lua_pushnumber(L, (lua_Number)opt->replayed);
     opt->replayed = 0;
@@ -130,6 +132,9 @@ static void sync_replays(ms_optimizer *opt)
     lua_settop(L, top);
 }
 
+/* Pushes the message handler, object[method] and the object (self); returns the handler's index.  The
+** caller pushes the arguments (strings through push_string), then calls call_end.  None of this can raise: the
+** method names are Embedded's keys (strings already made) and its __index is that table. */
 static int call_begin(ms_optimizer *opt, const char *method)
 {
     sync_replays(opt);
@@ -142,10 +147,35 @@ static int call_begin(ms_optimizer *opt, const char *method)
     return base;
 }
 
+/* lua_pushstring, for push_string to run under lua_pcall. */
+static int push_string_raw(lua_State *L)
+{
+    lua_pushstring(L, lua_touserdata(L, 1));
+    return 1;
+}
+
+/* Pushes s (nil for NULL) as an argument of the call call_begin prepared.  The string is made under lua_pcall:
+** when that fails (out of memory) its error value stands in its place, and call_end reports MS_E_OOM without
+** making the call. */
+static void push_string(ms_optimizer *opt, const char *s)
+{
+    lua_State *L = opt->L;
+    if (s == NULL) { lua_pushnil(L); return; }
+    lua_rawgeti(L, LUA_REGISTRYINDEX, opt->pusher);
+    lua_pushlightuserdata(L, (void *)s);
+    if (lua_pcall(L, 1, 1, 0) != 0) opt->push_failed = true;
+}
+
 /* Runs the call call_begin prepared.  On success its nres results lie above base, and the caller drops
-** everything with lua_settop(L, base - 1); on failure that is done here. */
+** everything with lua_settop(L, base - 1); on failure that is done here.  A call whose arguments could not all
+** be made is not made (the Lua side then never took over the handles among them: the caller frees them). */
 static ms_status call_end(ms_optimizer *opt, const char *fn, int base, int nargs, int nres, ms_status fallback)
 {
+    if (opt->push_failed) {
+        opt->push_failed = false;
+        lua_settop(opt->L, base - 1);
+        return MS_FAIL(opt->ctx, MS_E_OOM, "%s: the optimizer's Lua state is out of memory", fn);
+    }
     int rc = lua_pcall(opt->L, nargs + 1, nres, base);
     if (rc == 0) return MS_OK;
     ms_status st = lua_failure(opt->L, opt->ctx, fn, rc, fallback);
@@ -170,6 +200,48 @@ static int load_traceback(lua_State *L)
     return 1;
 }
 
+/* What setup_state needs, and what it made. */
+typedef struct state_setup {
+    const lua_paths *paths;
+    int load_rc;    /* the require's lua_pcall status when it failed (its error value is then raised again) */
+    int handler;    /* registry references: moonstep.embed's handler, */
+    int pusher;     /* and push_string_raw */
+} state_setup;
+
+/* open_state's work in the new state, run through lua_cpcall: out of memory anywhere in it comes back as a
+** status. */
+static int setup_state(lua_State *L)
+{
+    state_setup *s = lua_touserdata(L, 1);
+    luaL_openlibs(L);
+    lua_getglobal(L, "package");
+    lua_getfield(L, -1, "path");
+    lua_pushfstring(L, "%s/?.lua;%s/?/init.lua;%s", s->paths->lua_dir, s->paths->lua_dir, lua_tostring(L, -1));
+    lua_setfield(L, -3, "path");
+    lua_pop(L, 1);
+    lua_getfield(L, -1, "loaded");
+    lua_newtable(L);                               /* moonstep.config: what the binding cannot find alone */
+    lua_pushstring(L, s->paths->library);
+    lua_setfield(L, -2, "library");
+    lua_pushstring(L, s->paths->lua_dir);
+    lua_setfield(L, -2, "lua_dir");
+    lua_pushstring(L, s->paths->recipe_dir);
+    lua_setfield(L, -2, "recipe_dir");
+    lua_setfield(L, -2, "moonstep.config");
+    lua_pop(L, 2);
+
+    lua_pushcfunction(L, load_traceback);
+    lua_getglobal(L, "require");
+    lua_pushstring(L, "moonstep.embed");
+    s->load_rc = lua_pcall(L, 1, 1, -3);
+    if (s->load_rc != 0) return lua_error(L);   /* the traceback, out of lua_cpcall */
+    lua_getfield(L, -1, "handler");
+    s->handler = luaL_ref(L, LUA_REGISTRYINDEX);
+    lua_pushcfunction(L, push_string_raw);
+    s->pusher = luaL_ref(L, LUA_REGISTRYINDEX);
+    return 0;
+}
+
 /* A new Lua state with package.path, moonstep.config and moonstep.embed loaded; the handler referenced. */
 static ms_status open_state(ms_optimizer *opt)
 {
@@ -182,36 +254,18 @@ static ms_status open_state(ms_optimizer *opt)
         free(paths);
         return MS_FAIL(opt->ctx, MS_E_OOM, "ms_optimizer_new: cannot create a Lua state");
     }
-    luaL_openlibs(L);
-    lua_getglobal(L, "package");
-    lua_getfield(L, -1, "path");
-    lua_pushfstring(L, "%s/?.lua;%s/?/init.lua;%s", paths->lua_dir, paths->lua_dir, lua_tostring(L, -1));
-    lua_setfield(L, -3, "path");
-    lua_pop(L, 1);
-    lua_getfield(L, -1, "loaded");
-    lua_newtable(L);                               /* moonstep.config: what the binding cannot find alone */
-    lua_pushstring(L, paths->library);
-    lua_setfield(L, -2, "library");
-    lua_pushstring(L, paths->lua_dir);
-    lua_setfield(L, -2, "lua_dir");
-    lua_pushstring(L, paths->recipe_dir);
-    lua_setfield(L, -2, "recipe_dir");
-    lua_setfield(L, -2, "moonstep.config");
-    lua_pop(L, 2);
+    state_setup setup = { .paths = paths };
+    int rc = lua_cpcall(L, setup_state, &setup);
     free(paths);
-
-    lua_pushcfunction(L, load_traceback);
-    lua_getglobal(L, "require");
-    lua_pushstring(L, "moonstep.embed");
-    int rc = lua_pcall(L, 1, 1, -3);
     if (rc != 0) {
-        st = lua_failure(L, opt->ctx, "ms_optimizer_new: loading the moonstep Lua modules", rc, MS_E_IO);
+        st = setup.load_rc
+            ? lua_failure(L, opt->ctx, "ms_optimizer_new: loading the moonstep Lua modules", setup.load_rc, MS_E_IO)
+            : lua_failure(L, opt->ctx, "ms_optimizer_new: setting up its Lua state", rc, MS_E_IO);
         lua_settop(L, 0);
         return st;
     }
-    lua_getfield(L, -1, "handler");
-    opt->handler = luaL_ref(L, LUA_REGISTRYINDEX);
-    lua_settop(L, 0);
+    opt->handler = setup.handler;
+    opt->pusher = setup.pusher;
     return MS_OK;
 }
 
@@ -322,6 +376,38 @@ static void push_tensor(lua_State *L, ms_tensor *t)
 #define CHECK_OPT(fn) \
     do { if (opt == NULL) return MS_FAIL(NULL, MS_E_ARG, "%s: opt is NULL", fn); } while (0)
 
+/* What make_object needs. */
+typedef struct new_object {
+    ms_optimizer *opt;
+    const char   *recipe, *options_json, *settings_json;
+    int           new_rc;   /* moonstep.embed.new's lua_pcall status when it failed (its error value is raised again) */
+} new_object;
+
+/* opt->object <- moonstep.embed.new(ctx, recipe, options, settings, abi), run through lua_cpcall (as
+** setup_state). */
+static int make_object(lua_State *L)
+{
+    new_object *n = lua_touserdata(L, 1);
+    ms_optimizer *opt = n->opt;
+    lua_rawgeti(L, LUA_REGISTRYINDEX, opt->handler);
+    int handler = lua_gettop(L);
+    lua_getfield(L, LUA_REGISTRYINDEX, "_LOADED");     /* package.loaded: open_state loaded the module */
+    lua_getfield(L, -1, "moonstep.embed");
+    lua_getfield(L, -1, "new");
+    lua_replace(L, -3);
+    lua_pop(L, 1);
+    lua_pushlightuserdata(L, opt->ctx);
+    lua_pushstring(L, n->recipe);
+    if (n->options_json && *n->options_json) lua_pushstring(L, n->options_json); else lua_pushnil(L);
+    if (n->settings_json && *n->settings_json) lua_pushstring(L, n->settings_json); else lua_pushnil(L);
+    lua_pushlightuserdata(L, (void *)ms_abi_version);
+    ms_ctx_retain(opt->ctx);   /* the Lua side's reference, owned from its first line (taken after what can fail) */
+    n->new_rc = lua_pcall(L, 5, 1, handler);
+    if (n->new_rc != 0) return lua_error(L);   /* the handler's {status, message}, out of lua_cpcall */
+    opt->object = luaL_ref(L, LUA_REGISTRYINDEX);
+    return 0;
+}
+
 /* --- the API ------------------------------------------------------------------------------------- */
 
 MS_API ms_status ms_optimizer_new(ms_ctx *ctx, const char *recipe, const char *options_json,
@@ -340,23 +426,10 @@ MS_API ms_status ms_optimizer_new(ms_ctx *ctx, const char *recipe, const char *o
     opt->ctx = ctx;
     ms_status st = open_state(opt);
     if (st == MS_OK) {
-        lua_State *L = opt->L;
-        lua_rawgeti(L, LUA_REGISTRYINDEX, opt->handler);
-        lua_getfield(L, LUA_REGISTRYINDEX, "_LOADED");     /* package.loaded: open_state loaded the module */
-        lua_getfield(L, -1, "moonstep.embed");
-        lua_getfield(L, -1, "new");
-        lua_replace(L, -3);
-        lua_pop(L, 1);
-        ms_ctx_retain(ctx);                        /* the Lua side's reference, owned from its first line */
-        lua_pushlightuserdata(L, ctx);
-        lua_pushstring(L, recipe);
-        if (options_json && *options_json) lua_pushstring(L, options_json); else lua_pushnil(L);
-        if (settings_json && *settings_json) lua_pushstring(L, settings_json); else lua_pushnil(L);
-        lua_pushlightuserdata(L, (void *)ms_abi_version);
-        int rc = lua_pcall(L, 5, 1, 1);
-        if (rc == 0) opt->object = luaL_ref(L, LUA_REGISTRYINDEX);
-        else st = lua_failure(L, ctx, fn, rc, MS_E_ARG);
-        lua_settop(L, 0);
+        new_object n = { .opt = opt, .recipe = recipe, .options_json = options_json, .settings_json = settings_json };
+        int rc = lua_cpcall(opt->L, make_object, &n);
+        if (rc != 0) st = lua_failure(opt->L, ctx, fn, n.new_rc ? n.new_rc : rc, MS_E_ARG);
+        lua_settop(opt->L, 0);
     }
     if (st != MS_OK) {
         if (opt->L) lua_close(opt->L);
@@ -395,18 +468,20 @@ static ms_status add_param(ms_optimizer *opt, const char *fn, const char *name, 
     if (st != MS_OK) { ms_tensor_free(p); return st; }
     lua_State *L = opt->L;
     int base = call_begin(opt, "add_param");
-    lua_pushstring(L, name);
+    push_string(opt, name);
     push_tensor(L, p);
     push_tensor(L, g);
-    if (tags) lua_pushstring(L, tags); else lua_pushnil(L);
+    push_string(opt, tags);
     int nargs = 4;
     if (shard) {
-        lua_pushstring(L, shard->dim == MS_SHARD_ROWS ? "rows" : "cols");
+        push_string(opt, shard->dim == MS_SHARD_ROWS ? "rows" : "cols");
         lua_pushnumber(L, (lua_Number)shard->offset);
         lua_pushnumber(L, (lua_Number)shard->global);
         nargs = 7;
     }
+    const bool handed_over = !opt->push_failed;   /* else call_end does not make the call */
     st = call_end(opt, fn, base, nargs, 0, MS_E_ARG);
+    if (!handed_over) { ms_tensor_free(p); ms_tensor_free(g); }
     if (st == MS_OK) lua_settop(L, base - 1);
     return st;
 }
@@ -437,9 +512,11 @@ MS_API ms_status ms_optimizer_set_grad(ms_optimizer *opt, const char *name, ms_t
         MS_TRY(tensor_share(opt->ctx, grad, &g));
     }
     int base = call_begin(opt, "set_grad");
-    lua_pushstring(opt->L, name);
+    push_string(opt, name);
     push_tensor(opt->L, g);
+    const bool handed_over = !opt->push_failed;   /* (as in add_param) */
     ms_status st = call_end(opt, fn, base, 2, 0, MS_E_ARG);
+    if (!handed_over) ms_tensor_free(g);
     if (st == MS_OK) lua_settop(opt->L, base - 1);
     return st;
 }
@@ -538,7 +615,7 @@ static ms_status call_path(ms_optimizer *opt, const char *fn, const char *method
     CHECK_OPT(fn);
     if (path == NULL || path[0] == '\0') return MS_FAIL(opt->ctx, MS_E_ARG, "%s: path is NULL or empty", fn);
     int base = call_begin(opt, method);
-    lua_pushstring(opt->L, path);
+    push_string(opt, path);
     ms_status st = call_end(opt, fn, base, 1, 0, fallback);
     if (st == MS_OK) lua_settop(opt->L, base - 1);
     return st;

@@ -19,6 +19,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <time.h>
@@ -1427,6 +1428,121 @@ static void test_two_ranks(void)
     }
 }
 
+/* --- out of memory in the Lua state ----------------------------------------------------------------- */
+
+/* Bytes of address space this process has mapped now (/proc/self/statm's first field, in pages); -1 if unknown. */
+static long long mapped_bytes(void)
+{
+    FILE *f = fopen("/proc/self/statm", "r");
+    long long pages = -1;
+    if (f && fscanf(f, "%lld", &pages) != 1) pages = -1;
+    if (f) fclose(f);
+    return pages < 0 ? -1 : pages * sysconf(_SC_PAGESIZE);
+}
+
+/* Caps the address space at what is mapped now plus room; room < 0 lifts the cap again. */
+static int cap_address_space(long long room)
+{
+    struct rlimit r;
+    if (getrlimit(RLIMIT_AS, &r) != 0) return -1;
+    long long now = mapped_bytes();
+    if (room >= 0 && now < 0) return -1;
+    r.rlim_cur = room < 0 ? r.rlim_max : (rlim_t)(now + room);
+    return setrlimit(RLIMIT_AS, &r);
+}
+
+enum { HUGE_STRING = 256 << 20, LUA_ROOM = 96 << 20 };
+
+/* This program started again by test_lua_out_of_memory: the calls that made a string in the optimizer's Lua state
+** outside lua_pcall (a parameter's name, a path, the recipe), given one too large for the address space left.
+** LuaJIT's panic on that ended the process (exit status 1); now each is MS_E_OOM and nothing leaks. */
+static int lua_oom_main(void)
+{
+    char *huge = malloc((size_t)HUGE_STRING + 1);
+    if (huge == NULL) { printf("lua oom: no memory for the string\n"); return 1; }
+    memset(huge, 'n', HUGE_STRING);
+    huge[HUGE_STRING] = '\0';
+    ms_ctx *own = NULL;   /* a context of its own, whose bytes_in_use shows whether a handle leaked */
+    CHECK(ms_ctx_new("cpu", NULL, &own) == MS_OK, "lua oom: a second CPU context: %s", ms_last_error());
+    int64_t s4[1] = { 4 };
+    ms_tensor *p = NULL, *g = NULL;
+    CHECK(ms_tensor_new(own, MS_DTYPE_F32, 1, s4, &p) == MS_OK && ms_tensor_new(own, MS_DTYPE_F32, 1, s4, &g) == MS_OK &&
+          ms_fill(own, p, 1, NULL) == MS_OK && ms_fill(own, g, 0.5, NULL) == MS_OK, "lua oom: tensors: %s", ms_last_error());
+    ms_optimizer *opt = NULL, *other = (ms_optimizer *)0x1;
+    CHECK(ms_optimizer_new(cpu, "adamw", "{\"lr\": 0.1}", NULL, &opt) == MS_OK, "lua oom: adamw: %s", ms_last_error());
+    if (opt == NULL || p == NULL || g == NULL) return CHECK_REPORT();
+
+    CHECK(cap_address_space(LUA_ROOM) == 0, "lua oom: cap the address space");
+    static const struct { const char *fn; int which; } calls[] = {
+        { "ms_optimizer_add_param", 0 }, { "ms_optimizer_add_param_sharded", 1 }, { "ms_optimizer_set_grad", 2 },
+        { "ms_optimizer_save", 3 }, { "ms_optimizer_load", 4 },
+    };
+    for (size_t i = 0; i < sizeof calls / sizeof calls[0]; i++) {
+        ms_shard rows = { .dim = MS_SHARD_ROWS, .offset = 0, .global = 4 };
+        int64_t s22[2] = { 2, 2 };
+        ms_tensor *p2 = NULL, *g2 = NULL;
+        ms_status st;
+        switch (calls[i].which) {
+        case 0: st = ms_optimizer_add_param(opt, huge, p, g, NULL); break;
+        case 1:
+            ms_tensor_reshape(own, p, 2, s22, &p2);
+            ms_tensor_reshape(own, g, 2, s22, &g2);
+            st = ms_optimizer_add_param_sharded(opt, "w", p2, g2, huge, &rows);   /* the tags */
+            break;
+        case 2: st = ms_optimizer_set_grad(opt, huge, g); break;
+        case 3: st = ms_optimizer_save(opt, huge); break;
+        default: st = ms_optimizer_load(opt, huge); break;
+        }
+        ms_tensor_free(p2);
+        ms_tensor_free(g2);
+        char want[160];
+        snprintf(want, sizeof want, "%s: the optimizer's Lua state is out of memory", calls[i].fn);
+        CHECK(st == MS_E_OOM && strncmp(ms_last_error(), want, strlen(want)) == 0, "lua oom: %s: %s %s", calls[i].fn,
+              ms_status_name(st), ms_last_error());
+    }
+    /* the recipe's name is made after the modules are loaded (within the room): the message says which failed */
+    ms_status st = ms_optimizer_new(cpu, huge, NULL, NULL, &other);
+    static const char new_oom[] = "ms_optimizer_new: the optimizer's Lua state is out of memory";
+    CHECK(st == MS_E_OOM && other == NULL && strncmp(ms_last_error(), new_oom, sizeof new_oom - 1) == 0,
+          "lua oom: ms_optimizer_new with a huge recipe name: %s %s", ms_status_name(st), ms_last_error());
+    CHECK(cap_address_space(-1) == 0, "lua oom: lift the cap");
+
+    /* the optimizer goes on: a parameter and a step */
+    CHECK(ms_optimizer_add_param(opt, "w", p, g, NULL) == MS_OK && ms_optimizer_step(opt) == MS_OK,
+          "lua oom: afterwards, add_param and step: %s", ms_last_error());
+    float after[4] = { 0 };
+    ms_tensor_read(own, p, after, sizeof after);
+    CHECK(after[0] < 1 && after[3] < 1, "lua oom: the step moved the param (%g)", after[0]);
+    ms_optimizer_free(opt);
+    ms_tensor_free(p);
+    ms_tensor_free(g);
+    ms_mem_stats ms;
+    CHECK(ms_ctx_mem_stats(own, &ms) == MS_OK && ms.bytes_in_use == 0, "lua oom: %lld bytes still held (a handle "
+          "made for a call that was not made leaked)", (long long)ms.bytes_in_use);
+    ms_ctx_free(own);
+    free(huge);
+    printf("lua oom: ");
+    return CHECK_REPORT();
+}
+
+static void test_lua_out_of_memory(void)
+{
+#if defined(__SANITIZE_ADDRESS__)
+    printf("skip: the Lua out-of-memory test caps the address space, which AddressSanitizer's shadow memory needs\n");
+#else
+    setenv("MS_TEST_EMBED_LUA_OOM", "1", 1);
+    char *argv[] = { "test_embed", NULL };
+    pid_t pid = -1;
+    fflush(stdout);
+    CHECK(posix_spawn(&pid, "/proc/self/exe", NULL, NULL, argv, environ) == 0, "start the lua oom process");
+    unsetenv("MS_TEST_EMBED_LUA_OOM");
+    int status = -1;
+    if (pid > 0) waitpid(pid, &status, 0);
+    CHECK(pid > 0 && WIFEXITED(status) && WEXITSTATUS(status) == 0, "lua oom: %s %d (1: LuaJIT's panic ended it)",
+          WIFEXITED(status) ? "exit status" : "signal", WIFEXITED(status) ? WEXITSTATUS(status) : WTERMSIG(status));
+#endif
+}
+
 int main(void)
 {
     snprintf(dir, sizeof dir, "/tmp/ms_embed_XXXXXX");
@@ -1436,6 +1552,12 @@ int main(void)
     if (rank_dir) {                   /* one of test_two_ranks's ranks */
         rmdir(dir);
         int rc = dist_rank_main(rank_dir);
+        ms_ctx_free(cpu);
+        return rc;
+    }
+    if (getenv("MS_TEST_EMBED_LUA_OOM")) {   /* test_lua_out_of_memory's process */
+        rmdir(dir);
+        int rc = lua_oom_main();
         ms_ctx_free(cpu);
         return rc;
     }
@@ -1457,6 +1579,7 @@ int main(void)
     test_prepare_replay_on_cpu();
     test_comm_and_shard_errors();
     test_two_ranks();
+    test_lua_out_of_memory();
     ms_ctx *probe = NULL;
     cudart rt;
     if (ms_ctx_new("cuda", NULL, &probe) != MS_OK) {
