@@ -8,6 +8,9 @@
 **
 ** Conventions (every call follows them):
 **  - Names are ms_<class>_<action>[_<noun>]; constructors ms_X_new, destructors ms_X_free (NULL is fine).
+**    Freeing a handle twice, or using it after its ms_X_free (ms_string_free for strings), is undefined
+**    behaviour: a freed handle's memory may already hold another object, so a double free cannot be detected
+**    and is not reported.  ms_ctx_free drops one reference: a second call drops one the caller does not hold.
 **  - Every fallible call returns ms_status: MS_OK (0) or a negative error class.  On error nothing was
 **    changed, and a message naming the function, the problem and the values is kept per context
 **    (ms_ctx_last_error) and per thread (ms_last_error).  The engine never exits, aborts or prints.
