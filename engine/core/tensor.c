@@ -45,7 +45,7 @@ static ms_status check_shape(ms_ctx *ctx, const char *fn, int ndim, const int64_
     *numel = shape_numel(ndim, shape);
     if (*numel < 0) {
         char buf[160];
-        return MS_FAIL(ctx, MS_E_ARG, "%s: invalid shape %s (negative size or too many elements)", fn,
+        return MS_FAIL(ctx, MS_E_SHAPE, "%s: invalid shape %s (negative size or too many elements)", fn,
                        ms_shape_str(buf, sizeof buf, ndim, shape));
     }
     return MS_OK;
@@ -482,7 +482,11 @@ MS_API ms_status ms_tensor_expand(ms_ctx *ctx, const ms_tensor *src, int ndim, c
     static const char fn[] = "ms_tensor_expand";
     MS_TRY(check_view_args(ctx, fn, src, out));
     char b1[160];
-    if (ndim < src->ndim || ndim > MS_MAX_DIMS || (ndim > 0 && shape == NULL))
+    /* as reshape: ndim and shape wrong in themselves are MS_E_ARG, a shape that src does not fit MS_E_SHAPE */
+    if (ndim < 0 || ndim > MS_MAX_DIMS)
+        return MS_FAIL(ctx, MS_E_ARG, "%s: ndim %d out of range [0, %d]", fn, ndim, MS_MAX_DIMS);
+    if (ndim > 0 && shape == NULL) return MS_FAIL(ctx, MS_E_ARG, "%s: shape is NULL", fn);
+    if (ndim < src->ndim)
         return MS_FAIL(ctx, MS_E_SHAPE, "%s: cannot expand %s to %d dims", fn, ms_tshape(src), ndim);
     int64_t nshape[MS_MAX_DIMS], nstr[MS_MAX_DIMS];
     int lead = ndim - src->ndim;

@@ -60,8 +60,12 @@ enum { MS_ABI = MS_ABI_VERSION };    /* the same number as an enum, so that the 
 
 typedef enum ms_status {
     MS_OK            =  0,
-    MS_E_ARG         = -1,   /* invalid argument: NULL where an object is needed, bad index, bad enum value */
-    MS_E_SHAPE       = -2,   /* shapes or dims that do not fit together */
+    MS_E_ARG         = -1,   /* invalid argument: NULL where an object is needed, bad enum value, a value out of
+                             ** its range, an index out of range: a dim or an element index outside the tensor
+                             ** (select, slice, transpose, ms_reduce's dim), an ndim outside [0, MS_MAX_DIMS] */
+    MS_E_SHAPE       = -2,   /* a shape (a list of sizes) that is malformed or does not fit: a negative size, more
+                             ** elements than int64 holds, sizes that do not hold the tensor's elements (reshape)
+                             ** or cannot be broadcast to or from (expand, ops), tensors whose shapes differ */
     MS_E_DTYPE       = -3,   /* a dtype the call does not accept, or dtypes that must match and do not */
     MS_E_DEVICE      = -4,   /* a device that does not exist, or tensors on devices that cannot be mixed */
     MS_E_OOM         = -5,   /* allocation failed, or the context's memory limit would be exceeded */
@@ -177,7 +181,8 @@ enum { MS_MAX_DIMS = 8 };
 typedef struct ms_tensor ms_tensor;
 
 /* A new contiguous tensor with uninitialised contents on ctx's device.
-** Errors: MS_E_ARG (ndim out of [0, MS_MAX_DIMS], negative size), MS_E_DTYPE, MS_E_OOM. */
+** Errors: MS_E_ARG (ndim out of [0, MS_MAX_DIMS], shape NULL), MS_E_SHAPE (a negative size, more elements than
+** int64 holds), MS_E_DTYPE, MS_E_OOM. */
 MS_API ms_status ms_tensor_new(ms_ctx *ctx, ms_dtype dt, int ndim, const int64_t *shape, ms_tensor **out);
 
 /* Wraps foreign memory on ctx's device without copying; moonstep never frees it.  strides may be NULL
@@ -207,7 +212,11 @@ MS_API int ms_tensor_is_writable(const ms_tensor *t);
 /* Views (no copy).  reshape needs a layout the new shape can be viewed in (MS_E_LAYOUT otherwise: call
 ** ms_tensor_contiguous first); one size may be -1 (inferred).  slice keeps [start, stop) with step >= 1
 ** (start/stop are clamped like Python slices; negative values count from the end).  select removes dim.
-** expand broadcasts dims of size 1 to larger sizes with stride 0 (and may add leading dims). */
+** expand broadcasts dims of size 1 to larger sizes with stride 0 (and may add leading dims).
+** Errors (as MS_E_ARG and MS_E_SHAPE are defined above): a dim or index outside src, a step below 1, an ndim
+** outside [0, MS_MAX_DIMS] or a NULL shape is MS_E_ARG; a shape that is malformed (negative sizes, two -1) or
+** that src does not fit (reshape: other element count; expand: fewer dims, or a size other than 1 changed) is
+** MS_E_SHAPE. */
 MS_API ms_status ms_tensor_reshape(ms_ctx *ctx, const ms_tensor *src, int ndim, const int64_t *shape,
                                    ms_tensor **out);
 MS_API ms_status ms_tensor_slice(ms_ctx *ctx, const ms_tensor *src, int dim, int64_t start, int64_t stop,

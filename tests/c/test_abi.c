@@ -168,7 +168,7 @@ static void test_huge_allocation(void)
     ms_status st = ms_tensor_new(ctx, MS_DTYPE_F64, 2, huge, &t);
     CHECK(st == MS_E_OOM && t == NULL, "2^62 elements: %s", ms_status_name(st));
     int64_t overflow[3] = { (int64_t)1 << 40, (int64_t)1 << 40, 4 };
-    CHECK(ms_tensor_new(ctx, MS_DTYPE_F32, 3, overflow, &t) == MS_E_ARG, "element count overflow");
+    CHECK(ms_tensor_new(ctx, MS_DTYPE_F32, 3, overflow, &t) == MS_E_SHAPE, "element count overflow");
     ms_ctx_free(ctx);
 }
 
@@ -452,6 +452,46 @@ static void test_matmul_nonfinite_coefficients(void)
     ms_ctx_free(ctx);
 }
 
+/* The views' and constructors' codes follow moonstep.h's definitions: a dim, index, step or ndim out of range is
+** MS_E_ARG; a shape (sizes) that is malformed or that the tensor does not fit is MS_E_SHAPE (ms_tensor_new took a
+** negative size as MS_E_ARG where reshape said MS_E_SHAPE, and expand an ndim past MS_MAX_DIMS as MS_E_SHAPE where
+** reshape said MS_E_ARG). */
+static void test_view_error_codes(void)
+{
+    ms_ctx *ctx;
+    CHECK(ms_ctx_new("cpu", NULL, &ctx) == MS_OK, "ctx");
+    int64_t s23[2] = { 2, 3 }, neg[2] = { 2, -3 }, two_infer[2] = { -1, -1 }, s5[1] = { 5 }, s9[9] = { 1 };
+    float buf[6];
+    ms_tensor *t = NULL, *v = NULL;
+    CHECK(ms_tensor_new(ctx, MS_DTYPE_F32, 2, neg, &v) == MS_E_SHAPE && v == NULL, "new: negative size: %s",
+          ms_last_error());
+    CHECK(ms_tensor_wrap(ctx, buf, MS_DTYPE_F32, 2, neg, NULL, &v) == MS_E_SHAPE, "wrap: negative size: %s",
+          ms_last_error());
+    CHECK(ms_tensor_new(ctx, MS_DTYPE_F32, 9, s9, &v) == MS_E_ARG, "new: 9 dims");
+    CHECK(ms_tensor_new(ctx, MS_DTYPE_F32, 2, s23, &t) == MS_OK, "t");
+    /* shapes */
+    CHECK(ms_tensor_reshape(ctx, t, 2, neg, &v) == MS_E_SHAPE, "reshape: negative size");
+    CHECK(ms_tensor_reshape(ctx, t, 2, two_infer, &v) == MS_E_SHAPE, "reshape: two -1");
+    CHECK(ms_tensor_reshape(ctx, t, 1, s5, &v) == MS_E_SHAPE, "reshape: 5 elements for 6");
+    CHECK(ms_tensor_expand(ctx, t, 1, s5, &v) == MS_E_SHAPE, "expand: fewer dims");
+    CHECK(ms_tensor_expand(ctx, t, 2, neg, &v) == MS_E_SHAPE, "expand: a size changed");
+    /* dims, indices, steps, ndim */
+    CHECK(ms_tensor_reshape(ctx, t, 9, s9, &v) == MS_E_ARG, "reshape: 9 dims");
+    ms_status st = ms_tensor_expand(ctx, t, 9, s9, &v);
+    CHECK(st == MS_E_ARG && contains(ms_last_error(), "ndim 9 out of range"), "expand: 9 dims: %s %s",
+          ms_status_name(st), ms_last_error());
+    st = ms_tensor_expand(ctx, t, 2, NULL, &v);
+    CHECK(st == MS_E_ARG && contains(ms_last_error(), "shape is NULL"), "expand: NULL shape: %s %s", ms_status_name(st),
+          ms_last_error());
+    CHECK(ms_tensor_select(ctx, t, 0, 2, &v) == MS_E_ARG && v == NULL, "select: index 2 of 2");
+    CHECK(ms_tensor_select(ctx, t, 2, 0, &v) == MS_E_ARG, "select: dim 2 of a 2-dim tensor");
+    CHECK(ms_tensor_slice(ctx, t, -3, 0, 1, 1, &v) == MS_E_ARG, "slice: dim -3 of a 2-dim tensor");
+    CHECK(ms_tensor_slice(ctx, t, 0, 0, 1, 0, &v) == MS_E_ARG, "slice: step 0");
+    CHECK(ms_tensor_transpose(ctx, t, 0, 2, &v) == MS_E_ARG, "transpose: dim 2");
+    ms_tensor_free(t);
+    ms_ctx_free(ctx);
+}
+
 int main(void)
 {
     test_status_names();
@@ -469,5 +509,6 @@ int main(void)
     test_free_from_another_thread();
     test_comm_new_clears_out();
     test_matmul_nonfinite_coefficients();
+    test_view_error_codes();
     return CHECK_REPORT();
 }
