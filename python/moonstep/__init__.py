@@ -739,6 +739,7 @@ class Optimizer:
         self._keep = {}            # name -> [param, grad]: wrapped NumPy memory must outlive the optimizer's use
         self._tie = {}             # name -> its tensor's (address, dtype, shape): names sharing one are tied
         self._tie_names = {}       # that key -> the names
+        self._grad_handles = {}    # that key -> the registered gradient's handle (step(grads=) restores it)
         try:
             if comm is not None:
                 _check(_lib.ms_optimizer_set_comm(handle, comm._handle()))
@@ -784,10 +785,14 @@ class Optimizer:
             _check(_lib.ms_optimizer_add_param_sharded(self._handle(), _utf8(name, "name"), p, g, text,
                                                        ctypes.byref(sh) if sh is not None else None))
             tie = _view(p)[:3]           # tied parameters: one tensor (address, dtype, shape) under several names
-        finally:
-            _lib.ms_tensor_free(p)       # the optimizer keeps handles of its own
+        except BaseException:
             if g is not None:
                 _lib.ms_tensor_free(g)
+            raise
+        finally:
+            _lib.ms_tensor_free(p)       # the optimizer keeps handles of its own
+        if g is not None:
+            self._remember_grad(tie, g)
         self.names.append(name)
         self._keep[name] = [param, grad]
         self._tie[name] = tie
@@ -808,15 +813,33 @@ class Optimizer:
         for n in self._tie_names.get(self._tie.get(name), ()):   # a tie's one gradient, through any of its names
             self._keep[n][1] = grad
 
+    def _remember_grad(self, tie, g):
+        """Keeps handle g (or None) of the tie's registered gradient, freeing the one it replaces: step(grads=)
+        hands it back after the step without importing the gradient again."""
+        old = self._grad_handles.pop(tie, None)
+        if g is not None:
+            self._grad_handles[tie] = g
+        if old is not None and _lib is not None:
+            _lib.ms_tensor_free(old)
+
+    def _restore_grad(self, name, grad):
+        """After step(grads=): the tie of `name` gets back its registered gradient `grad`, whose handle is kept."""
+        tie = self._tie[name]
+        _check(_lib.ms_optimizer_set_grad(self._handle(), _utf8(name, "name"), self._grad_handles.get(tie)))
+        for n in self._tie_names.get(tie, ()):
+            self._keep[n][1] = grad
+
     def set_grad(self, name, grad):
         """Gives parameter `name` another gradient (None: none; steps then leave it alone).  For a tied
         parameter (one tensor under several names): the gradient of the tie, through any of its names."""
         g = self._import_grad(name, grad)
         try:
             self._set_grad(name, grad, g)
-        finally:
+        except BaseException:
             if g is not None:
                 _lib.ms_tensor_free(g)
+            raise
+        self._remember_grad(self._tie[name], g)
 
     def step(self, grads=None, grad_scale=None):
         """One step.  grads: {name: gradient} for this step only: afterwards (and after a refused step) each
@@ -830,6 +853,7 @@ class Optimizer:
         if grads is not None and not isinstance(grads, dict):
             raise TypeError("step: grads must be a dict {name: gradient} (got %s)" % type(grads).__name__)
         handles, given = {}, {}    # name -> its imported gradient; tie -> (a name of it, the gradient it had)
+        capturing, kept = False, set()   # (the handles a captured step keeps as the registered gradients)
         try:
             for name, grad in (grads or {}).items():
                 if name not in self._keep:
@@ -851,17 +875,23 @@ class Optimizer:
             capturing = self.context.is_cuda and _lib.ms_ctx_is_capturing(self.context._handle()) != 0
             _check(self._ordered(_lib.ms_optimizer_step_with, self._handle(), ctypes.byref(opts),
                                  ctypes.byref(applied)))
+            if capturing:          # the replays read this step's gradients: they stay, as the registered ones
+                for name, g in handles.items():
+                    if g is None or g.value not in kept:
+                        self._remember_grad(self._tie[name], g)
+                        if g is not None:
+                            kept.add(g.value)
         except Exception:
             for name, before in given.values():
-                self.set_grad(name, before)
+                self._restore_grad(name, before)
             raise
         finally:
             for g in handles.values():
-                if g is not None:
+                if g is not None and not (capturing and g.value in kept):
                     _lib.ms_tensor_free(g)
         if not capturing:          # this step's gradients only: the registered ones are back
             for name, before in given.values():
-                self.set_grad(name, before)
+                self._restore_grad(name, before)
         return None if applied.value < 0 else bool(applied.value)
 
     @property
@@ -1012,6 +1042,10 @@ class Optimizer:
             _lib.ms_optimizer_free(self._opt)
         self._opt = None
         self._keep = {}
+        for g in getattr(self, "_grad_handles", {}).values():
+            if _lib is not None:
+                _lib.ms_tensor_free(g)
+        self._grad_handles = {}
         self._comm = None          # the communicator may go now
 
     __del__ = close

@@ -464,6 +464,34 @@ def step_grads_serve_that_step_only():
 
 
 @test
+def step_grads_import_only_the_given_gradients():
+    # the registered gradients come back after the step from the handles kept for them: each step(grads=)
+    # imports what it is given, once (it also imported every registered gradient again, each step)
+    r = rng(16)
+    ps = [r.standard_normal(6).astype(np.float32) for _ in range(3)]
+    gs = [r.standard_normal(6).astype(np.float32) for _ in range(3)]
+    opt = moonstep.Optimizer([("p%d" % i, ps[i], gs[i]) for i in range(3)], "sgd", {"lr": 0.25})
+    real, calls = moonstep._import, []
+    moonstep._import = lambda *a: calls.append(a[2]) or real(*a)
+    try:
+        for k in range(3):
+            g = r.standard_normal(6).astype(np.float32)
+            before = ps[1].copy()
+            assert opt.step(grads={"p1": g}) is True
+            assert_close(ps[1], before - 0.25 * g, 0, 0, "p1 on this step's gradient")
+            assert calls == ["gradient of 'p1'"] * (k + 1), "imports: %r" % (calls,)
+        opt.set_grad("p1", None)                      # then none registered: none comes back either
+        assert opt.step(grads={"p1": r.standard_normal(6).astype(np.float32)}) is True
+        before = [x.copy() for x in ps]
+        assert opt.step() is True
+        assert np.array_equal(ps[1], before[1]), "p1 has no registered gradient: left alone"
+        assert_close(ps[2], before[2] - 0.25 * gs[2], 0, 0, "p2 on its registered gradient")
+    finally:
+        moonstep._import = real
+    opt.close()
+
+
+@test
 def an_expanded_gradient_is_refused_when_handed_over():
     # steps rescale gradients in place: a writable array whose rows share memory failed only at such a step
     w, g = np.ones((4, 3), np.float32), np.ones((4, 3), np.float32)
