@@ -286,11 +286,12 @@ return {
 
     it("resumes from the checkpoint folder alone (its problem, problem flags and recipe); refuses a --problem or --recipe that contradicts it", function()
       local d = scratch()
-      local _, c1 = ms_run(SMALL_MLP .. "--save " .. q(d .. "/full"))
+      local _, c1 = ms_run(SMALL_MLP .. "--device cpu --save " .. q(d .. "/full"))
       assert.equals(0, c1)
-      local _, c2 = ms_run(SMALL_MLP .. "--until 6 --save " .. q(d .. "/half"))
+      local _, c2 = ms_run(SMALL_MLP .. "--device cpu --until 6 --save " .. q(d .. "/half"))
       assert.equals(0, c2)
-      -- no --problem, no --recipe: both from the checkpoint (they were required), and the run continues bit for bit
+      -- no --problem, no --recipe, no --device: all from the checkpoint (the first two were required; the device
+      -- was the best one, a GPU where there is one), and the run continues bit for bit
       local rest, c3 = ms_run("train --resume " .. q(d .. "/half") .. " --save " .. q(d .. "/rest"))
       assert.equals(0, c3, rest)
       has(rest, "train mlp with adamw on cpu (resuming", "steps 7-12 of 12")
@@ -340,6 +341,34 @@ return {
       local named, c11 = ms_run("train --resume " .. q(d .. "/ck") .. " --recipe " .. q(d .. "/moved.lua"))
       assert.equals(0, c11, named)
       has(named, "steps 4-6 of 6")
+    end)
+
+    it("resumes on the checkpoint's device, or on the best one with a note where that device is not usable", function()
+      local d = scratch()
+      local _, c1 = ms_run(SMALL_MLP .. "--device cpu --until 6 --save " .. q(d .. "/ck"))
+      assert.equals(0, c1)
+      local tensors, meta = H.ms.load(d .. "/ck/model.safetensors")
+      local info = H.ms.json.decode(meta.moonstep_train)
+      assert.equals("cpu", info.device)
+      -- the same checkpoint, as if it had run on a GPU this machine does not have
+      info.device = "cuda:97"
+      os.execute("mkdir " .. q(d .. "/moved") .. " && cp " .. q(d .. "/ck/optim.safetensors") .. " " .. q(d .. "/moved/"))
+      H.ms.save(d .. "/moved/model.safetensors", tensors, { moonstep_train = H.ms.json.encode(info) })
+      local out, c2 = ms_run("train --resume " .. q(d .. "/moved"))
+      assert.equals(0, c2, out)
+      has(out, "note: the checkpoint ran on cuda:97, which is not usable here; running on " .. H.ms.best_device(),
+          "train mlp with adamw on " .. H.ms.best_device(), "steps 7-12 of 12")
+      -- --device still decides
+      local cpu, c3 = ms_run("train --resume " .. q(d .. "/moved") .. " --device cpu")
+      assert.equals(0, c3, cpu)
+      has(cpu, "train mlp with adamw on cpu (resuming")
+      assert.falsy(cpu:find("note:", 1, true), cpu)
+      -- a device field that is no name is a corrupt description
+      info.device = 7
+      H.ms.save(d .. "/moved/model.safetensors", tensors, { moonstep_train = H.ms.json.encode(info) })
+      local bad, c4 = ms_run("train --resume " .. q(d .. "/moved"))
+      assert.equals(2, c4, bad)
+      has(bad, "corrupt run description: 'device' is 7, not a device name")
     end)
 
     it("refuses to --save over another run's checkpoint unless --force; the resumed one's folder is its own", function()

@@ -216,7 +216,7 @@ local problems = require("moonstep.problems")
 local problem_flag = { name = "problem", arg = "P", doc = "the problem: " .. table.concat(problems.names, ", ") }
 local common_flags = {
   { name = "steps", arg = "N", type = "integer", min = 1, doc = "optimizer steps (default: the problem's)" },
-  { name = "device", arg = "D", doc = "cpu, cuda, cuda:N (default: the best found, " .. "ms.best_device())" },
+  { name = "device", arg = "D", doc = "cpu, cuda, cuda:N (default: the best found, ms.best_device(); under --resume, the device the checkpoint ran on where it is usable)" },
   { name = "eval-every", key = "eval_every", arg = "N", type = "integer", min = 1, doc = "validation interval in steps (default: the problem's)" },
   { name = "schedule", arg = "KIND", doc = "learning-rate schedule: constant, cosine, linear_warmup, wsd (default: the problem's)" },
   { name = "warmup", arg = "N", type = "integer", min = 0, doc = "warmup steps of the schedule (default: the problem's)" },
@@ -300,7 +300,7 @@ local function parse_assignment(cmd, s)
 end
 
 -- the run configuration shared by train and compare, from parsed flags
-local function run_config(cmd, vals, problem)
+local function run_config(cmd, vals, problem, saved_device)
   local popts = {}
   for k, v in pairs(vals) do
     local n = type(k) == "string" and k:match("^popt:(.*)$")
@@ -313,11 +313,24 @@ local function run_config(cmd, vals, problem)
     for _, s in ipairs(require("moonstep.experiment").schedules) do known = known or s == vals.schedule end
     if not known then usage_error(("--schedule: unknown schedule '%s' (constant, cosine, linear_warmup, wsd)"):format(vals.schedule), cmd) end
   end
-  local device = vals.device or ms.best_device()
-  local okd, ctx = pcall(function()
-    if device == "cpu" then return ms.context { device = "cpu", num_threads = vals.threads or 1 } end
-    return ms.device(device)
-  end)
+  local function open(device)
+    return pcall(function()
+      if device == "cpu" then return ms.context { device = "cpu", num_threads = vals.threads or 1 } end
+      return ms.device(device)
+    end)
+  end
+  local device, okd, ctx = vals.device, nil, nil
+  if not device and saved_device then
+    -- a resumed run continues where it ran, unless that device is not here (a checkpoint moved to another machine)
+    okd, ctx = open(saved_device)
+    if okd then device = saved_device
+    else outln(("note: the checkpoint ran on %s, which is not usable here; running on %s"):format(saved_device,
+                                                                                                 ms.best_device())) end
+  end
+  if not okd then
+    device = device or ms.best_device()
+    okd, ctx = open(device)
+  end
   if not okd then usage_error(("--device %s: %s"):format(device, tostring(ctx)), cmd) end
   return {
     problem = problem, problem_options = popts, steps = vals.steps, ctx = ctx, eval_every = vals.eval_every,
@@ -420,9 +433,9 @@ the run, final and best), the validation loss, time, and the optimizer's state b
 line on a terminal (step, loss, steps/s, ETA); plain lines at each validation otherwise.
 
 A recipe given as a file (path/to/model/optim.lua) runs sandboxed unless --trusted.  The checkpoint
-records the problem, the recipe (its name, its file's path for a file, its content hash) and the run's
-settings: --resume DIR alone continues that run, with that problem and recipe (a recipe file sandboxed
-unless --trusted, as ever).  Resuming as another problem is refused; under another recipe, or with --steps,
+records the problem, the recipe (its name, its file's path for a file, its content hash), the run's
+settings and its device: --resume DIR alone continues that run, with that problem, recipe and device (a
+recipe file sandboxed unless --trusted, as ever; a device not usable here gives way to the best one).  Resuming as another problem is refused; under another recipe, or with --steps,
 --schedule, --warmup or --clip that change the run's learning-rate schedule or clipping, unless --force.  Starting
 points for the known recipes' options come from the problem; --opt overrides them.]=],
   flags = train_flags,
@@ -454,7 +467,7 @@ points for the known recipes' options come from the problem; --opt overrides the
       if not spec then usage_error(("%s: the checkpoint does not name its recipe; name it with --recipe"):format(resume_dir), "train") end
     end
     if not spec then usage_error("train needs --recipe (a name such as adamw, or a recipe file)", "train") end
-    local cfg = run_config("train", vals, problem)
+    local cfg = run_config("train", vals, problem, saved and saved.device)
     check_recipe_found("train", spec, from)
     local recipe = E.recipe(spec, vals.trusted)
     local assignments = {}

@@ -170,6 +170,7 @@ function E.checkpoint_info(dir)
   end
   if info.recipe ~= nil and type(info.recipe) ~= "string" then bad("recipe", "a recipe name") end
   if info.recipe_file ~= nil and type(info.recipe_file) ~= "string" then bad("recipe_file", "a path") end
+  if info.device ~= nil and type(info.device) ~= "string" then bad("device", "a device name") end
   return info, tensors
 end
 
@@ -449,6 +450,7 @@ function E.run(cfg)
       problem = problem.name, problem_options = popts, seed = seed, step = result.steps_done, steps = steps,
       schedule = run_cfg.schedule, warmup = run_cfg.warmup, clip = run_cfg.clip or false,
       recipe = recipe.name, recipe_hash = result.recipe_hash, recipe_options = json_values(ropts), moonstep = ms.version,
+      device = ctx:name(),
     }
     -- a recipe file by its absolute path, so that a resume finds it again without --recipe (one found by
     -- name is recorded by its name alone: its file moves with the installation)
