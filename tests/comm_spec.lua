@@ -506,6 +506,30 @@ describe("communicators", function()
     H.expect_error(function() ms.comm.new { ctx = {} } end, "ctx must be a moonstep context")
   end)
 
+  it("leave *out NULL when they fail, as every constructor does", function()
+    -- a C host that frees what a failed call handed back (ms_comm_free(NULL) is fine) freed a stale pointer
+    local cpu = tctx(ms.device("cpu"))
+    local p = ffi.new("ms_comm *[1]")
+    local stale = ffi.cast("ms_comm *", 8)
+    p[0] = stale
+    assert.are.equal(C.MS_E_ARG, C.ms_comm_new(nil, nil, p))
+    assert.is_true(p[0] == nil)
+    p[0] = stale
+    assert.are.equal(C.MS_E_ARG, C.ms_comm_new(cpu, ffi.new("ms_comm_options", { rank = 2, world_size = 2 }), p))
+    assert.is_true(p[0] == nil)
+    p[0] = stale
+    assert.are.equal(C.MS_E_ARG, C.ms_comm_new_from_env(nil, 0, p))
+    assert.is_true(p[0] == nil)
+    pcall(ffi.cdef, "int setenv(const char *k, const char *v, int overwrite); int unsetenv(const char *k);")
+    local saved = os.getenv("RANK")
+    ffi.C.setenv("RANK", "one", 1)
+    p[0] = stale
+    local st = C.ms_comm_new_from_env(cpu, 100, p)
+    if saved then ffi.C.setenv("RANK", saved, 1) else ffi.C.unsetenv("RANK") end
+    assert.are.equal(C.MS_E_ARG, st)
+    assert.is_true(p[0] == nil)
+  end)
+
   it("name the call that failed, not the rendezvous or ms_comm_new behind it", function()
     -- moonstep.h: a failing call's message names the function (before any network: no address to meet at)
     local cpu = tctx(ms.device("cpu"))

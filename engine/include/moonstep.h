@@ -1304,7 +1304,7 @@ MS_API ms_status ms_rendezvous(const char *addr, int port, int rank, int world_s
 /* Creates this rank's communicator on ctx (a CUDA context: its device and stream; a CPU context: TCP).
 ** opts NULL means {rank 0, world_size 1}.  Blocks until every rank has joined, or the timeout (MS_E_IO, and
 ** nothing made).  Every rank's context is of the same kind (the rendezvous refuses a mix: MS_E_ARG).
-** Errors: MS_E_ARG (NULL ctx or out, options out of range, a unique_id for a CPU context),
+** Errors (*out NULL): MS_E_ARG (NULL ctx or out, options out of range, a unique_id for a CPU context),
 ** MS_E_UNSUPPORTED (CUDA context, built without NCCL), those of ms_rendezvous, MS_E_BACKEND (NCCL). */
 MS_API ms_status ms_comm_new(ms_ctx *ctx, const ms_comm_options *opts, ms_comm **out);
 /* ms_comm_new with rank and world size from the launcher's environment (torchrun, `moonstep launch`):
