@@ -661,6 +661,39 @@ describe("captured steps on CUDA", function()
     rt.cudaGraphDestroy(cgraph[0])
   end)
 
+  cuda_it("refuse ms_graph_begin inside the stream owner's capture, joined or not, leaving it valid", function()
+    -- ms_graph_begin made the context's cuBLAS/cuSOLVER handles (driver calls) and then failed in
+    -- cudaStreamBeginCapture (MS_E_BACKEND) inside the owner's capture, instead of refusing at once
+    local rt = cudart()
+    local stream, ctx, h = stream_context(rt)
+    collectgarbage()
+    collectgarbage("stop")
+    assert.equals(0, rt.cudaStreamBeginCapture(stream[0], 1))   -- thread-local mode
+    local plain = tonumber(C.ms_graph_begin(h))
+    local plain_msg = ffi.string(C.ms_last_error())
+    local joined = tonumber(C.ms_graph_join(h))
+    local inside = tonumber(C.ms_graph_begin(h))
+    local left = tonumber(C.ms_graph_leave(h))
+    local state = tonumber(C.ms_ctx_is_capturing(h))
+    local cgraph = ffi.new("void *[1]")
+    local ended = rt.cudaStreamEndCapture(stream[0], cgraph)
+    collectgarbage("restart")
+    if cgraph[0] ~= nil then rt.cudaGraphDestroy(cgraph[0]) end
+    assert.equals(C.MS_E_UNSUPPORTED, plain)
+    assert.truthy(plain_msg:find("being captured by its owner", 1, true), plain_msg)
+    assert.equals(0, joined)
+    assert.equals(C.MS_E_UNSUPPORTED, inside)
+    assert.equals(0, left)
+    assert.equals(C.MS_CAPTURE_FOREIGN, state)
+    assert.equals(0, ended, "the owner's capture was not invalidated")
+    -- outside the owner's capture the context captures graphs of its own
+    local x = ms.full({ 8 }, 1, { ctx = ctx })
+    local g = graph.capture(ctx, function() x:add_(1) end)
+    g:launch()
+    assert.equals(16, x:sum())
+    g:free()
+  end)
+
   cuda_it("take no runtime error left by the caller's own CUDA calls for a failure of theirs", function()
     -- a trainer's failed runtime call it never read (here cudaSetDevice of a device that does not exist) stayed
     -- the runtime's last error, and moonstep's next kernel launch check reported it as its own failure

@@ -322,6 +322,11 @@ static ms_status cuda_graph_begin(ms_ctx *ctx)
     ms_cuda_ctx *c = ms_cuda(ctx);
     if (c->capture)
         return MS_FAIL(ctx, MS_E_UNSUPPORTED, "ms_graph_begin: %s is already capturing a graph", ctx->name);
+    /* the stream's owner captures it (joined or not): cudaStreamBeginCapture would fail there, and making the
+    ** handles below would call the driver inside the owner's capture and invalidate it */
+    if (c->joined || ms_cuda_capture_state(ctx) != MS_CAPTURE_NONE)
+        return MS_FAIL(ctx, MS_E_UNSUPPORTED, "ms_graph_begin: the stream of %s is being captured by its owner%s "
+                       "(captures do not nest)", ctx->name, c->joined ? " (joined)" : "");
     MS_TRY(ms_cuda_enter(ctx));
     cublasHandle_t blas;
     cusolverDnHandle_t solver;

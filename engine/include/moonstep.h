@@ -441,7 +441,8 @@ MS_API ms_status ms_event_elapsed(const ms_event *start, const ms_event *end, do
 
 typedef struct ms_graph ms_graph;
 
-/* Errors: MS_E_UNSUPPORTED (CPU, or already capturing), MS_E_BACKEND. */
+/* Errors: MS_E_UNSUPPORTED (CPU, already capturing, or the stream is being captured by its owner: joined or not,
+** MS_CAPTURE_FOREIGN), MS_E_BACKEND. */
 MS_API ms_status ms_graph_begin(ms_ctx *ctx);
 /* Ends the capture begun on ctx and hands back the replayable graph (the capture ends even on error). */
 MS_API ms_status ms_graph_end(ms_ctx *ctx, ms_graph **out);
