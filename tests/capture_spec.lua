@@ -694,6 +694,41 @@ describe("captured steps on CUDA", function()
     g:free()
   end)
 
+  cuda_it("refuse to empty the cache inside the stream owner's capture, joined or not, keeping the blocks", function()
+    -- the pool waited for the captured stream (invalidating the owner's capture) and called cudaFree there,
+    -- which the runtime refuses: the blocks were dropped from the pool but never returned to the driver
+    local rt = cudart()
+    local stream, ctx, h = stream_context(rt)
+    local x = ms.full({ 2 ^ 16 }, 1, { ctx = ctx })
+    ctx:sync()
+    x = nil
+    collectgarbage()
+    collectgarbage()
+    local cached = ctx:mem_stats().bytes_cached
+    assert.is_true(cached > 0)
+    collectgarbage("stop")
+    assert.equals(0, rt.cudaStreamBeginCapture(stream[0], 1))   -- thread-local mode
+    local plain = tonumber(C.ms_ctx_empty_cache(h))
+    local plain_msg = ffi.string(C.ms_last_error())
+    local joined = tonumber(C.ms_graph_join(h))
+    local inside = tonumber(C.ms_ctx_empty_cache(h))
+    local left = tonumber(C.ms_graph_leave(h))
+    local cgraph = ffi.new("void *[1]")
+    local ended = rt.cudaStreamEndCapture(stream[0], cgraph)
+    collectgarbage("restart")
+    if cgraph[0] ~= nil then rt.cudaGraphDestroy(cgraph[0]) end
+    assert.equals(C.MS_E_UNSUPPORTED, plain)
+    assert.truthy(plain_msg:find("owner captures it", 1, true), plain_msg)
+    assert.equals(0, joined)
+    assert.equals(C.MS_E_UNSUPPORTED, inside)
+    assert.equals(0, left)
+    assert.equals(0, ended, "the owner's capture was not invalidated")
+    assert.equals(cached, ctx:mem_stats().bytes_cached)
+    -- outside the capture the cache empties
+    assert.equals(0, tonumber(C.ms_ctx_empty_cache(h)))
+    assert.equals(0, ctx:mem_stats().bytes_cached)
+  end)
+
   cuda_it("take no runtime error left by the caller's own CUDA calls for a failure of theirs", function()
     -- a trainer's failed runtime call it never read (here cudaSetDevice of a device that does not exist) stayed
     -- the runtime's last error, and moonstep's next kernel launch check reported it as its own failure

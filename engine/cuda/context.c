@@ -280,6 +280,11 @@ static void *cuda_stream(const ms_ctx *ctx) { return ms_cuda(ctx)->stream; }
 static ms_status cuda_empty_cache(ms_ctx *ctx)
 {
     MS_TRY(refuse_in_capture(ctx, "ms_ctx_empty_cache"));
+    /* the owner's capture of the stream (joined or not) forbids the wait and the cudaFree calls as much: the wait
+    ** invalidates it, and a cudaFree refused there loses its block (the pool forgets it, the driver keeps it) */
+    if (ms_cuda(ctx)->joined || ms_cuda_capture_state(ctx) != MS_CAPTURE_NONE)
+        return MS_FAIL(ctx, MS_E_UNSUPPORTED, "ms_ctx_empty_cache on %s: not possible while the stream's owner "
+                       "captures it (it waits for the device and frees memory)", ctx->name);
     MS_TRY(ms_cuda_enter(ctx));
     return ms_cuda_pool_trim(ctx);
 }

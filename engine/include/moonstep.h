@@ -401,7 +401,8 @@ MS_API void *ms_ctx_stream(const ms_ctx *ctx);
 
 /* Waits for the context's stream, then returns every cached block to the driver (bytes_cached drops to the
 ** blocks still kept for live graphs or awaiting another stream).  A no-op on the CPU.
-** Errors: MS_E_UNSUPPORTED while the context captures a graph, MS_E_BACKEND. */
+** Errors: MS_E_UNSUPPORTED while the context's stream is captured (ms_graph_begin, or its owner's capture,
+** joined or not), MS_E_BACKEND. */
 MS_API ms_status ms_ctx_empty_cache(ms_ctx *ctx);
 
 /* ---------------------------------------------------------------------------------------------------
@@ -473,8 +474,8 @@ MS_API ms_capture ms_ctx_is_capturing(const ms_ctx *ctx);
 ** cuSOLVER handles and the counters the fused steps use), and every block allocated or freed meanwhile is
 ** kept until the context is destroyed, because the caller's graph may replay at any time: capture once, not
 ** every step, and create no tensor meant to outlive the capture inside it.  ms_eigh skips its convergence
-** check, as under ms_graph_begin; other calls that wait for the device are refused by the CUDA runtime
-** (MS_E_BACKEND), which also invalidates the caller's capture.
+** check, as under ms_graph_begin; ms_ctx_empty_cache is refused (MS_E_UNSUPPORTED); other calls that wait for
+** the device are refused by the CUDA runtime (MS_E_BACKEND), which also invalidates the caller's capture.
 ** Errors: MS_E_UNSUPPORTED (CPU; the stream is not being captured, or captured by this context; already
 ** joined), MS_E_BACKEND (the caller's capture was invalidated). */
 MS_API ms_status ms_graph_join(ms_ctx *ctx);
