@@ -164,8 +164,13 @@ static ms_status dash_state(ms_ctx *ctx, bool capturing, struct ms_cuda_dash **o
         struct ms_cuda_dash *d = calloc(1, sizeof *d);
         if (d == NULL) return MS_FAIL(ctx, MS_E_OOM, "ms_inv_root: out of host memory");
         c->dash = d;
-        MS_CUDA_TRY(ctx, cudaHostAlloc((void **)&d->pinned, PIN_RING * 2 * sizeof(int), cudaHostAllocDefault));
-        for (int i = 0; i < PIN_RING; i++) MS_CUDA_TRY(ctx, cudaEventCreateWithFlags(&d->pin_ev[i], cudaEventDisableTiming));
+        cudaError_t e = cudaHostAlloc((void **)&d->pinned, PIN_RING * 2 * sizeof(int), cudaHostAllocDefault);
+        for (int i = 0; i < PIN_RING && e == cudaSuccess; i++)
+            e = cudaEventCreateWithFlags(&d->pin_ev[i], cudaEventDisableTiming);
+        if (e != cudaSuccess) {   /* all or nothing: the next call would take half a state for a whole one */
+            ms_cuda_dash_release(c);
+            return ms_cuda_fail(ctx, e, "cudaHostAlloc/cudaEventCreateWithFlags (DASH state)", __FILE__, __LINE__);
+        }
     }
     *out = c->dash;
     return MS_OK;
@@ -190,15 +195,36 @@ static ms_status evd_streams(ms_ctx *ctx, struct ms_cuda_dash *d, bool capturing
     if (d->nstreams > 0) return MS_OK;
     if (capturing) return refuse_setup(ctx, "the eigensolver's streams");
     const int want = env_int("MOONSTEP_DASH_EVD_STREAMS", 8, 1, EVD_STREAMS_MAX);
-    MS_CUDA_TRY(ctx, cudaEventCreateWithFlags(&d->fork, cudaEventDisableTiming));
-    for (int i = 0; i < want; i++) {
-        d->nstreams = i + 1;   /* what exists is released with the context */
-        MS_CUDA_TRY(ctx, cudaStreamCreateWithFlags(&d->stream[i], cudaStreamNonBlocking));
-        MS_CUDA_TRY(ctx, cudaEventCreateWithFlags(&d->join[i], cudaEventDisableTiming));
-        MS_CUSOLVER_TRY(ctx, cusolverDnCreate(&d->solver[i]));
-        MS_CUSOLVER_TRY(ctx, cusolverDnSetStream(d->solver[i], d->stream[i]));
+    /* all or nothing: with nstreams > 0 the next call takes the set as made, and would queue on a NULL stream
+    ** (the legacy one) with a NULL handle; a fork event made by a failed attempt is reused */
+    if (d->fork == NULL) MS_CUDA_TRY(ctx, cudaEventCreateWithFlags(&d->fork, cudaEventDisableTiming));
+    ms_status st = MS_OK;
+    for (int i = 0; i < want && st == MS_OK; i++) {
+        d->nstreams = i + 1;
+        cudaError_t e = cudaStreamCreateWithFlags(&d->stream[i], cudaStreamNonBlocking);
+        if (e == cudaSuccess) e = cudaEventCreateWithFlags(&d->join[i], cudaEventDisableTiming);
+        if (e != cudaSuccess) {
+            st = ms_cuda_fail(ctx, e, "cudaStreamCreateWithFlags/cudaEventCreateWithFlags (EVD streams)", __FILE__,
+                              __LINE__);
+            break;
+        }
+        cusolverStatus_t s = cusolverDnCreate(&d->solver[i]);
+        if (s == CUSOLVER_STATUS_SUCCESS) s = cusolverDnSetStream(d->solver[i], d->stream[i]);
+        if (s != CUSOLVER_STATUS_SUCCESS)
+            st = ms_cusolver_fail(ctx, s, "cusolverDnCreate/cusolverDnSetStream (EVD streams)", __FILE__, __LINE__);
     }
-    return MS_OK;
+    if (st != MS_OK) {
+        for (int i = 0; i < d->nstreams; i++) {
+            if (d->solver[i]) cusolverDnDestroy(d->solver[i]);
+            if (d->stream[i]) cudaStreamDestroy(d->stream[i]);
+            if (d->join[i]) cudaEventDestroy(d->join[i]);
+            d->solver[i] = NULL;
+            d->stream[i] = NULL;
+            d->join[i] = NULL;
+        }
+        d->nstreams = 0;
+    }
+    return st;
 }
 
 /* --- gather, apply, graft ------------------------------------------------------------------------------ */
