@@ -3183,7 +3183,12 @@ static ms_status run_chunk(ms_ctx *ctx, cudaStream_t s, const msk_sinkgd *o, int
     };
     sequence();
     table_kernel<CAP><<<TABLE_SLOTS, 256, 0, s>>>(*a, tables, used);
-    MSK_CHECK_LAUNCH(ctx, "sinkgd launch tables");
+    const cudaError_t te = cudaGetLastError();
+    if (te != cudaSuccess) {   /* (not MSK_CHECK_LAUNCH: its return would leak the table) */
+        delete a;
+        return ms_error_at(ctx, MS_E_BACKEND, __FILE__, __LINE__, "cuda sinkgd launch tables: kernel launch failed: "
+                           "%s (%s)", cudaGetErrorName(te), cudaGetErrorString(te));
+    }
     ++*launches;
     collect = false;
     rev = false;
