@@ -630,6 +630,44 @@ describe("cuda memory pool", function()
     g:free()
   end)
 
+  cuda_it("does not reuse a block a collective on another context's stream still reads, grouped or not", function()
+    -- the communicators' collectives marked no use of another context's memory (every other op does): its pool
+    -- handed the block out again while the collective, queued behind other work, had not read it yet
+    local with_nccl, id = pcall(ms.comm.unique_id)
+    if not with_nccl then return end           -- a build without NCCL has no CUDA collectives
+    local A = ms.context { device = "cuda" }
+    local B = ms.context { device = "cuda" }
+    local comm = ms.comm.new { ctx = B, rank = 0, world_size = 1, id = id }
+    local n = 16 * 2 ^ 20                      -- 64 MB
+    local x = ms.full({ n }, 1, { ctx = B })
+    local out = ms.empty({ n }, { ctx = B })
+    local function round(value, grouped)
+      local t = ms.full({ n }, value, { ctx = A })
+      A:sync()
+      local busy = read_on(B, x, n)            -- ~20 ms of B's work ahead of the collective
+      if grouped then comm:group_begin() end
+      comm:all_reduce(out, t)
+      if grouped then comm:group_end() end
+      local old = data_ptr(t)
+      t = nil
+      collectgarbage()
+      collectgarbage()
+      local u = ms.full({ n }, 5, { ctx = A })  -- same size, on A's stream, while the collective is still queued
+      if not SANITIZER then
+        assert.is_true(data_ptr(u) ~= old, "a block a queued collective reads was reused" .. (grouped and " (grouped)" or ""))
+      end
+      assert.equals(value * n, out:sum())
+      for i = 1, 8 do assert.equals(2 * n, busy[i]:sum()) end
+      A:sync()
+      B:sync()
+      return u
+    end
+    local u1 = round(1, false)
+    local u2 = round(2, true)
+    local _ = { u1, u2 }
+    comm:free()
+  end)
+
   cuda_it("fails at the memory cap, collects garbage and retries, and recovers", function()
     local ctx = ms.context { device = "cuda", mem_limit = 64 * 2 ^ 20 }
     local h = HC(ctx)

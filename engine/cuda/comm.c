@@ -13,8 +13,20 @@
 #include "cuda.h"
 
 #include <nccl.h>
+#include <stdlib.h>
 #include <string.h>
 #include <time.h>
+
+/* The backend's communicator: NCCL's, and the data pointers of the collectives issued while a group is open.
+** Like every op, a collective marks the memory it uses for the pool (ms_cuda_pool_track: another context's block
+** is not reused before this stream has passed the use); NCCL queues a group's work only at its ncclGroupEnd, so
+** the marks of grouped collectives are recorded there. */
+typedef struct cuda_comm {
+    ncclComm_t   nc;
+    int          depth;       /* groups open (ms_comm_group_begin / _end, counted as the core does) */
+    const void **pending;     /* data of the collectives issued inside the open groups */
+    int          npending, cap;
+} cuda_comm;
 
 static int64_t now_ms(void)
 {
@@ -79,23 +91,43 @@ ms_status ms_cuda_comm_init(ms_ctx *ctx, const unsigned char id[MS_COMM_ID_BYTES
     if (st == MS_E_IO)
         MS_FAIL(ctx, MS_E_IO, "ms_comm_new: NCCL's set-up of rank %d of %d on %s did not finish within %d ms "
                 "(a rank is missing, stuck, or holds another id)", rank, world_size, ctx->name, timeout_ms);
+    cuda_comm *cc = st == MS_OK ? calloc(1, sizeof *cc) : NULL;
+    if (st == MS_OK && cc == NULL) st = MS_FAIL(ctx, MS_E_OOM, "ms_comm_new: out of host memory");
     if (st != MS_OK) {
         if (comm) ncclCommAbort(comm);
         return st;
     }
-    *out = comm;
+    cc->nc = comm;
+    *out = cc;
     return MS_OK;
 }
 
 void ms_cuda_comm_destroy(ms_ctx *ctx, void *impl)
 {
-    ncclComm_t comm = impl;
+    cuda_comm *cc = impl;
+    ncclComm_t comm = cc->nc;
     if (ms_cuda_enter(ctx) == MS_OK &&
-        nccl_settle(ctx, comm, ncclCommFinalize(comm), now_ms() + 60000, "ncclCommFinalize", __FILE__, __LINE__) == MS_OK) {
+        nccl_settle(ctx, comm, ncclCommFinalize(comm), now_ms() + 60000, "ncclCommFinalize", __FILE__, __LINE__) == MS_OK)
         ncclCommDestroy(comm);
-        return;
+    else
+        ncclCommAbort(comm);   /* a peer gone: do not wait for it */
+    free(cc->pending);
+    free(cc);
+}
+
+/* Marks the memory of t for the pool: now, or at the end of the open groups (when NCCL queues their work). */
+static void mark_use(ms_ctx *ctx, cuda_comm *cc, const ms_tensor *t)
+{
+    if (cc->depth > 0 && cc->npending == cc->cap) {
+        int cap = cc->cap ? 2 * cc->cap : 16;
+        const void **grown = realloc(cc->pending, sizeof *grown * (size_t)cap);
+        if (grown) {
+            cc->pending = grown;
+            cc->cap = cap;
+        }
     }
-    ncclCommAbort(comm);   /* a peer gone: do not wait for it */
+    if (cc->depth > 0 && cc->npending < cc->cap) cc->pending[cc->npending++] = ms_tensor_ptr(t);
+    else ms_cuda_track_tensor(ctx, t);   /* (no room: an early mark beats none) */
 }
 
 static ncclDataType_t nccl_dtype(ms_dtype dt)
@@ -125,8 +157,11 @@ ms_status ms_cuda_comm_all_reduce(ms_ctx *ctx, void *comm, ms_tensor *dst, const
     MS_NVTX_RANGE("ms_comm_all_reduce");
     MS_TRY(ms_cuda_enter(ctx));
     ms_ctx_count_launch(ctx);
-    NCCL_TRY(ctx, comm, ncclAllReduce(ms_tensor_ptr(src), ms_tensor_ptr(dst), (size_t)ms_tensor_numel(dst),
-                                      nccl_dtype(dst->dtype), nccl_op(op), comm, ms_cuda(ctx)->stream));
+    cuda_comm *cc = comm;
+    NCCL_TRY(ctx, cc->nc, ncclAllReduce(ms_tensor_ptr(src), ms_tensor_ptr(dst), (size_t)ms_tensor_numel(dst),
+                                        nccl_dtype(dst->dtype), nccl_op(op), cc->nc, ms_cuda(ctx)->stream));
+    mark_use(ctx, cc, src);
+    mark_use(ctx, cc, dst);
     return MS_OK;
 }
 
@@ -135,8 +170,10 @@ ms_status ms_cuda_comm_broadcast(ms_ctx *ctx, void *comm, ms_tensor *t, int root
     MS_NVTX_RANGE("ms_comm_broadcast");
     MS_TRY(ms_cuda_enter(ctx));
     ms_ctx_count_launch(ctx);
-    NCCL_TRY(ctx, comm, ncclBroadcast(ms_tensor_ptr(t), ms_tensor_ptr(t), (size_t)ms_tensor_numel(t),
-                                      nccl_dtype(t->dtype), root, comm, ms_cuda(ctx)->stream));
+    cuda_comm *cc = comm;
+    NCCL_TRY(ctx, cc->nc, ncclBroadcast(ms_tensor_ptr(t), ms_tensor_ptr(t), (size_t)ms_tensor_numel(t),
+                                        nccl_dtype(t->dtype), root, cc->nc, ms_cuda(ctx)->stream));
+    mark_use(ctx, cc, t);
     return MS_OK;
 }
 
@@ -145,8 +182,11 @@ ms_status ms_cuda_comm_all_gather(ms_ctx *ctx, void *comm, ms_tensor *dst, const
     MS_NVTX_RANGE("ms_comm_all_gather");
     MS_TRY(ms_cuda_enter(ctx));
     ms_ctx_count_launch(ctx);
-    NCCL_TRY(ctx, comm, ncclAllGather(ms_tensor_ptr(src), ms_tensor_ptr(dst), (size_t)ms_tensor_numel(src),
-                                      nccl_dtype(src->dtype), comm, ms_cuda(ctx)->stream));
+    cuda_comm *cc = comm;
+    NCCL_TRY(ctx, cc->nc, ncclAllGather(ms_tensor_ptr(src), ms_tensor_ptr(dst), (size_t)ms_tensor_numel(src),
+                                        nccl_dtype(src->dtype), cc->nc, ms_cuda(ctx)->stream));
+    mark_use(ctx, cc, src);
+    mark_use(ctx, cc, dst);
     return MS_OK;
 }
 
@@ -155,8 +195,11 @@ ms_status ms_cuda_comm_reduce_scatter(ms_ctx *ctx, void *comm, ms_tensor *dst, c
     MS_NVTX_RANGE("ms_comm_reduce_scatter");
     MS_TRY(ms_cuda_enter(ctx));
     ms_ctx_count_launch(ctx);
-    NCCL_TRY(ctx, comm, ncclReduceScatter(ms_tensor_ptr(src), ms_tensor_ptr(dst), (size_t)ms_tensor_numel(dst),
-                                          nccl_dtype(dst->dtype), nccl_op(op), comm, ms_cuda(ctx)->stream));
+    cuda_comm *cc = comm;
+    NCCL_TRY(ctx, cc->nc, ncclReduceScatter(ms_tensor_ptr(src), ms_tensor_ptr(dst), (size_t)ms_tensor_numel(dst),
+                                            nccl_dtype(dst->dtype), nccl_op(op), cc->nc, ms_cuda(ctx)->stream));
+    mark_use(ctx, cc, src);
+    mark_use(ctx, cc, dst);
     return MS_OK;
 }
 
@@ -165,16 +208,24 @@ ms_status ms_cuda_comm_reduce_scatter(ms_ctx *ctx, void *comm, ms_tensor *dst, c
 ** collectives are being issued: waited for like every other call. */
 ms_status ms_cuda_comm_group_begin(ms_ctx *ctx, void *comm)
 {
-    NCCL_TRY(ctx, comm, ncclGroupStart());
+    cuda_comm *cc = comm;
+    NCCL_TRY(ctx, cc->nc, ncclGroupStart());
+    cc->depth++;
     return MS_OK;
 }
 
 ms_status ms_cuda_comm_group_end(ms_ctx *ctx, void *comm)
 {
     MS_NVTX_RANGE("ms_comm_group_end");
-    MS_TRY(ms_cuda_enter(ctx));
-    NCCL_TRY(ctx, comm, ncclGroupEnd());
-    return MS_OK;
+    cuda_comm *cc = comm;
+    if (cc->depth > 0) cc->depth--;   /* closed even when NCCL fails, as the core counts it */
+    ms_status st = ms_cuda_enter(ctx);
+    if (st == MS_OK) st = nccl_settle(ctx, cc->nc, ncclGroupEnd(), 0, "ncclGroupEnd()", __FILE__, __LINE__);
+    if (cc->depth == 0) {   /* the groups' work is queued now (or failed): their marks go after it */
+        for (int i = 0; st == MS_OK && i < cc->npending; i++) ms_cuda_pool_track(ctx, cc->pending[i]);
+        cc->npending = 0;
+    }
+    return st;
 }
 
 #endif /* MS_WITH_NCCL */
