@@ -179,13 +179,16 @@ ms_status ms_cuda_sinkgd_step_sharded(ms_ctx *ctx, int n, ms_tensor *const *para
     static const ms_shard_dim order[3] = { MS_SHARD_NONE, MS_SHARD_ROWS, MS_SHARD_COLS };
     int launches = 0;
     ms_status st = MS_OK;
-    for (int k = 0; k < 3 && st == MS_OK; k++) {
-        msk_sinkgd_mat *mats;
-        int64_t count;
-        st = make_mats(ctx, fn, n, params, grads, specnorm_u, md_target_norm, scales, shards, order[k], &mats, &count);
-        if (st == MS_OK && count > 0) st = run_mats(ctx, fn, o, order[k], count, mats, x, &launches);
-        free(mats);
-    }
+    /* every table before the first run: a table that cannot be made (host memory, size) fails the call before it
+    ** changed a parameter, and before this rank's collectives, which the other ranks would wait for */
+    msk_sinkgd_mat *mats[3] = { NULL, NULL, NULL };
+    int64_t count[3] = { 0, 0, 0 };
+    for (int k = 0; k < 3 && st == MS_OK; k++)
+        st = make_mats(ctx, fn, n, params, grads, specnorm_u, md_target_norm, scales, shards, order[k], &mats[k],
+                       &count[k]);
+    for (int k = 0; k < 3 && st == MS_OK; k++)
+        if (count[k] > 0) st = run_mats(ctx, fn, o, order[k], count[k], mats[k], x, &launches);
+    for (int k = 0; k < 3; k++) free(mats[k]);
     if (st == MS_OK) finish_call(ctx, n, params, grads, specnorm_u, md_target_norm, o, launches);
     return st;
 }
