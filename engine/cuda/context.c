@@ -188,6 +188,14 @@ static ms_status refuse_in_capture(ms_ctx *ctx, const char *what)
                                              "captures a graph (it waits for the device)", what, ctx->name));
 }
 
+/* As refuse_in_capture, for a capture of the stream by its owner (a trainer's graph, joined or not). */
+static ms_status refuse_in_owner_capture(ms_ctx *ctx, const char *what, const char *why)
+{
+    if (!ms_cuda(ctx)->joined && ms_cuda_capture_state(ctx) == MS_CAPTURE_NONE) return MS_OK;
+    return MS_FAIL(ctx, MS_E_UNSUPPORTED, "%s on %s: not possible while the stream's owner captures it (%s)", what,
+                   ctx->name, why);
+}
+
 static ms_status cuda_sync(ms_ctx *ctx)
 {
     MS_TRY(refuse_in_capture(ctx, "ms_ctx_sync"));
@@ -280,11 +288,9 @@ static void *cuda_stream(const ms_ctx *ctx) { return ms_cuda(ctx)->stream; }
 static ms_status cuda_empty_cache(ms_ctx *ctx)
 {
     MS_TRY(refuse_in_capture(ctx, "ms_ctx_empty_cache"));
-    /* the owner's capture of the stream (joined or not) forbids the wait and the cudaFree calls as much: the wait
-    ** invalidates it, and a cudaFree refused there loses its block (the pool forgets it, the driver keeps it) */
-    if (ms_cuda(ctx)->joined || ms_cuda_capture_state(ctx) != MS_CAPTURE_NONE)
-        return MS_FAIL(ctx, MS_E_UNSUPPORTED, "ms_ctx_empty_cache on %s: not possible while the stream's owner "
-                       "captures it (it waits for the device and frees memory)", ctx->name);
+    /* the owner's capture forbids the wait and the cudaFree calls as much: the wait invalidates it, and a cudaFree
+    ** refused there loses its block (the pool forgets it, the driver keeps it) */
+    MS_TRY(refuse_in_owner_capture(ctx, "ms_ctx_empty_cache", "it waits for the device and frees memory"));
     MS_TRY(ms_cuda_enter(ctx));
     return ms_cuda_pool_trim(ctx);
 }
@@ -307,6 +313,9 @@ static void cuda_event_destroy(ms_ctx *ctx, void *ev)
 static ms_status cuda_event_record(ms_ctx *ctx, void *ev)
 {
     MS_TRY(refuse_in_capture(ctx, "ms_event_record"));
+    /* recorded into the owner's capture, the event would mark no point of the stream: ms_event_elapsed failed on it
+    ** later (the runtime refuses to wait for an event last recorded in a capture) */
+    MS_TRY(refuse_in_owner_capture(ctx, "ms_event_record", "the event would mark no point of the stream"));
     MS_TRY(ms_cuda_enter(ctx));
     MS_CUDA_TRY(ctx, cudaEventRecord((cudaEvent_t)ev, ms_cuda(ctx)->stream));
     return MS_OK;

@@ -413,7 +413,9 @@ typedef struct ms_event ms_event;
 
 MS_API ms_status ms_event_new(ms_ctx *ctx, ms_event **out);
 MS_API void ms_event_free(ms_event *ev);
-/* Marks the point the context's queued work has reached (re-recording moves the mark). */
+/* Marks the point the context's queued work has reached (re-recording moves the mark).
+** Errors: MS_E_UNSUPPORTED while the context's stream is captured (ms_graph_begin, or its owner's capture,
+** joined or not: a capture has no such point), MS_E_BACKEND. */
 MS_API ms_status ms_event_record(ms_ctx *ctx, ms_event *ev);
 /* Milliseconds between two recorded events of the same device, waiting until `end` has been reached.
 ** Errors: MS_E_ARG (NULL, never recorded), MS_E_DEVICE (events of different devices). */
