@@ -390,6 +390,106 @@ describe("the recipe sandbox", function()
     assert.equals(64 * 2 ^ 20 + 16 * 2 ^ 20, g.quota)
   end)
 
+  it("bounds the Lua data a recipe keeps across calls (limits.retained): state, upvalues, globals", function()
+    -- each call keeps a little more, within its per-call memory limit: the process used to run out of memory
+    -- after enough steps.  Now the call that takes the recipe past its retained limit (8 MiB here) fails,
+    -- naming the recipe and the limit.
+    -- (what these recipes keep is garbage once the test ends: collected, so that the per-call memory limits of
+    -- later tests, which count the heap's net growth, are not measured over it)
+    finally(function() collectgarbage() end)
+    local MB = 2 ^ 20
+    -- (each case keeps strings of its own: a string that exists already, interned, costs no allocation, and the
+    -- walks come after what the calls allocated; see moonstep.recipe)
+    local case = 0
+    local function steps_until_stopped(parts, max_steps)
+      case = case + 1
+      for k, code in pairs(parts) do parts[k] = code:gsub("CASE", case) end
+      local r = R.load_string(recipe_src(parts), "=keeper")
+      local p, g = ms.randn({ 4, 3 }), ms.randn({ 4, 3 })
+      local opt = ms.optim.new(r, { { name = "w", param = p, grad = g } }, {}, { sandbox = { retained = 8 * MB } })
+      for i = 1, max_steps do
+        local ok, err = pcall(opt.step, opt)
+        if not ok then return i, tostring(err), opt end
+      end
+      return nil, "not stopped", opt
+    end
+    local keepers = {
+      state = { step = "group.state[#group.state + 1] = ('x'):rep(2^20) .. 'CASE.' .. ctx.step" },
+      member_state = { step = "local s = group[1].state s[#s + 1] = ('x'):rep(2^20) .. 'CASE.' .. ctx.step" },
+      upvalue = { top = "local kept = {}", step = "kept[#kept + 1] = ('x'):rep(2^20) .. 'CASE.' .. ctx.step" },
+      global = { step = "kept = kept or {} kept[#kept + 1] = ('x'):rep(2^20) .. 'CASE.' .. ctx.step" },
+      -- on the group table itself, in a closure's upvalue, as keys
+      group = { step = "group.mine = group.mine or {} group.mine[('x'):rep(2^20) .. 'CASE.' .. ctx.step] = true" },
+      closure = { step = "local s = ('x'):rep(2^20) .. 'CASE.' .. ctx.step local prev = group.state.f "
+                         .. "group.state.f = function() return s, prev end" },
+    }
+    for what, parts in pairs(keepers) do
+      local stopped, err, opt = steps_until_stopped(parts, 30)
+      assert.truthy(err:find("recipe evil (=keeper): retained memory limit of 8388608 bytes exceeded", 1, true),
+                    what .. ": " .. err)
+      -- stopped once about 8 MB were kept, give or take the last step and an eighth of the limit
+      assert.truthy(stopped >= 8 and stopped <= 10, ("%s: stopped at step %s"):format(what, tostring(stopped)))
+      assert.truthy(opt.guard.found > 8 * MB and opt.guard.found < 11 * MB, what .. ": found " .. opt.guard.found)
+      -- each step walked only once what it could have kept came near the limit: about log2(8) + 8 walks, not 10
+      -- per step of a 1 MB
+      assert.truthy(opt.guard.walks <= 8, what .. ": " .. opt.guard.walks .. " walks")
+    end
+    -- tables count by the slots they hold allocated (an emptied one keeps them), and small tables add up too
+    local stopped, err = steps_until_stopped({ step = [[
+      local t = {} for i = 1, 2^17 do t[i] = true end for i = 1, 2^17 do t[i] = nil end
+      group.state[ctx.step] = t]] }, 30)
+    assert.truthy(stopped and stopped <= 10, err)
+    stopped, err = steps_until_stopped({ step = "for i = 1, 2^14 do group.state[#group.state + 1] = {i} end" }, 30)
+    assert.truthy(stopped and stopped <= 10, err)
+    -- over the limit, a step that keeps more fails too (its plan, which keeps nothing, runs); once the 13th
+    -- step lets go of it all, steps run again
+    local opt
+    stopped, err, opt = steps_until_stopped({ top = "local calls = 0", step = [[
+      calls = calls + 1
+      if calls <= 12 then group.state[calls] = ('x'):rep(2^20) .. 'CASE.' .. calls
+      else for k in pairs(group.state) do group.state[k] = nil end end]] }, 30)
+    assert.truthy(err:find("retained memory limit", 1, true), err)
+    local results, want = {}, {}
+    for call = stopped + 1, 15 do
+      results[#results + 1] = pcall(opt.step, opt)
+      want[#want + 1] = call >= 13
+    end
+    assert.same(want, results)
+  end)
+
+  it("walks a well-behaved recipe's data rarely, blaming it neither for garbage nor for the host's", function()
+    finally(function() collectgarbage() end)
+    local MB = 2 ^ 20
+    -- the built-in adamw and sinkgd, loaded from their files untrusted: hundreds of steps, one walk (the first
+    -- call's), a few kilobytes found
+    for _, name in ipairs { "adamw", "sinkgd" } do
+      local r = R.load("recipes/" .. name .. ".lua")
+      assert.is_false(R.meta[r].trusted)
+      local params = {}
+      for i = 1, 4 do params[i] = { name = "w" .. i, param = ms.randn({ 16, 8 }), grad = ms.randn({ 16, 8 }) } end
+      local opt = ms.optim.new(r, params, {})
+      for _ = 1, 300 do opt:step() end
+      assert.is_true(opt.guard.walks <= 2, name .. ": " .. opt.guard.walks .. " walks")
+      assert.is_true(opt.guard.found < 64 * 1024, name .. ": found " .. opt.guard.found)
+    end
+    -- a recipe that makes 1 MB of garbage a step under a retained limit of 4 MB walks often (every eighth of the
+    -- limit allocated, once near it), and the host keeps 2 MB more between its steps: neither counts
+    local r = R.load_string(recipe_src { step = "local junk = ('x'):rep(2^20) .. ctx.step group.state.n = ctx.step" },
+                            "=tidy")
+    local p, g = ms.randn({ 4, 3 }), ms.randn({ 4, 3 })
+    local opt = ms.optim.new(r, { { name = "w", param = p, grad = g } }, {}, { sandbox = { retained = 4 * MB } })
+    local host = {}
+    for i = 1, 40 do
+      opt:step()
+      local t = { ("y"):rep(2 * MB) .. i }
+      for j = 2, 1000 do t[j] = { j } end
+      host[i] = t
+    end
+    assert.is_true(opt.guard.walks >= 5, opt.guard.walks .. " walks")
+    assert.is_true(opt.guard.found < 64 * 1024, "found " .. opt.guard.found)
+    assert.equals(40, #host)
+  end)
+
   it("reports only plain values to the trainer, no recipe function or table holding one", function()
     -- a function reported would run later in the trainer's hands, without the hook, the limits or the safe strings
     local before = snapshot()
@@ -404,6 +504,7 @@ describe("the recipe sandbox", function()
   it("checks its settings", function()
     H.expect_error(function() run({}, { sandbox = { instructions = -1 } }) end, "sandbox limit instructions")
     H.expect_error(function() run({}, { sandbox = { cpu = 1 } }) end, "unknown sandbox limit 'cpu'")
+    H.expect_error(function() run({}, { sandbox = { retained = 0 } }) end, "sandbox limit retained must be a positive")
     H.expect_error(function() run({}, { sandbox = 5 }) end, "sandbox limits must be a table")
     -- a tighter memory limit trips earlier
     fails(function() run({ step = "local t = {} for i = 1, 1e6 do t[i] = i end" }, { sandbox = { memory = 2 ^ 20 } }) end,

@@ -35,7 +35,10 @@ MS_API void *ms_lua_heap_cap_alloc(void *ud, void *ptr, size_t osize, size_t nsi
     }
     void *p = cap->alloc(cap->ud, ptr, osize, nsize);
     /* a failed request changes nothing; a free (nsize 0) always succeeds */
-    if (p != NULL || nsize == 0) cap->grown += delta;
+    if (p != NULL || nsize == 0) {
+        cap->grown += delta;
+        if (delta > 0) cap->allocated += delta;
+    }
     return p;
 }
 

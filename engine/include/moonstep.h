@@ -1212,13 +1212,16 @@ MS_API void ms_profile_pop(ms_ctx *ctx);
 ** `grown` (bytes allocated less bytes freed since the cap was armed) exceed `limit`, setting `refused`.
 ** Shrinks and frees are never refused.  Having refused one, it puts the wrapped allocator back
 ** (setallocf(L, alloc, ud), when setallocf is set): the error's unwinding, and whatever the sandbox does about
-** it, must not meet a second refusal.
+** it, must not meet a second refusal.  `allocated` adds up the growth it granted (bytes, frees not taken
+** off): all the heap the recipe's calls can have added to what it keeps, which the sandbox's retained-memory
+** check uses to decide when to measure that again.
 ** ------------------------------------------------------------------------------------------------- */
 
 typedef struct ms_lua_heap_cap {
     void   *(*alloc)(void *ud, void *ptr, size_t osize, size_t nsize);   /* the allocator wrapped */
     void    *ud;
     int64_t  grown;
+    int64_t  allocated;                                                /* growth granted, frees not taken off */
     int64_t  limit;
     int32_t  refused;
     void    *L;                                                        /* the Lua state, for setallocf */

@@ -17,7 +17,7 @@ Settings (the runtime's, kept apart from the recipe's options):
                   "raise" (an error naming the parameters), or "apply"
   master_weights  keep f32 master copies of bf16/f16 parameters (the recipe updates the masters)
   trusted         run a recipe loaded from a file with the full Lua environment
-  sandbox         limits of an untrusted recipe: {instructions =, memory =, quota =} (moonstep.recipe)
+  sandbox         limits of an untrusted recipe: {instructions =, memory =, retained =, quota =} (moonstep.recipe)
   ctx / device    the context or device the optimizer runs on (default: the first parameter's)
   stats           true: opt:stats() also reports each parameter's update norm (costs a copy per step)
   timings         true: events around each route's step (CUDA events; the host clock on the CPU), read
@@ -179,7 +179,8 @@ local function check_settings(s)
     error(("setting device must be a device name such as \"cuda:0\" (got %s)"):format(core.show(out.device)), 3)
   end
   if out.sandbox ~= nil and type(out.sandbox) ~= "table" then
-    error(("setting sandbox: the sandbox limits must be a table {instructions =, memory =, quota =} (got %s)")
+    error(("setting sandbox: the sandbox limits must be a table {instructions =, memory =, retained =, quota =} "
+           .. "(got %s)")
           :format(core.show(out.sandbox)), 3)
   end
   if out.distribute ~= nil and out.distribute ~= "owner" and out.distribute ~= "replicate" then
@@ -744,6 +745,9 @@ function build(recipe, params, options, settings, progress)
   local route_count = {}
   for _, e in ipairs(entries) do
     local info = param_info(e)
+    -- (every table the runtime keeps and hands an untrusted recipe is kept before the recipe sees it: what the
+    -- recipe adds to it counts toward its retained limit, what the runtime put there does not; see R.keep)
+    R.keep(guard, info)
     local route, overrides = R.call(guard, recipe.route, info, opts)
     if type(route) ~= "string" or not recipe.routes[route] then
       error(("%s: route() gave %s for parameter '%s', which is not one of its routes"):format(recipe.name, tostring(route), e.name), 2)
@@ -796,8 +800,13 @@ function build(recipe, params, options, settings, progress)
 
   -- state: created by each route's init, owned by the optimizer (with owners: for the members it steps)
   for _, g in ipairs(self.groups) do
-    local r = recipe.routes[g.route]
     if self.dist then g.view = local_view(g) or false end
+    R.keep(guard, g)
+    R.keep(guard, g.view)
+  end
+  R.keep(guard, self.warm_keys)          -- (the plan keys: strings the recipe's plans return)
+  for _, g in ipairs(self.groups) do
+    local r = recipe.routes[g.route]
     local view = g.view == nil and g or g.view
     if r.init and view then R.call(guard, r.init, view, g.options) end
   end
@@ -990,6 +999,7 @@ function Optimizer:_runs()
       if n < #g then
         run = { route = g.route, index = g.index, id = g.id, options = g.options, state = g.state }
         for _, m in ipairs(g) do if m.grad and m.stepped ~= false then run[#run + 1] = m end end
+        R.keep(self.guard, run)
       end
       runs[#runs + 1] = run
     end

@@ -7,9 +7,10 @@ moonstep.recipe -- finding, loading and checking recipes (the contract is in DES
   ms.recipe.options(recipe, {lr = "0.1"})       options checked against the recipe's specs, defaults filled
 
 Built-in recipes are trusted.  Any other file is untrusted unless the caller says trusted = true: it then
-runs in the sandbox (safe Lua and the moonstep primitives only, text chunks only, with instruction, memory
-and engine-allocation limits; see "the sandbox for untrusted recipes" below).  The runtime calls every
-recipe function through M.call(guard, fn, ...), where guard = M.guard(recipe, limits) is nil for trusted ones.
+runs in the sandbox (safe Lua and the moonstep primitives only, text chunks only, with instruction, memory,
+retained-memory and engine-allocation limits; see "the sandbox for untrusted recipes" below).  The runtime
+calls every recipe function through M.call(guard, fn, ...), where guard = M.guard(recipe, limits) is nil for
+trusted ones, and hands the recipe tables it keeps (groups, members, state) through M.keep(guard, t).
 ]]
 local bit = require("bit")
 
@@ -94,6 +95,18 @@ Limits, enforced while untrusted code runs (M.call):
                 ms.inv_root's steps and pi_steps, ms.spectrum_estimate's steps) runs out of the hook's reach:
                 each of its iterations counts as HOOK_EVERY instructions, checked before the call.  An op
                 over an expanded view counts one instruction an element (moonstep.tensor, "overlapping").
+  retained      bytes of Lua data the recipe keeps from one call to the next (per guard, i.e. per optimizer):
+                what is reachable from the recipe's table, its environment (module globals), its functions'
+                upvalues and the tables the runtime keeps for it (M.keep: groups, members, their state, beyond
+                what they held when kept), counted as tables (array and hash slots allocated), strings and
+                closures; the sandbox's shared objects and tensors (the quota's) are left out, and so are the
+                host's own heap and garbage, which no walk from these roots reaches.  The walk runs at the end of
+                a call, not every call: once the heap the guard's calls allocated since the last walk (the heap
+                cap adds it up; without the cap, each call's net growth) could have taken the recipe past the
+                limit, and near the limit after every eighth of it.  (A string that exists already, interned, costs
+                no allocation to keep: keeping one is seen at the next walk that other allocation brings.)  A call
+                that leaves the recipe over the limit fails; while it stays over, every call walks, and one that
+                adds to what the recipe keeps fails too.
   quota         bytes of engine memory held by tensors the recipe allocated (live, per optimizer: a
                 charge is released when the tensor and all its views are collected).
 Once a limit trips, the sandbox's pcall/xpcall re-raise the error, so a recipe cannot swallow it.
@@ -104,7 +117,7 @@ local core = require("moonstep.core")
 local jit_off = jit and jit.off
 
 local MiB = 2 ^ 20
-M.limits = { instructions = 1e8, memory = 256 * MiB, quota = 64 * MiB }
+M.limits = { instructions = 1e8, memory = 256 * MiB, retained = 256 * MiB, quota = 64 * MiB }
 -- the default engine quota of an optimizer: this many times its parameters' bytes, plus limits.quota
 M.QUOTA_PER_PARAM_BYTE = 4
 local HOOK_EVERY = 1000
@@ -115,6 +128,7 @@ local real_string_index = string_mt.__index
 local real_tostring, real_pcall, real_xpcall = tostring, pcall, xpcall
 local str_rep, str_gsub, str_format, str_find = string.rep, string.gsub, string.format, string.find
 local str_match, str_gmatch, tbl_concat, tbl_insert = string.match, string.gmatch, table.concat, table.insert
+local str_sub, real_getmetatable, real_getfenv = string.sub, getmetatable, getfenv
 
 local function memory_cap() return active and active.memory or M.limits.memory end
 
@@ -151,6 +165,7 @@ local function heap_arm(limit)
   -- (the floor leaves room for the call's own bookkeeping under a tiny limit, which the hook enforces; a limit
   -- past int64 would convert to garbage)
   cap.ud, cap.grown, cap.limit, cap.refused = heap.ud[0], 0, math.min(math.max(limit, HEAP_CAP_FLOOR), 2 ^ 62), 0
+  cap.allocated = 0
   cap.L, cap.setallocf = heap.L, heap.setallocf
   heap.C.lua_setallocf(heap.L, heap.alloc, heap.cap)
   heap.armed = true
@@ -313,12 +328,17 @@ local safe_ms = {
   "block_plan", "blocks_gather_factors",
 }
 
+-- the sandbox's own tables, shared by every recipe: no recipe's retained memory
+local shared = setmetatable({}, { __mode = "k" })
+
 local function readonly(t, what)
-  return setmetatable({}, {
+  local proxy = setmetatable({}, {
     __index = t,
     __newindex = function(_, k) error(("%s is read-only (tried to set %s)"):format(what, real_tostring(k)), 2) end,
     __metatable = false,
   })
+  shared[proxy] = true
+  return proxy
 end
 
 local safe_string_ro = readonly(safe_string, "string")
@@ -372,14 +392,186 @@ local function sandbox_env(ms)
   return env
 end
 
+-- ---------------------------------------------------------------------------------------------------
+-- the Lua data a recipe keeps across calls (limits.retained)
+-- ---------------------------------------------------------------------------------------------------
+-- sizes of LuaJIT's objects on a 64-bit machine, near enough for a limit: a table's header, an array slot and a
+-- hash node; a string's header; a closure's header, a reference to an upvalue and the upvalue itself
+local TABLE_BYTES, ARRAY_SLOT_BYTES, HASH_SLOT_BYTES = 64, 8, 24
+local STRING_BYTES, CLOSURE_BYTES, UPREF_BYTES, UPVALUE_BYTES = 24, 40, 8, 48
+
+-- A table's array and hash slots as allocated, used or not (a table the recipe emptied keeps them): LuaJIT's
+-- GCtab holds them (asize, hmask) at an offset that depends on its build, found here on tables of known sizes
+-- (table.new).  nil where no offset checks out: the sizes are then estimated from the entries.
+local table_slots = (function()
+  local ffi = core.ffi
+  local ok, table_new = pcall(require, "table.new")
+  if not ok then return nil end
+  local function at(offset)
+    return function(t)
+      local p = ffi.cast("const uint32_t *", tonumber(str_sub(str_format("%p", t), 3), 16) + offset)
+      return p[0], p[1] + 1
+    end
+  end
+  for _, offset in ipairs { 48, 24 } do            -- GC64, then 32-bit references
+    local slots = at(offset)
+    local ok1, a1, h1 = pcall(slots, table_new(100, 0))
+    local ok2, a2, h2 = pcall(slots, table_new(0, 100))
+    local ok3, a3, h3 = pcall(slots, table_new(7, 9))
+    if ok1 and ok2 and ok3 and a1 == 101 and h1 == 1 and a2 == 0 and h2 == 128 and a3 == 8 and h3 == 16 then
+      return slots
+    end
+  end
+  return nil
+end)()
+
+local function table_bytes(t)
+  if table_slots then
+    local array, hash = table_slots(t)
+    return TABLE_BYTES + array * ARRAY_SLOT_BYTES + hash * HASH_SLOT_BYTES
+  end
+  local entries, border = 0, #t
+  for _ in next, t do entries = entries + 1 end
+  return TABLE_BYTES + border * ARRAY_SLOT_BYTES + math.max(entries - border, 0) * HASH_SLOT_BYTES
+end
+
+-- a table's slots and the strings it holds directly: what a table the runtime keeps counts as its own
+local function own_bytes(t)
+  local bytes = table_bytes(t)
+  for k, v in next, t do
+    if type(k) == "string" then bytes = bytes + STRING_BYTES + #k end
+    if type(v) == "string" then bytes = bytes + STRING_BYTES + #v end
+  end
+  return bytes
+end
+
+-- objects no walk enters: the sandbox's shared tables, tensors (the quota counts their memory; their Lua side
+-- is the runtime's) and contexts
+local function not_the_recipes(t)
+  return shared[t] or tensor.is_tensor(t) or real_getmetatable(t) == "moonstep.Context"
+end
+
+-- each recipe loaded untrusted: its environment, and that table's own bytes before the recipe ran (the
+-- environment held weakly, as the recipe's functions hold it: weak keys do not stop a value that leads back to
+-- its key from keeping the key alive)
+local sandboxes = setmetatable({}, { __mode = "k" })
+
+--- The runtime keeps table t for the recipe of guard g across calls (a group, a member, a state table, a view):
+--- it becomes a root of the recipe's retained memory, which counts what is added to it from now on.  Tables
+--- reachable from t are kept with it, except those kept already (a state table the recipe has filled since),
+--- so keep what the runtime builds before the recipe can write into it.  A no-op for trusted recipes (g nil).
+function M.keep(g, t)
+  if g == nil or type(t) ~= "table" then return end
+  local kept, stack = g.kept, { t }
+  while #stack > 0 do
+    local x = stack[#stack]
+    stack[#stack] = nil
+    if kept[x] == nil and not not_the_recipes(x) then
+      kept[x] = own_bytes(x)
+      for k, v in next, x do
+        if type(k) == "table" then stack[#stack + 1] = k end
+        if type(v) == "table" then stack[#stack + 1] = v end
+      end
+    end
+  end
+end
+
+local upvalue_id = debug.upvalueid
+
+-- The bytes of Lua data the recipe of guard g can reach from its roots: its table, its environment, the
+-- upvalues of its functions and the tables the runtime keeps for it (less their own bytes when kept).  A walk,
+-- each object once: garbage is never reached, nor the host's heap (the runtime's functions, whose environment
+-- is not the recipe's, are not entered).
+local function retained_bytes(g)
+  local kept, env = g.kept, g.env
+  local seen, stack, n, total = {}, {}, 0, 0
+  local function push(v)
+    local tv = type(v)
+    if (tv == "table" or tv == "string" or tv == "function") and not seen[v] then
+      seen[v] = true
+      n = n + 1
+      stack[n] = v
+    end
+  end
+  push(g.recipe)
+  push(env)
+  for t in next, kept do push(t) end
+  while n > 0 do
+    local v = stack[n]
+    stack[n] = nil
+    n = n - 1
+    local tv = type(v)
+    if tv == "string" then
+      total = total + STRING_BYTES + #v
+    elseif tv == "table" then
+      if not not_the_recipes(v) then
+        total = total + table_bytes(v) - (kept[v] or 0)
+        for k, x in next, v do
+          push(k)
+          push(x)
+        end
+      end
+    elseif real_getfenv(v) == env then       -- a function the recipe made: a closure and its upvalues
+      local ups = debug.getinfo(v, "u").nups
+      total = total + CLOSURE_BYTES + ups * UPREF_BYTES
+      for i = 1, ups do
+        local id = upvalue_id and upvalue_id(v, i)
+        if id == nil or not seen[id] then
+          if id ~= nil then seen[id] = true end
+          total = total + UPVALUE_BYTES
+          local _, x = debug.getupvalue(v, i)
+          push(x)
+        end
+      end
+    end
+  end
+  return math.max(total, 0)
+end
+
+-- heap allocated during the call of guard g that just ended: the growth the heap cap granted (frees not taken
+-- off), or without the cap the heap's net growth over the call (which what the call's collection steps freed
+-- can hide: the walk then comes later than it should)
+local function allocated_in_call(g)
+  if heap ~= nil then return tonumber(heap.cap.allocated) end
+  return math.max((collectgarbage("count") - g.mem0) * 1024, 0)
+end
+
+-- Near the limit, a walk after every RETAINED_STEP of it allocated: a recipe that keeps a little more at every
+-- call is stopped at most that much past its limit, and one that only makes garbage near it pays a walk per
+-- RETAINED_STEP of its limit allocated.
+local RETAINED_STEP = 1 / 8
+
+-- The retained limit, checked at the end of a guarded call of a loaded recipe: a walk only when what the calls
+-- allocated since the last one could have taken the recipe past its limit (the first call walks, to start;
+-- while over the limit, every call walks).  The call fails when it leaves the recipe over its limit holding more
+-- than at the last walk: the call that crossed it and any later one that adds to it.  One that keeps as much or
+-- lets go runs (a route's plan, or the step that gets the recipe back under).
+local function check_retained(g)
+  if g.env == nil then return end
+  local before = g.found
+  if before ~= nil and before <= g.retained and g.since < math.max(g.retained - before, g.retained * RETAINED_STEP) then
+    return
+  end
+  local found = retained_bytes(g)
+  g.found, g.since, g.walks = found, 0, g.walks + 1
+  if found > g.retained and (before == nil or found > before) then
+    error(("%s: retained memory limit of %.0f bytes exceeded: the recipe keeps %.0f bytes of Lua data across calls "
+           .. "(reachable from its module, upvalues and state, after call %d)")
+          :format(g.name, g.retained, found, g.calls), 0)
+  end
+end
+
 -- a guard: the limits of one optimizer's (or one load's) untrusted calls and its engine-memory account
 local function check_limits(limits)
-  local out = { instructions = M.limits.instructions, memory = M.limits.memory, quota = nil }
+  local out = { instructions = M.limits.instructions, memory = M.limits.memory, retained = M.limits.retained,
+                quota = nil }
   if limits == nil then return out end
-  if type(limits) ~= "table" then error("sandbox limits must be a table {instructions=, memory=, quota=}", 4) end
+  if type(limits) ~= "table" then
+    error("sandbox limits must be a table {instructions=, memory=, retained=, quota=}", 4)
+  end
   for k, v in pairs(limits) do
     if out[k] == nil and k ~= "quota" then
-      error(("unknown sandbox limit '%s' (limits: instructions, memory, quota)"):format(real_tostring(k)), 4)
+      error(("unknown sandbox limit '%s' (limits: instructions, memory, retained, quota)"):format(real_tostring(k)), 4)
     end
     local x = M.types.number(v)
     if not x or x <= 0 then error(("sandbox limit %s must be a positive number (got %s)"):format(k, real_tostring(v)), 4) end
@@ -389,13 +581,20 @@ local function check_limits(limits)
 end
 
 --- The guard for running `recipe` untrusted, or nil when it is trusted (its calls then run unguarded).
---- limits = {instructions =, memory = (bytes of Lua heap growth per call), quota = (engine bytes)};
---- params (optional, the optimizer's parameter list) sets the default quota from their size.
+--- limits = {instructions =, memory = (bytes of Lua heap growth per call), retained = (bytes of Lua data kept
+--- across calls), quota = (engine bytes)}; params (optional, the optimizer's parameter list) sets the default
+--- quota from their size.  guard.walks counts the walks of the retained check, guard.found is the last one's bytes.
 local new_guard
 function M.guard(recipe, limits, params)
   local meta = M.meta[recipe]
   if meta == nil or meta.trusted then return nil end
-  return new_guard(("recipe %s (%s)"):format(real_tostring(recipe.name), meta.chunkname), limits, params)
+  local g = new_guard(("recipe %s (%s)"):format(real_tostring(recipe.name), meta.chunkname), limits, params)
+  local sandbox = sandboxes[recipe]
+  if sandbox and sandbox.env then    -- the roots of its retained memory (a load's guard has none: one call)
+    g.recipe, g.env = recipe, sandbox.env
+    g.kept[sandbox.env] = sandbox.bytes
+  end
+  return g
 end
 
 new_guard = function(name, limits, params)
@@ -409,8 +608,9 @@ new_guard = function(name, limits, params)
     end
     l.quota = M.limits.quota + M.QUOTA_PER_PARAM_BYTE * bytes
   end
-  local g = { name = name, instructions = l.instructions,
-              memory = l.memory, quota = l.quota, held = 0, calls = 0 }
+  local g = { name = name, instructions = l.instructions, memory = l.memory, retained = l.retained, quota = l.quota,
+              held = 0, calls = 0, since = 0, walks = 0,
+              kept = setmetatable({}, { __mode = "k" }) }      -- (tables the runtime keeps: M.keep)
   -- the engine-memory account: a token per allocation, released by its finalizer (two collections after
   -- the tensor and its views die: the first clears the weak entry, the second finalizes the token)
   g.reserve = function(bytes)
@@ -502,10 +702,12 @@ leave = function(g, prev, ok, ...)
   refused(g)
   string_mt.__index = real_string_index
   tensor.set_alloc_guard(prev[4])
+  g.since = g.since + allocated_in_call(g)
   local tripped = g.tripped
   g.tripped, g.why = nil, nil
   if tripped then error(tripped, 0) end
   if not ok then error((...), 0) end
+  check_retained(g)
   return ...
 end
 
@@ -578,6 +780,7 @@ function M.load_string(src, chunkname, opts)
   local trusted = opts and opts.trusted
   if src:sub(1, 1) == "\27" then error(("recipe %s: precompiled bytecode is not accepted"):format(chunkname), 2) end
   local env = trusted and setmetatable({ ms = require("moonstep") }, { __index = _G }) or sandbox_env(require("moonstep"))
+  local env_bytes = not trusted and own_bytes(env) or nil
   local chunk, err = load(src, chunkname, "t", env)
   if not chunk then error("recipe " .. chunkname .. ": " .. err, 2) end
   local ok, r
@@ -597,6 +800,7 @@ function M.load_string(src, chunkname, opts)
   r = check_shape(r, chunkname)
   -- the contract's metadata, kept beside the recipe (not inside it: a sandboxed table could lie)
   M.meta[r] = { source = src, hash = M.hash(src), chunkname = chunkname, trusted = trusted and true or false }
+  if not trusted then sandboxes[r] = setmetatable({ env = env, bytes = env_bytes }, { __mode = "v" }) end
   return r
 end
 
