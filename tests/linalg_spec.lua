@@ -2,6 +2,7 @@
 -- broadcasting, alpha/beta, mixed precision) against a triple loop, eye and diag, and eigh against a Jacobi
 -- eigensolver, with reconstruction and orthogonality checks.
 local ms = require("moonstep")
+local ffi = require("ffi")
 local T = require("moonstep.tensor")
 local core = require("moonstep.core")
 local C = core.C
@@ -365,6 +366,20 @@ describe("cpu eigh", function()
       local w3, v3 = ms.eigh(x:t(), { vectors = false })
       assert.is_nil(v3)
       H.assert_close(w3:tolist_flat(), w2:tolist_flat(), TOL[dt] * 10, TOL[dt] * 10, "values only")
+    end
+  end)
+
+  it("refuses n past 32000 on every backend (the solvers count the workspace in an int), changing nothing", function()
+    -- a is read in any layout: an expanded zero is a 32001 x 32001 operand in 4 bytes; values only, so no v
+    for _, dev in ipairs(H.has_cuda and { "cpu", "cuda" } or { "cpu" }) do
+      local ctx = ms.device(dev)
+      local a = ms.zeros({ 1, 1 }, { ctx = ctx }):expand({ 32001, 32001 })
+      local w = ms.full({ 32001 }, 7, { ctx = ctx })
+      local st = C.ms_eigh(T.handle_ctx(ctx), T.handle(w), nil, T.handle(a), nil)
+      assert.equals(C.MS_E_UNSUPPORTED, st, dev)
+      assert.truthy(ffi.string(C.ms_last_error()):find("n=32001", 1, true), dev)
+      assert.equals(7, w:min(), dev)
+      assert.equals(7, w:max(), dev)
     end
   end)
 

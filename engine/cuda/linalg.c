@@ -245,7 +245,8 @@ ms_status ms_cuda_eigh(ms_ctx *ctx, ms_tensor *w, ms_tensor *v, const ms_tensor 
     int64_t nbatch = 1;
     for (int d = 0; d < nd - 2; d++) nbatch *= a->shape[d];
     if (nbatch == 0 || n == 0) return MS_OK;
-    if (n > 46340 || nbatch > INT_MAX)
+    /* syevd's workspace, ~2n^2 elements with the vectors, is counted in an int: the CPU's bound (LAPACK's) */
+    if (n > 32000 || nbatch > INT_MAX)
         return MS_FAIL(ctx, MS_E_UNSUPPORTED, "eigh: n=%lld (batch %lld) is too large for cuSOLVER's int",
                        (long long)n, (long long)nbatch);
     cusolverDnHandle_t h;
