@@ -661,31 +661,40 @@ describe("captured steps on CUDA", function()
     rt.cudaGraphDestroy(cgraph[0])
   end)
 
-  cuda_it("refuse ms_graph_begin inside the stream owner's capture, joined or not, leaving it valid", function()
-    -- ms_graph_begin made the context's cuBLAS/cuSOLVER handles (driver calls) and then failed in
-    -- cudaStreamBeginCapture (MS_E_BACKEND) inside the owner's capture, instead of refusing at once
-    local rt = cudart()
-    local stream, ctx, h = stream_context(rt)
+  -- call() inside the stream owner's capture, before ms_graph_join and between it and ms_graph_leave: refused
+  -- both times (MS_E_UNSUPPORTED, the message saying why), the join and leave fine, the owner's capture valid at
+  -- its end; after_leave(), if given, runs after the leave, still inside the capture
+  local function refused_in_owners_capture(rt, stream, h, call, why, after_leave)
     collectgarbage()
-    collectgarbage("stop")
+    collectgarbage("stop")   -- (no finalizer frees device memory inside the capture)
     assert.equals(0, rt.cudaStreamBeginCapture(stream[0], 1))   -- thread-local mode
-    local plain = tonumber(C.ms_graph_begin(h))
+    local plain = tonumber(call())
     local plain_msg = ffi.string(C.ms_last_error())
     local joined = tonumber(C.ms_graph_join(h))
-    local inside = tonumber(C.ms_graph_begin(h))
+    local inside = tonumber(call())
     local left = tonumber(C.ms_graph_leave(h))
-    local state = tonumber(C.ms_ctx_is_capturing(h))
+    if after_leave then after_leave() end
     local cgraph = ffi.new("void *[1]")
     local ended = rt.cudaStreamEndCapture(stream[0], cgraph)
     collectgarbage("restart")
     if cgraph[0] ~= nil then rt.cudaGraphDestroy(cgraph[0]) end
     assert.equals(C.MS_E_UNSUPPORTED, plain)
-    assert.truthy(plain_msg:find("being captured by its owner", 1, true), plain_msg)
+    assert.truthy(plain_msg:find(why, 1, true), plain_msg)
     assert.equals(0, joined)
     assert.equals(C.MS_E_UNSUPPORTED, inside)
     assert.equals(0, left)
-    assert.equals(C.MS_CAPTURE_FOREIGN, state)
     assert.equals(0, ended, "the owner's capture was not invalidated")
+  end
+
+  cuda_it("refuse ms_graph_begin inside the stream owner's capture, joined or not, leaving it valid", function()
+    -- ms_graph_begin made the context's cuBLAS/cuSOLVER handles (driver calls) and then failed in
+    -- cudaStreamBeginCapture (MS_E_BACKEND) inside the owner's capture, instead of refusing at once
+    local rt = cudart()
+    local stream, ctx, h = stream_context(rt)
+    local state
+    refused_in_owners_capture(rt, stream, h, function() return C.ms_graph_begin(h) end, "being captured by its owner",
+                              function() state = tonumber(C.ms_ctx_is_capturing(h)) end)
+    assert.equals(C.MS_CAPTURE_FOREIGN, state)
     -- outside the owner's capture the context captures graphs of its own
     local x = ms.full({ 8 }, 1, { ctx = ctx })
     local g = graph.capture(ctx, function() x:add_(1) end)
@@ -706,23 +715,7 @@ describe("captured steps on CUDA", function()
     collectgarbage()
     local cached = ctx:mem_stats().bytes_cached
     assert.is_true(cached > 0)
-    collectgarbage("stop")
-    assert.equals(0, rt.cudaStreamBeginCapture(stream[0], 1))   -- thread-local mode
-    local plain = tonumber(C.ms_ctx_empty_cache(h))
-    local plain_msg = ffi.string(C.ms_last_error())
-    local joined = tonumber(C.ms_graph_join(h))
-    local inside = tonumber(C.ms_ctx_empty_cache(h))
-    local left = tonumber(C.ms_graph_leave(h))
-    local cgraph = ffi.new("void *[1]")
-    local ended = rt.cudaStreamEndCapture(stream[0], cgraph)
-    collectgarbage("restart")
-    if cgraph[0] ~= nil then rt.cudaGraphDestroy(cgraph[0]) end
-    assert.equals(C.MS_E_UNSUPPORTED, plain)
-    assert.truthy(plain_msg:find("owner captures it", 1, true), plain_msg)
-    assert.equals(0, joined)
-    assert.equals(C.MS_E_UNSUPPORTED, inside)
-    assert.equals(0, left)
-    assert.equals(0, ended, "the owner's capture was not invalidated")
+    refused_in_owners_capture(rt, stream, h, function() return C.ms_ctx_empty_cache(h) end, "owner captures it")
     assert.equals(cached, ctx:mem_stats().bytes_cached)
     -- outside the capture the cache empties
     assert.equals(0, tonumber(C.ms_ctx_empty_cache(h)))
@@ -736,24 +729,7 @@ describe("captured steps on CUDA", function()
     local ev = ffi.new("ms_event *[2]")
     assert.equals(0, tonumber(C.ms_event_new(h, ev)))
     assert.equals(0, tonumber(C.ms_event_new(h, ev + 1)))
-    collectgarbage()
-    collectgarbage("stop")
-    assert.equals(0, rt.cudaStreamBeginCapture(stream[0], 1))   -- thread-local mode
-    local plain = tonumber(C.ms_event_record(h, ev[0]))
-    local plain_msg = ffi.string(C.ms_last_error())
-    local joined = tonumber(C.ms_graph_join(h))
-    local inside = tonumber(C.ms_event_record(h, ev[0]))
-    local left = tonumber(C.ms_graph_leave(h))
-    local cgraph = ffi.new("void *[1]")
-    local ended = rt.cudaStreamEndCapture(stream[0], cgraph)
-    collectgarbage("restart")
-    if cgraph[0] ~= nil then rt.cudaGraphDestroy(cgraph[0]) end
-    assert.equals(C.MS_E_UNSUPPORTED, plain)
-    assert.truthy(plain_msg:find("owner captures it", 1, true), plain_msg)
-    assert.equals(0, joined)
-    assert.equals(C.MS_E_UNSUPPORTED, inside)
-    assert.equals(0, left)
-    assert.equals(0, ended, "the owner's capture was not invalidated")
+    refused_in_owners_capture(rt, stream, h, function() return C.ms_event_record(h, ev[0]) end, "owner captures it")
     local elapsed = ffi.new("double[1]")
     assert.equals(C.MS_E_ARG, tonumber(C.ms_event_elapsed(ev[0], ev[1], elapsed)))   -- never recorded
     -- outside the capture the events time the stream's work
