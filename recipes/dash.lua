@@ -88,7 +88,7 @@ Options (DASH's names; defaults of the paper grid's EVD run, research/dash.md §
   ndb_tolerance              NDB: a block stops once max |Z Y - I| is below it (DASH: none, 0)     0
   evd_heuristic              shampoo (lambda + eps - min(lambda_min, 0)) | none                   "shampoo"
   mu                         momentum on the update (the paper: 0; 0.9 diverged)                   0
-  use_nesterov               Nesterov form of that momentum                                         false
+  use_nesterov               Nesterov form of the momentum (at mu = 0, DASH's pair: none)           false
   use_bias_correction        Adam grafting bias corrections                                         true
   algo_one_dim               adamw | shampoo (the paper's runs: shampoo)                           "adamw"
   adamw_betas / adamw_eps / adamw_weight_decay   the AdamW route (DashLayerwise's)     {0.9, 0.95} / 1e-8 / 0
@@ -859,7 +859,6 @@ return {
     if o.start_prec_step == 0 then
       error("dash: option 'start_prec_step' = 0: steps count from 1 (use -1 or 1 for Shampoo from the start)", 0)
     end
-    if o.use_nesterov and o.mu == 0 then error("dash: option 'use_nesterov' needs mu > 0", 0) end
     if o.inv_root_method == "evd" and o.matmul_dtype ~= "f32" then
       error("dash: option 'matmul_dtype' = " .. o.matmul_dtype .. ": EVD computes in f32 (use cn, ndb or chebyshev)", 0)
     end

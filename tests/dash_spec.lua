@@ -1036,7 +1036,7 @@ describe("the dash recipe's plan, policy and state", function()
       { { eps_power_iter = -1 }, "eps_power_iter" }, { { matmul_dtype = "f64" }, "matmul_dtype" },
       { { matmul_dtype = "bf16" }, "EVD computes in f32" }, { { cbshv_degree = 4 }, "cbshv_degree" },
       { { cn_tolerance = -1 }, "cn_tolerance" }, { { ndb_tolerance = -1 }, "ndb_tolerance" },
-      { { evd_heuristic = "abs" }, "evd_heuristic" }, { { mu = 1 }, "mu" }, { { use_nesterov = true }, "use_nesterov" },
+      { { evd_heuristic = "abs" }, "evd_heuristic" }, { { mu = 1 }, "mu" },
       { { algo_one_dim = "sgd" }, "algo_one_dim" }, { { adamw_betas = { 0.9 } }, "adamw_betas" },
       { { adamw_eps = 0 }, "adamw_eps" }, { { adamw_patterns = { "[a" } }, "adamw_patterns" },
       { { dash_patterns = 3 }, "dash_patterns" }, { { adamw_dims = { 0 } }, "adamw_dims" },
@@ -1048,6 +1048,26 @@ describe("the dash recipe's plan, policy and state", function()
       { { seed = -1 }, "seed" }, { { block = 3 }, "unknown option 'block'" },
     } do
       H.expect_error(function() ms.optim.new("dash", square_params(1, 4, 9), case[1]) end, case[2])
+    end
+  end)
+
+  it("takes use_nesterov with mu = 0 (DashConfig's default pair) as the plain step, bit for bit", function()
+    -- it was refused as a mistake; a config carried over from DASH has exactly that pair
+    local function run(extra)
+      local params = square_params(2, 6, 12)
+      local o = { block_size = 4, inv_root_freq = 2, mu = 0 }
+      for k, v in pairs(extra) do o[k] = v end
+      local opt = ms.optim.new("dash", params, o)
+      for t = 1, 3 do
+        for i, p in ipairs(params) do p.grad:copy_(ms.randn({ 6, 6 }, { seed = 40 + t, offset = i })) end
+        opt:step()
+      end
+      return params
+    end
+    local a, b = run({ use_nesterov = true }), run({})
+    for i = 1, 2 do
+      assert(finite_all(vals(a[i].param)))
+      H.assert_same(vals(b[i].param), vals(a[i].param), "p" .. i)
     end
   end)
 
