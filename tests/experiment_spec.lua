@@ -42,6 +42,7 @@ describe("experiment numbers", function()
       { "seed", -1, "'seed' is -1" }, { "warmup", "w", "'warmup' is \"w\"" }, { "clip", "c", "'clip' is \"c\"" },
       { "schedule", "weird", "'schedule' is \"weird\"" }, { "problem_options", 5, "'problem_options' is 5" },
       { "recipe_options", "zz", "'recipe_options' is \"zz\"" }, { "recipe", 7, "'recipe' is 7" },
+      { "losses", { 1, "x" }, "'losses' is" }, { "losses", 3, "'losses' is 3" },
     } do
       ms.save(dir .. "/model.safetensors", { w = ms.zeros({ 1 }) }, { moonstep_train = json.encode(with(case[1], case[2])) })
       H.expect_error(function() E.checkpoint_info(dir) end, dir .. ": model.safetensors: corrupt run description", case[3])
@@ -51,6 +52,35 @@ describe("experiment numbers", function()
             { moonstep_train = json.encode(with("problem_options", { dim = "x" })) })
     H.expect_error(function() E.run { problem = "lsq", recipe = "sgd", resume = dir, device = "cpu" } end,
                    dir .. ": model.safetensors: corrupt run description", "option 'dim'")
+    os.execute("rm -r " .. dir)
+  end)
+
+  it("a resumed run's final and best losses and moving average are the uninterrupted run's", function()
+    -- they covered only the resumed part: its best was the best since the resume, its average restarted there
+    local dir = os.tmpname()
+    os.remove(dir)
+    local base = { problem = "lsq", recipe = "adamw", device = "cpu", steps = 40, smooth = 8,
+                   problem_options = { dim = 8, outputs = 2, samples = 32 } }
+    local function run(extra)
+      local cfg = {}
+      for k, v in pairs(base) do cfg[k] = v end
+      for k, v in pairs(extra) do cfg[k] = v end
+      return E.run(cfg)
+    end
+    local whole = run {}
+    local first = run { stop_after = 13, save = dir .. "/a" }
+    assert.equals(13, #E.checkpoint_info(dir .. "/a").losses)
+    local rest = run { resume = dir .. "/a", save = dir .. "/b" }
+    assert.equals(14, rest.start_step)
+    assert.equals(27, #rest.losses)
+    for i = 1, 13 do assert.equals(whole.losses[i], first.losses[i]) end
+    for i = 1, 27 do
+      assert.equals(whole.losses[13 + i], rest.losses[i], "loss of step " .. (13 + i))
+      assert.equals(whole.smoothed[13 + i], rest.smoothed[i], "moving average at step " .. (13 + i))
+    end
+    assert.equals(whole.final_loss, rest.final_loss)
+    assert.equals(whole.best_loss, rest.best_loss)
+    assert.equals(40, #E.checkpoint_info(dir .. "/b").losses)
     os.execute("rm -r " .. dir)
   end)
 

@@ -9,7 +9,7 @@ moonstep.experiment -- trains a built-in problem with a recipe: the loop behind 
 
 What a run reports: the training loss of every step; `final_loss` and `best_loss` are the last and the
 lowest value of its moving average over `smooth` steps (5% of the run unless the problem says otherwise:
-minibatch losses are noisy); validation every `eval_every` steps and after the last one; wall time of the
+minibatch losses are noisy), over the whole run for a resumed one (its checkpoint records the losses); validation every `eval_every` steps and after the last one; wall time of the
 steps (evaluations excluded); optimizer state bytes from opt:info().
 
 Checkpoints are folders: optim.safetensors (the ms.optim checkpoint: recipe name and content hash, options,
@@ -171,6 +171,11 @@ function E.checkpoint_info(dir)
   if info.recipe ~= nil and type(info.recipe) ~= "string" then bad("recipe", "a recipe name") end
   if info.recipe_file ~= nil and type(info.recipe_file) ~= "string" then bad("recipe_file", "a path") end
   if info.device ~= nil and type(info.device) ~= "string" then bad("device", "a device name") end
+  if info.losses ~= nil then
+    local ok = type(info.losses) == "table"
+    for i, v in ipairs(ok and info.losses or {}) do ok = ok and type(v) == "number" and i <= 2 ^ 31 end
+    if not ok then bad("losses", "a list of numbers") end
+  end
   return info, tensors
 end
 
@@ -429,11 +434,21 @@ function E.run(cfg)
   local n = #losses
   local w = cfg.smooth or defaults.smooth or math.max(1, math.floor(steps / 20))
   result.smooth = w
-  result.smoothed = moving_average(losses, w)
-  result.final_loss = result.smoothed[n]
+  -- the run's whole loss history: a resumed run's final and best losses (and its moving average) are those of
+  -- the uninterrupted run, from the losses its checkpoint recorded (older checkpoints have none: this part's)
+  local history = {}
+  if resume_info and type(resume_info.losses) == "table" and #resume_info.losses == start - 1 then
+    for i, v in ipairs(resume_info.losses) do history[i] = v end
+  end
+  local earlier = #history
+  for i = 1, n do history[earlier + i] = losses[i] end
+  local smoothed = moving_average(history, w)
+  result.smoothed = {}
+  for i = 1, n do result.smoothed[i] = smoothed[earlier + i] end
+  result.final_loss = smoothed[#history]
   local best = math.huge
-  for _, v in ipairs(result.smoothed) do if v < best then best = v end end
-  result.best_loss = n > 0 and best or nil
+  for _, v in ipairs(smoothed) do if v < best then best = v end end
+  result.best_loss = #history > 0 and best or nil
   local last_eval = result.evals[#result.evals]
   result.val_loss = not result.diverged and last_eval and last_eval.loss or nil
   result.val_accuracy = last_eval and last_eval.accuracy
@@ -456,6 +471,10 @@ function E.run(cfg)
     -- name is recorded by its name alone: its file moves with the installation)
     local rmeta = R.meta[recipe]
     if rmeta and rmeta.path and not rmeta.by_name then meta.recipe_file = E.realpath(rmeta.path) end
+    -- the loss history, for a resumed run's final and best losses (JSON has no NaN: a diverged run has none)
+    local finite = true
+    for _, v in ipairs(history) do finite = finite and v == v and v > -math.huge and v < math.huge end
+    if finite then meta.losses = history end
     opt:save(optim_path(cfg.save))
     ms.save(model_path(cfg.save), tensors, { moonstep_train = json.encode(meta) })
     result.saved = cfg.save
