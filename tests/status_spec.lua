@@ -46,6 +46,26 @@ describe("status codes", function()
     local shape = ffi.new("int64_t[1]", 100)
     assert.equals(C.MS_E_OOM, C.ms_tensor_new(tensor.handle_ctx(c), C.MS_DTYPE_F32, 1, shape, core.out_tensor))
     assert.truthy(last():find("limit 64", 1, true))
+    -- named by the call, with one source location (the allocator's; naming the call added a second)
+    local function one_location(msg)
+      local _, n = msg:gsub("%(engine/[%w_/]+%.c:%d+%)", "")
+      assert.equals(1, n, msg)
+    end
+    assert.truthy(last():find("^ms_tensor_new: out of memory"), last())
+    one_location(last())
+    -- a strided tensor staged through a contiguous copy that the limit refuses
+    local small = ms.context { device = "cpu", mem_limit = 600 }
+    local xt = ms.zeros({ 10, 10 }, { ctx = small }):t()
+    local buf = ffi.new("float[100]")
+    for call, run in pairs {
+      ms_tensor_read = function() return C.ms_tensor_read(tensor.handle_ctx(small), h(xt), buf, 400) end,
+      ms_tensor_write = function() return C.ms_tensor_write(tensor.handle_ctx(small), h(xt), buf, 400) end,
+      ms_tensor_contiguous = function() return C.ms_tensor_contiguous(tensor.handle_ctx(small), h(xt), core.out_tensor) end,
+    } do
+      assert.equals(C.MS_E_OOM, run(), call)
+      assert.truthy(last():find("^" .. call .. ": .*out of memory"), last())
+      one_location(last())
+    end
   end)
 
   it("MS_E_NUMERIC: an eigendecomposition of a matrix with NaN", function()

@@ -101,8 +101,9 @@ MS_API ms_status ms_tensor_new(ms_ctx *ctx, ms_dtype dt, int ndim, const int64_t
     if (ctx == NULL) return MS_FAIL(NULL, MS_E_ARG, "ms_tensor_new: ctx is NULL");
     if (!ms_dtype_valid(dt)) return MS_FAIL(ctx, MS_E_DTYPE, "ms_tensor_new: invalid dtype %d", (int)dt);
     const ms_status st = ms_tensor_alloc(ctx, dt, ndim, shape, out);
-    /* the allocator's message names the device, not the call (ms_tensor_alloc serves many calls: named here) */
-    if (st == MS_E_OOM) return MS_FAIL(ctx, st, "ms_tensor_new: %s", ms_last_error());
+    /* the allocator's message names the device, not the call (ms_tensor_alloc serves many calls: named here,
+    ** its source location kept as the one) */
+    if (st == MS_E_OOM) return ms_error_name(ctx, st, "ms_tensor_new");
     return st;
 }
 
@@ -526,7 +527,7 @@ MS_API ms_status ms_tensor_contiguous(ms_ctx *ctx, const ms_tensor *src, ms_tens
     ms_tensor *t;
     ms_status st = ms_tensor_alloc(src->ctx, src->dtype, src->ndim, src->shape, &t);
     /* the allocator's message names the device, not the call */
-    if (st != MS_OK) return MS_FAIL(ctx, st, "%s: %s", fn, ms_last_error());
+    if (st != MS_OK) return ms_error_name(ctx, st, fn);
     st = ms_copy(src->ctx, t, src);
     if (st != MS_OK) { ms_tensor_free(t); return st; }
     *out = t;
@@ -557,7 +558,7 @@ MS_API ms_status ms_tensor_read(ms_ctx *ctx, const ms_tensor *src, void *host_ds
     if (nbytes == 0) return MS_OK;
     ms_tensor *c;
     ms_status st = ms_tensor_contiguous(src->ctx, src, &c);   /* a strided src is staged contiguously first */
-    if (st != MS_OK) return MS_FAIL(ctx, st, "ms_tensor_read: %s", ms_last_error());
+    if (st != MS_OK) return ms_error_name(ctx, st, "ms_tensor_read");
     st = c->ctx->backend->memcpy_to_host(c->ctx, host_dst, ms_tensor_ptr(c), nbytes);
     ms_tensor_free(c);
     return st;
@@ -574,7 +575,7 @@ MS_API ms_status ms_tensor_write(ms_ctx *ctx, ms_tensor *dst, const void *host_s
     /* strided destination: stage contiguously on the device, then scatter with a copy */
     ms_tensor *c;
     ms_status st = ms_tensor_alloc(dst->ctx, dst->dtype, dst->ndim, dst->shape, &c);
-    if (st != MS_OK) return MS_FAIL(ctx, st, "ms_tensor_write: %s", ms_last_error());
+    if (st != MS_OK) return ms_error_name(ctx, st, "ms_tensor_write");
     st = dst->ctx->backend->memcpy_from_host(dst->ctx, ms_tensor_ptr(c), host_src, nbytes);
     if (st == MS_OK) st = ms_copy(dst->ctx, dst, c);
     ms_tensor_free(c);
