@@ -356,6 +356,10 @@ static ms_status check_shard(ms_optimizer *opt, const char *fn, const char *name
                        "rows, dim -2, or columns, dim -1, of a matrix or a stack of matrices)", fn, name,
                        ms_tshape(param), what);
     int64_t local = param->shape[param->ndim - (rows ? 2 : 1)];
+    /* the runtime's Lua holds them as doubles: exact to 2^53 (no real matrix comes near it) */
+    if (shard->global > ((int64_t)1 << 53))
+        return MS_FAIL(opt->ctx, MS_E_ARG, "%s: parameter '%s': a global size of %lld %s is past 2^53", fn, name,
+                       (long long)shard->global, what);
     if (shard->offset >= 0 && shard->global >= 1 && shard->offset <= shard->global - local) return MS_OK;
     /* the slice's end as the message shows it: offset + local can pass INT64_MAX (an offset near it) */
     int64_t end;

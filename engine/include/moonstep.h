@@ -1099,7 +1099,7 @@ MS_API ms_status ms_optimizer_set_comm(ms_optimizer *opt, ms_comm *comm);
 ** communicator) when it starts, and names the parameter.  grad: the gradient of the slice (param's shape).
 ** shard NULL or MS_SHARD_NONE: ms_optimizer_add_param.
 ** Errors: as ms_optimizer_add_param, and MS_E_ARG (an unknown shard->dim; a param of fewer than 2 dims;
-** offset < 0, or offset + the slice's size > global). */
+** offset < 0, or offset + the slice's size > global, a global size past 2^53). */
 MS_API ms_status ms_optimizer_add_param_sharded(ms_optimizer *opt, const char *name, ms_tensor *param,
                                                 ms_tensor *grad, const char *tags, const ms_shard *shard);
 

@@ -1116,6 +1116,8 @@ static void test_comm_and_shard_errors(void)
         { { MS_SHARD_COLS, 0, 0 }, tw, "columns [0, 6) held here do not lie within the global [0, 0)" },
         /* offset + the slice's size passes INT64_MAX: the message must not compute it (signed overflow) */
         { { MS_SHARD_ROWS, INT64_MAX, 8 }, tw, "rows [9223372036854775807, 9223372036854775807 + 4) held here" },
+        /* the runtime's Lua holds offsets and sizes as doubles: past 2^53 they would be rounded */
+        { { MS_SHARD_ROWS, 0, ((int64_t)1 << 53) + 1 }, tw, "a global size of 9007199254740993 rows is past 2^53" },
     };
     for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
         st = ms_optimizer_add_param_sharded(opt, "w", bad[i].param, NULL, NULL, &bad[i].shard);
