@@ -226,6 +226,38 @@ describe("conversion and copies", function()
     H.expect_error(function() t:to("tpu") end, "unknown device", "tpu")
   end)
 
+  it("reads every NaN into Lua as a NaN number, whatever its sign and payload, in every float dtype", function()
+    -- LuaJIT keeps its own values in the NaN space: a NaN of other bits read as it was became nil, a light
+    -- userdata or a pointer to nowhere (a crash), e.g. from a checkpoint holding such bits
+    local ffi, C, T = core.ffi, core.C, require("moonstep.tensor")
+    local patterns = {
+      f32 = { "uint32_t", 0xffffffff, 0x7fffffff, 0xffc00001, 0x7f800001, 0x3fc00000, 0xff800000, 0x80000000 },
+      f64 = { "uint64_t", 0xffffffffffffffffULL, 0xfffe000000000001ULL, 0xfff8000000000001ULL, 0x7ff0000000000001ULL,
+              0x3ff8000000000000ULL, 0xfff0000000000000ULL, 0x8000000000000000ULL },
+      bf16 = { "uint16_t", 0xffff, 0x7fff, 0xffc1, 0x7f81, 0x3fc0, 0xff80, 0x8000 },
+      f16 = { "uint16_t", 0xffff, 0x7fff, 0xfe01, 0x7c01, 0x3e00, 0xfc00, 0x8000 },
+    }
+    for dt, p in pairs(patterns) do
+      local bits = ffi.new(p[1] .. "[7]", { unpack(p, 2) })
+      local t = ms.zeros({ 7 }, { dtype = dt })
+      assert.equals(0, C.ms_tensor_write(T.handle_ctx(t:context()), T.handle(t), bits, ffi.sizeof(bits)))
+      for _, got in ipairs { t:tolist_flat(), t:totable() } do
+        for i = 1, 4 do
+          assert.equals("number", type(got[i]), dt .. " element " .. i)
+          assert.is_true(got[i] ~= got[i], dt .. " element " .. i)
+        end
+        assert.equals(1.5, got[5], dt)
+        assert.equals(-math.huge, got[6], dt)
+        assert.equals(0, got[7], dt)
+        assert.equals(-math.huge, 1 / got[7], dt .. ": -0 stays -0")
+      end
+      local one = t:narrow(0, 0, 1)
+      assert.is_true(one:item() ~= one:item(), dt .. " item")
+      assert.is_true(t:sum() ~= t:sum(), dt .. " sum")
+      collectgarbage()
+    end
+  end)
+
   it("clone is independent", function()
     local t = ms.ones({ 4 })
     local c = t:clone()

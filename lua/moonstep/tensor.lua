@@ -602,6 +602,29 @@ function Tensor:cpu() return self:to("cpu") end
 function Tensor:float() return self:to("f32") end
 function Tensor:double() return self:to("f64") end
 
+-- Numbers read from memory into Lua: LuaJIT keeps its own values in the NaN space of doubles, and its FFI
+-- hands a double over bit for bit, so a NaN with another sign and payload than its own (uninitialised memory,
+-- a crafted checkpoint, bf16 / f16 NaNs widened) became nil, a light userdata or a bad pointer in Lua (a
+-- crash, or forged values in a recipe's hands).  Every NaN is read as Lua's own NaN, by its bits.
+local NAN = 0 / 0
+local HI = ffi.abi("le") and 1 or 0    -- the index of a double's high 32 bits
+
+local function read_f32(out, buf, n)
+  local bits = ffi.cast("const uint32_t *", buf)
+  for i = 1, n do
+    if bits[i - 1] % 0x80000000 > 0x7f800000 then out[i] = NAN else out[i] = buf[i - 1] end
+  end
+end
+
+local function read_f64(out, buf, n)
+  local words = ffi.cast("const uint32_t *", buf)
+  for i = 1, n do
+    local hi = words[2 * i - 2 + HI] % 0x80000000
+    if hi > 0x7ff00000 or (hi == 0x7ff00000 and words[2 * i - 1 - HI] ~= 0) then out[i] = NAN
+    else out[i] = buf[i - 1] end
+  end
+end
+
 --- The values as a flat Lua array of numbers (row-major).
 function Tensor:tolist_flat()
   local n = self:numel()
@@ -611,17 +634,21 @@ function Tensor:tolist_flat()
   -- holds no quota, yet reads back as n elements)
   if alloc_guard then alloc_guard.host("reading a tensor into Lua", n * 16) end
   local dt = self:dtype()
-  if dt == "f32" or dt == "f64" then     -- a plain transfer: no conversion op on the tensor's device
-    local buf = ffi.new(dt == "f32" and "float[?]" or "double[?]", n)
-    check(C.ms_tensor_read(ctx_of(self), H(self), buf, n * (dt == "f32" and 4 or 8)))
-    for i = 1, n do out[i] = buf[i - 1] end
+  if dt == "f32" then     -- a plain transfer: no conversion op on the tensor's device
+    local buf = ffi.new("float[?]", n)
+    check(C.ms_tensor_read(ctx_of(self), H(self), buf, n * 4))
+    read_f32(out, buf, n)
     return out
   end
-  local host = empty(self:shape(), { dtype = "f64", device = "cpu" })
-  check(C.ms_copy(ctx_handle[M.device("cpu")], H(host), H(self)))
   local buf = ffi.new("double[?]", n)
-  check(C.ms_tensor_read(ctx_handle[M.device("cpu")], H(host), buf, n * 8))
-  for i = 1, n do out[i] = buf[i - 1] end
+  if dt == "f64" then
+    check(C.ms_tensor_read(ctx_of(self), H(self), buf, n * 8))
+  else
+    local host = empty(self:shape(), { dtype = "f64", device = "cpu" })
+    check(C.ms_copy(ctx_handle[M.device("cpu")], H(host), H(self)))
+    check(C.ms_tensor_read(ctx_handle[M.device("cpu")], H(host), buf, n * 8))
+  end
+  read_f64(out, buf, n)
   return out
 end
 
