@@ -22,6 +22,12 @@
 ** 2.2x near y = 1e-5 (scalar: 1.01x at 1e-3, 1.37x at 1e-4, 2.15x at 1e-5, 1.73x at 1e-6, 0.58x at 1e-8).  EVD below its floor works on eigenvalues that are noise
 ** of ~1e-7 lambda_max, so its root there can be too large as well as too small; evd_shift keeps every
 ** eigenvalue >= eps, so X stays <= eps^(-1/p).
+**
+** EVD runs ssyevd from several OpenMP threads at once.  A block whose eigendecomposition failed or whose root
+** came out non-finite there is done again alone after the parallel part, before anything is written or
+** refused: once on a 16-core host the CPU root of a well-conditioned block came out NaN and was never seen again
+** (OpenBLAS has had races between concurrent LAPACK and BLAS calls), and a block that is really at fault fails
+** or comes out the same the second time.  MOONSTEP_TEST_EVD_REDO=k makes block k take that path (the specs).
 */
 #include "cpu.h"
 
@@ -480,6 +486,13 @@ static int root_chebyshev(const root_call *rc, work *w, const float *areg, doubl
     return d;
 }
 
+static bool all_finite(const float *x, int64_t n)
+{
+    for (int64_t i = 0; i < n; i++)
+        if (!isfinite(x[i])) return false;
+    return true;
+}
+
 /* X = Q diag(l^(-1/p)) Q^T from ssyevd on A_reg (moonstep.h); LAPACK's info when it fails. */
 static int root_evd(const root_call *rc, work *w, const float *areg, float *x)
 {
@@ -661,6 +674,21 @@ ms_status ms_cpu_inv_root(ms_ctx *ctx, ms_tensor *x, ms_tensor *residual, ms_ten
     int32_t *held_i = (int32_t *)(held_r + kc);
     int *ibase = (int *)(evd ? (char *)(held_i + kc) : (char *)held_x);
 
+    /* EVD blocks to do again alone, after the parallel part (see the comment at the top) */
+    unsigned char *redo = NULL;
+    int64_t force_redo = -1;
+    if (evd) {
+        redo = calloc((size_t)kc, 1);
+        if (redo == NULL) {
+            ms_ctx_dealloc(ctx, mem, total);
+            free(list);
+            free(coef);
+            return MS_FAIL(ctx, MS_E_OOM, "ms_inv_root: out of host memory");
+        }
+        const char *f = getenv("MOONSTEP_TEST_EVD_REDO");
+        if (f != NULL && *f != '\0') force_redo = strtoll(f, NULL, 10);
+    }
+
     /* blocks in parallel, each product single-threaded; a lone block keeps OpenBLAS's threads */
     int saved_blas = -1;
     if (nt > 1) {
@@ -684,10 +712,8 @@ ms_status ms_cpu_inv_root(ms_ctx *ctx, ms_tensor *x, ms_tensor *residual, ms_ten
             float *xk = evd ? held_x + q * bb : X + k * bb;
             int its = 0;
             if (evd) {
-                int info = root_evd(&rc, &w, areg, xk);
-                if (info != 0) {
-                    #pragma omp critical(ms_dash_fail)
-                    if (fail_q < 0 || q < fail_q) fail_q = q, fail_info = info;
+                if (root_evd(&rc, &w, areg, xk) != 0 || !all_finite(xk, bb) || k == force_redo) {
+                    redo[q] = 1;
                     continue;
                 }
             } else {
@@ -706,6 +732,29 @@ ms_status ms_cpu_inv_root(ms_ctx *ctx, ms_tensor *x, ms_tensor *residual, ms_ten
             }
         }
     }
+    /* the EVD blocks to do again, one at a time in this thread (OpenBLAS still on one thread, as the blocks beside
+    ** them were: the same bits where the parallel run went right): what LAPACK says now stands */
+    if (evd) {
+        work w;
+        work_bind(&w, b, fbase, dbase, ibase, lwork, liwork);
+        for (int64_t q = 0; q < kc; q++) {
+            if (!redo[q]) continue;
+            const int64_t k = list[q];
+            const float *ak = A + k * bb;
+            float *areg = w.m[MATS - 1], *xk = held_x + q * bb;
+            memcpy(areg, ak, (size_t)bb * sizeof(float));
+            for (int64_t i = 0; i < b; i++) areg[i * b + i] += (float)o->eps;
+            int info = root_evd(&rc, &w, areg, xk);
+            if (info != 0) {
+                fail_q = q;
+                fail_info = info;
+                break;
+            }
+            held_r[q] = R ? block_residual(&rc, &w, ak, xk, k) : 0.0f;
+            held_i[q] = 0;
+        }
+    }
+    free(redo);
     if (saved_blas > 0) openblas_set_num_threads(saved_blas);
 
     if (fail_q >= 0) {
