@@ -82,6 +82,10 @@ describe("ms.context and ms.load", function()
     H.expect_error(function() ms.context { device = 0 } end, "context: device must be a string (got 0)")
     H.expect_error(function() ms.context { stream = "s" } end, "context: stream must be a pointer")
     H.expect_error(function() ms.context(3) end, "context: options must be a table (got 3)")
+    -- (C reads a string up to its first NUL: "cpu\0junk" made a CPU context)
+    H.expect_error(function() ms.context { device = "cpu\0junk" } end,
+                   'context: device must not contain a NUL byte (got "cpu\\0junk")')
+    H.expect_error(function() ms.device("cpu\0junk") end, "context: device must not contain a NUL byte")
     local c = ms.context { device = "cpu", num_threads = 1, mem_limit = 2 ^ 20 }
     assert.equals(2 ^ 20, c:mem_stats().limit)
     assert.equals("cpu", ms.context("cpu"):name())
@@ -235,6 +239,16 @@ describe("recipe loading, communicators and shards", function()
     H.expect_error(function() ms.comm.from_env { ctx = ms.device("cpu"), timeot = 5 } end, "comm.from_env: unknown option 'timeot'")
     H.expect_error(function() ms.comm.rendezvous { rank = math.huge, world_size = 2 } end, "rank must be an integer (got inf)")
     H.expect_error(function() ms.comm.rendezvous { rank = 0, world_size = 2 ^ 32 + 2 } end, "world_size must be an integer")
+  end)
+
+  it("ms.comm calls refuse an address with a NUL byte (C would read the part before it)", function()
+    local port = ms.comm.free_port()
+    H.expect_error(function()
+      ms.comm.rendezvous { rank = 1, world_size = 2, addr = "127.0.0.1\0.example", port = port, timeout = 0.2 }
+    end, 'rendezvous: addr must not contain a NUL byte (got "127.0.0.1\\0.example")')
+    H.expect_error(function()
+      ms.comm.new { rank = 1, world_size = 2, addr = "127.0.0.1\0.example", port = port, timeout = 0.2 }
+    end, "comm.new: addr must not contain a NUL byte")
   end)
 
   it("shard.set refuses unknown keys of the shard", function()

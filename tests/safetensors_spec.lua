@@ -235,7 +235,20 @@ describe("safetensors atomic save", function()
     H.expect_error(function() ms.save(p, { ["__metadata__"] = ms.ones({ 1 }) }) end, "ms_safetensors_save", "__metadata__")
     H.expect_error(function() ms.save(p, { [""] = ms.ones({ 1 }) }) end, "ms_safetensors_save", "is empty")
     H.expect_error(function() ms.save(p, { ["bad\255"] = ms.ones({ 1 }) }) end, "not valid UTF-8")
+    -- C reads a name up to its first NUL: "w\0x" was saved as w
+    H.expect_error(function() ms.save(p, { ["w\0x"] = ms.ones({ 1 }) }) end,
+                   'save: a tensor name must not contain a NUL byte (got "w\\0x")')
     assert.equals(before, read_file(p))
+    assert.same({}, temp_files())
+  end)
+
+  it("refuses a path with a NUL byte, which C would cut there (another file)", function()
+    local cut = path_of("cut.safetensors")
+    os.remove(cut)
+    H.expect_error(function() ms.save(cut .. "\0.bak", { a = ms.ones({ 1 }) }) end, "save: path must not contain a NUL byte")
+    assert.is_nil(io.open(cut, "rb"))
+    ms.save(cut, { a = ms.ones({ 1 }) })
+    H.expect_error(function() ms.load(cut .. "\0.bak") end, "load: path must not contain a NUL byte")
     assert.same({}, temp_files())
   end)
 

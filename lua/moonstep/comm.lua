@@ -80,6 +80,7 @@ end
 function M.rendezvous(o)
   if type(o) ~= "table" then error("rendezvous takes a table {rank =, world_size =, id =, addr =, port =, timeout =}", 2) end
   core.check_options("rendezvous", o, RENDEZVOUS, 2)
+  if o.addr ~= nil then core.c_string("rendezvous", "addr", o.addr, 2) end
   local rank, world = integer(o.rank, "rank", 2), integer(o.world_size, "world_size", 2)
   local buf = ffi.new("unsigned char[?]", M.ID_BYTES)
   if rank == 0 then ffi.copy(buf, id_bytes(o.id, 2), M.ID_BYTES) end
@@ -120,6 +121,7 @@ function M.new(o)
   o = o or {}
   if type(o) ~= "table" then error("comm.new takes a table of options", 2) end
   core.check_options("comm.new", o, NEW, 2)
+  if o.addr ~= nil then core.c_string("comm.new", "addr", o.addr, 2) end
   local ctx = ctx_arg(o, nil)
   local opts = ffi.new("ms_comm_options")
   opts.rank = o.rank ~= nil and integer(o.rank, "rank", 2) or 0

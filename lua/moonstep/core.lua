@@ -184,6 +184,16 @@ function M.check_value(what, name, v, spec, level)
   return v
 end
 
+--- Returns s, a Lua string handed to C as a NUL-terminated char *, or raises "<what>: <name> must not contain a
+--- NUL byte" at `level` of the caller: C reads it only up to its first NUL, so a path "w.st\0.bak" would write
+--- w.st and a name "w\0x" save the tensor as w, silently.
+function M.c_string(what, name, s, level)
+  if s:find("\0", 1, true) then
+    error(("%s: %s must not contain a NUL byte (got %s)"):format(what, name, M.show(s)), level == 0 and 0 or level + 1)
+  end
+  return s
+end
+
 --- Checks an option table: unknown keys refused (check_keys), then every value given against specs[key] (as
 --- check_value; a function spec is a test of its own: fn(v) -> nil or the words "must be ..." completes).  nil
 --- gives {} (no options); anything else not a table is refused.  Returns the table.

@@ -73,10 +73,12 @@ function ms.best_device() return ms.device_count("cuda") > 0 and "cuda" or "cpu"
 --- ms.save(path, {name = tensor, ...} [, metadata {string = string}])  (atomic write)
 function ms.save(path, tensors, metadata)
   if type(path) ~= "string" then error("save: path must be a string", 2) end
+  core.c_string("save", "path", path, 2)
   if type(tensors) ~= "table" then error("save: tensors must be a table {name = tensor}", 2) end
   local names = {}
   for k, v in pairs(tensors) do
     if type(k) ~= "string" then error("save: tensor names must be strings (got " .. type(k) .. ")", 2) end
+    core.c_string("save", "a tensor name", k, 2)
     if not ms.is_tensor(v) then error("save: '" .. k .. "' is not a tensor", 2) end
     names[#names + 1] = k
   end
@@ -114,6 +116,7 @@ local LOAD_OPTIONS = {
 --- ms.load(path [, {device = ...}]) -> {name = tensor}, metadata {string = string}, names (file order)
 function ms.load(path, opts)
   if type(path) ~= "string" then error("load: path must be a string", 2) end
+  core.c_string("load", "path", path, 2)
   -- (a misspelt device key would load onto the default device, silently)
   opts = core.check_options("load", opts, LOAD_OPTIONS, 2)
   local ctx = ms.device(opts.device)

@@ -108,6 +108,7 @@ local CONTEXT_OPTIONS = {
 function M.context(opts)
   if type(opts) == "string" then opts = { device = opts } end
   opts = core.check_options("context", opts, CONTEXT_OPTIONS, 2)
+  if opts.device then core.c_string("context", "device", opts.device, 2) end
   local o = ffi.new("ms_ctx_options")
   o.mem_limit = opts.mem_limit or 0
   o.num_threads = opts.num_threads or 0
