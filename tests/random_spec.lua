@@ -274,6 +274,27 @@ describe("cpu rand", function()
     assert.same(draw("uniform", { 100 }, "f32", seed, 1):tolist_flat(), g2)
   end)
 
+  it("the global generator never repeats an offset past 2^53, where a double cannot count by one", function()
+    local seed, before = H.seed(), ms.rng_state()
+    for _, start in ipairs { 2 ^ 53 - 1, 2 ^ 53, 2 ^ 60 } do
+      ms.set_rng_state { seed = seed, offset = start }
+      local seen, offsets = {}, {}
+      for i = 1, 3 do
+        offsets[i] = ms.rng_state().offset
+        local v = ms.rand({ 4 }, { dtype = "f64" }):tolist_flat()
+        local key = table.concat(v, ",")
+        assert.is_nil(seen[key], ("draw %d from offset %.0f repeats draw %s"):format(i, start, tostring(seen[key])))
+        seen[key] = i
+        assert.same(draw("uniform", { 4 }, "f64", seed, offsets[i]):tolist_flat(), v)
+      end
+      assert.is_true(offsets[1] < offsets[2] and offsets[2] < offsets[3])
+    end
+    ms.set_rng_state { seed = seed, offset = core.UINT64_MAX }
+    H.expect_error(function() ms.rand({ 1 }) end, "the global generator's offsets are spent")
+    assert.equals(core.UINT64_MAX, ms.rng_state().offset)
+    ms.set_rng_state(before)
+  end)
+
   it("depends on the logical index only: any layout, any thread count", function()
     local seed = H.seed()
     local o = ffi.new("ms_rand_options")

@@ -355,6 +355,21 @@ function M.set_rng_state(s)
   rng.seed, rng.offset = s.seed, s.offset
 end
 
+-- The global generator's offset after `offset`.  Past 2^53 a double cannot count by one: offset + 1 rounded back
+-- to offset, and every later draw repeated the same numbers.  There it steps to the next double, an offset no
+-- draw has taken (distinct offsets are independent streams); past the last uint64 one it is refused.
+local function next_offset(offset, level)
+  local after = offset + 1
+  if after == offset then
+    local _, e = math.frexp(offset)
+    after = offset + 2 ^ (e - 53)
+  end
+  if after > core.UINT64_MAX then
+    error(("the global generator's offsets are spent (offset %.0f): set_rng_state or manual_seed"):format(offset), level + 1)
+  end
+  return after
+end
+
 local function draw(shape, opts, dist, a, b)
   local t = empty(shape, opts)
   local o = ffi.new("ms_rand_options")
@@ -363,7 +378,7 @@ local function draw(shape, opts, dist, a, b)
     o.seed, o.offset = opts.seed, opts.offset or 0
   else
     o.seed, o.offset = rng.seed, rng.offset
-    rng.offset = rng.offset + 1
+    rng.offset = next_offset(rng.offset, 3)
   end
   check(C.ms_rand(ctx_of(t), H(t), o))
   return t
