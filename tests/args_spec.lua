@@ -230,7 +230,14 @@ describe("recipe loading, communicators and shards", function()
     assert.is_false(ms.recipe.meta[ms.recipe.load(path, { trusted = false })].trusted)
     assert.is_true(ms.recipe.meta[ms.recipe.load(path, { trusted = true })].trusted)
     assert.is_false(ms.recipe.meta[ms.recipe.load(path)].trusted)
+    -- the file is opened by C, which would read the path up to its NUL: another file than the one named
+    H.expect_error(function() ms.recipe.load(path .. "\0.other") end,
+                   ("recipe: path must not contain a NUL byte (got %q)"):format(path .. "\0.other"))
+    H.expect_error(function() ms.optim.new(path .. "\0.other", {}) end, "recipe: path must not contain a NUL byte")
     os.remove(path)
+    -- and a built-in name with a NUL got past the "no .lua" rule
+    H.expect_error(function() ms.recipe.get("adamw.lua\0") end, 'recipe: name must not contain a NUL byte (got "adamw.lua\\0")')
+    H.expect_error(function() ms.recipe.find("adamw\0x") end, "recipe: name must not contain a NUL byte")
   end)
 
   it("ms.comm calls refuse unknown keys and ranks that are not C ints, naming them", function()

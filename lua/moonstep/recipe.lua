@@ -809,6 +809,8 @@ M.meta = setmetatable({}, { __mode = "k" })
 --- Loads a recipe file (untrusted unless opts.trusted).
 function M.load(path, opts)
   if type(path) ~= "string" then error("recipe path must be a string", 2) end
+  -- (io.open hands the path to C, which would open the file named by the part before a NUL)
+  core.c_string("recipe", "path", path, 2)
   local src, err = read_file(path)
   if not src then error("cannot read recipe " .. path .. ": " .. tostring(err), 2) end
   local r = M.load_string(src, "@" .. path, opts)
@@ -820,6 +822,7 @@ end
 --- that get() raises (the folders searched).  Finds without loading: `moonstep train` tells a recipe that is
 --- not there (a usage error) from one that fails to load.
 function M.find(name)
+  if type(name) == "string" then core.c_string("recipe", "name", name, 2) end
   if type(name) ~= "string" or name == "" or name:find("/", 1, true) or name:find("%.lua$") then
     error(("recipe name %q: a built-in name has no '/' and no '.lua' (use ms.recipe.load for files)"):format(tostring(name)), 2)
   end
@@ -840,6 +843,7 @@ end
 --- A built-in recipe by name (no '/' and no '.lua'), searched in the recipe folders and then
 --- MOONSTEP_RECIPE_PATH.  Built-ins are trusted; recipes found through MOONSTEP_RECIPE_PATH are not.
 function M.get(name)
+  if type(name) == "string" then core.c_string("recipe", "name", name, 2) end
   if type(name) ~= "string" or name == "" or name:find("/", 1, true) or name:find("%.lua$") then
     error(("recipe name %q: a built-in name has no '/' and no '.lua' (use ms.recipe.load for files)"):format(tostring(name)), 2)
   end
