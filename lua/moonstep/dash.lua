@@ -273,12 +273,13 @@ function M.inv_root(a, opts)
   if opts.method ~= "evd" then
     tensor.charge_work("inv_root", o.steps + (opts.scaling ~= "fro" and o.pi_steps or 0))
   end
-  local index, ids = i32_of(opts.index, a), i32_of(opts.rng_ids, a)
-  o.index = opt_handle(index)
-  o.rng_ids = opt_handle(ids)
   local x = opts.out or tensor.empty(a:shape(), { dtype = "f32", ctx = a:context() })
   local residual = per_block(opts.residual, n, "f32", a)
   local iters = per_block(opts.iters, n, "i32", a)
+  -- made last: only the options struct points at these temporaries, and a collection between here and the
+  -- call (no allocation comes in between) could free them under it
+  local index, ids = i32_of(opts.index, a), i32_of(opts.rng_ids, a)
+  o.index, o.rng_ids = opt_handle(index), opt_handle(ids)
   check(C.ms_inv_root(ctx_of(a), H(x), opt_handle(residual), opt_handle(iters), H(a), o))
   return x, residual, iters
 end
@@ -296,10 +297,10 @@ function M.spectrum_estimate(a, opts)
   o.root = opts.root or 4
   o.seed = opts.seed or 0
   tensor.charge_work("spectrum_estimate", o.steps)
-  local ids = i32_of(opts.rng_ids, a)
-  o.rng_ids = opt_handle(ids)
   local lam_max = opts.lam_max or tensor.empty({ n }, { dtype = "f32", ctx = a:context() })
   local lam_min = opts.lam_min or (opts.x_root and tensor.empty({ n }, { dtype = "f32", ctx = a:context() })) or nil
+  local ids = i32_of(opts.rng_ids, a)   -- (last, as in inv_root: only the options struct points at it)
+  o.rng_ids = opt_handle(ids)
   check(C.ms_spectrum_estimate(ctx_of(a), H(lam_max), opt_handle(lam_min), H(a), opt_handle(opts.x_root), o))
   return lam_max, lam_min
 end
