@@ -818,14 +818,19 @@ function M.load(path, opts)
   return r
 end
 
+-- a built-in recipe's name, as M.find and M.get take it (errors name the caller's call)
+local function check_builtin_name(name)
+  if type(name) == "string" then core.c_string("recipe", "name", name, 3) end
+  if type(name) ~= "string" or name == "" or name:find("/", 1, true) or name:find("%.lua$") then
+    error(("recipe name %q: a built-in name has no '/' and no '.lua' (use ms.recipe.load for files)"):format(tostring(name)), 3)
+  end
+end
+
 --- Where the recipe called `name` is: its file and whether it is trusted (a built-in), or nil and the message
 --- that get() raises (the folders searched).  Finds without loading: `moonstep train` tells a recipe that is
 --- not there (a usage error) from one that fails to load.
 function M.find(name)
-  if type(name) == "string" then core.c_string("recipe", "name", name, 2) end
-  if type(name) ~= "string" or name == "" or name:find("/", 1, true) or name:find("%.lua$") then
-    error(("recipe name %q: a built-in name has no '/' and no '.lua' (use ms.recipe.load for files)"):format(tostring(name)), 2)
-  end
+  check_builtin_name(name)
   local tried = {}
   for _, d in ipairs(M.search_path()) do
     local p = d .. "/" .. name .. ".lua"
@@ -843,10 +848,7 @@ end
 --- A built-in recipe by name (no '/' and no '.lua'), searched in the recipe folders and then
 --- MOONSTEP_RECIPE_PATH.  Built-ins are trusted; recipes found through MOONSTEP_RECIPE_PATH are not.
 function M.get(name)
-  if type(name) == "string" then core.c_string("recipe", "name", name, 2) end
-  if type(name) ~= "string" or name == "" or name:find("/", 1, true) or name:find("%.lua$") then
-    error(("recipe name %q: a built-in name has no '/' and no '.lua' (use ms.recipe.load for files)"):format(tostring(name)), 2)
-  end
+  check_builtin_name(name)
   local p, trusted = M.find(name)
   if not p then error(trusted, 2) end
   local r = M.load(p, { trusted = trusted })
