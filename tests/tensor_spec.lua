@@ -313,6 +313,20 @@ describe("argument checks", function()
     H.expect_error(function() t:max("x") end, "max: dim x is not an integer")
   end)
 
+  it("views refuse a dim past C's int by its value (the FFI wrapped 2^31 to -2^31, which C then named)", function()
+    local t = ms.zeros({ 2, 3 })
+    for _, case in ipairs {
+      { function() return t:transpose(2 ^ 31, 0) end, "transpose: dim0 2147483648 is out of range for a 2-dim tensor" },
+      { function() return t:select(2 ^ 31, 0) end, "select: dim 2147483648 is out of range" },
+      { function() return t:slice(-2 ^ 31 - 1, 0, 1) end, "slice: dim -2147483649 is out of range" },
+      { function() return t:permute(2 ^ 31, 0) end, "permute: dims[1] 2147483648 is out of range" },
+      { function() return t:narrow(2 ^ 32, 0, 1) end, "narrow: dim 4294967296 is out of range" },
+    } do
+      H.expect_error(case[1], case[2])
+    end
+    assert.are.same({ 3, 2 }, t:transpose(-1, -2):shape())
+  end)
+
   it("matmul refuses an unknown option instead of ignoring it", function()
     local a = ms.ones({ 2, 3 })
     assert.are.same({ 2, 2 }, ms.matmul(a, a, { trans_b = true }):shape())

@@ -481,9 +481,19 @@ local function index_arg(what, name, v, level)
   return v
 end
 
+-- a dim argument: an integer (index_arg) that C's int holds (the FFI wraps 2^31 to -2^31, which C then named
+-- in its refusal); any dim that large is out of range anyway
+local function dim_arg(what, name, v, ndim, level)
+  index_arg(what, name, v, level + 1)
+  if v ~= nil and (v >= 2 ^ 31 or v < -2 ^ 31) then
+    error(("%s: %s %s is out of range for a %d-dim tensor"):format(what, name, core.show(v), ndim), level + 1)
+  end
+  return v
+end
+
 function Tensor:slice(dim, start, stop, step)
   if dim == nil then error("slice: dim is needed", 2) end
-  index_arg("slice", "dim", dim, 2)
+  dim_arg("slice", "dim", dim, self:dim(), 2)
   index_arg("slice", "start", start, 2)
   index_arg("slice", "stop", stop, 2)
   index_arg("slice", "step", step, 2)
@@ -495,7 +505,7 @@ end
 -- start with start + len >= 0, give nothing)
 function Tensor:narrow(dim, start, len)
   if dim == nil or start == nil or len == nil then error("narrow: dim, start and length are needed", 2) end
-  index_arg("narrow", "dim", dim, 2)
+  dim_arg("narrow", "dim", dim, self:dim(), 2)
   index_arg("narrow", "start", start, 2)
   index_arg("narrow", "length", len, 2)
   local size = self:size(dim)
@@ -509,14 +519,15 @@ end
 function Tensor:select(dim, index)
   -- (t[1.9] read row 1; checked without a table, since t[i] comes here)
   if not integral(dim) then error(("select: dim %s is not an integer"):format(tostring(dim)), 2) end
+  dim_arg("select", "dim", dim, self:dim(), 2)
   if not integral(index) then error(("select: index %s is not an integer"):format(tostring(index)), 2) end
   check(C.ms_tensor_select(ctx_of(self), HM(self), dim, index, core.out_tensor))
   return wrap(core.out_tensor[0], tensor_ctx[self], self)
 end
 
 function Tensor:transpose(d0, d1)
-  index_arg("transpose", "dim0", d0, 2)
-  index_arg("transpose", "dim1", d1, 2)
+  dim_arg("transpose", "dim0", d0, self:dim(), 2)
+  dim_arg("transpose", "dim1", d1, self:dim(), 2)
   check(C.ms_tensor_transpose(ctx_of(self), HM(self), d0 or -2, d1 or -1, core.out_tensor))
   return wrap(core.out_tensor[0], tensor_ctx[self], self)
 end
@@ -528,7 +539,7 @@ end
 function Tensor:permute(...)
   local p = shape_args(...)
   local arr = ffi.new("int[?]", #p > 0 and #p or 1)
-  for i = 1, #p do arr[i - 1] = index_arg("permute", ("dims[%d]"):format(i), p[i], 2) end
+  for i = 1, #p do arr[i - 1] = dim_arg("permute", ("dims[%d]"):format(i), p[i], self:dim(), 2) end
   check(C.ms_tensor_permute(ctx_of(self), HM(self), #p, arr, core.out_tensor))
   return wrap(core.out_tensor[0], tensor_ctx[self], self)
 end
