@@ -703,6 +703,8 @@ function build(recipe, params, options, settings, progress)
   for i, p in ipairs(params) do
     if type(p) ~= "table" then error(("params[%d] must be a table {name=, param=, grad=}"):format(i), 2) end
     if type(p.name) ~= "string" or p.name == "" then error(("params[%d]: name must be a non-empty string"):format(i), 2) end
+    -- (checkpoints, profiles and the C ABI read a name up to its first NUL: "w\0a" and "w\0b" would be one)
+    core.c_string(("params[%d]"):format(i), "name", p.name, 2)
     if self.by_name[p.name] or self.aliases[p.name] then error(("params[%d]: duplicate name '%s'"):format(i, p.name), 2) end
     core.check_keys(("parameter '%s'"):format(p.name), p, PARAM_KEYS, 2, "key")   -- (tag = {...} would route untagged)
     if not ms.is_tensor(p.param) then error(("parameter '%s': param must be a tensor"):format(p.name), 2) end
