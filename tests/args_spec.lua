@@ -426,7 +426,7 @@ describe("counts of inf where a loop runs that many times", function()
       for key, x in pairs(base) do c[key] = x end
       return c
     end
-    H.expect_error(function() E.run(with("steps", math.huge)) end, "steps must be a positive integer (got inf)")
+    H.expect_error(function() E.run(with("steps", math.huge)) end, "run: steps must be an integer >= 1 (got inf)")
     H.expect_error(function() E.run(with("seed", math.huge)) end, "run: seed must be an integer >= 0 (got inf)")
     local c = with("seeds", math.huge)
     c.recipe, c.recipes = nil, { "sgd" }

@@ -55,6 +55,53 @@ describe("experiment numbers", function()
     os.execute("rm -r " .. dir)
   end)
 
+  it("refuses a mistyped setting by name before anything runs", function()
+    -- they failed as bare Lua errors deep inside, or only when first used: a callback after the first
+    -- step, a save folder given as a number after the whole run, warmup = 1.5 was taken
+    local dir = os.tmpname()
+    os.remove(dir)
+    local called = false
+    local function cfg(extra, recipes)
+      local t = { problem = "lsq", device = "cpu", steps = 3, on_step = function() called = true end }
+      if recipes then t.recipes = { "sgd" } else t.recipe = "sgd" end
+      for k, v in pairs(extra) do t[k] = v end
+      return t
+    end
+    for _, case in ipairs {
+      { { problem = 5 }, "run: problem must be a problem name or table (got 5)" },
+      { { problem_options = 5 }, "run: problem_options must be a table (got 5)" },
+      { { recipe = 5 }, "run: recipe must be a recipe name, a file path or a recipe table (got 5)" },
+      { { recipe_options = "x" }, 'run: recipe_options must be a table (got "x")' },
+      { { device = 5 }, "run: device must be a string (got 5)" },
+      { { ctx = {} }, "run: ctx must be a moonstep context (got a table)" },
+      { { schedule = 5 }, "run: schedule must be a string (got 5)" },
+      { { steps = "3" }, 'run: steps must be an integer >= 1 (got "3")' },
+      { { warmup = 1.5 }, "run: warmup must be an integer >= 0 (got 1.5)" },
+      { { warmup = "x" }, 'run: warmup must be an integer >= 0 (got "x")' },
+      { { on_eval = "x", on_step = 5 }, "must be a function" },
+      { { save = 5 }, "run: save must be a folder's path (got 5)" },
+      { { save = "" }, "run: save must be a folder's path" },
+      { { resume = true }, "run: resume must be a folder's path (got true)" },
+      { { save = dir .. "\0x" }, "run: save must not contain a NUL byte" },
+      { { resume = dir .. "\0x" }, "run: resume must not contain a NUL byte" },
+    } do
+      H.expect_error(function() E.run(cfg(case[1])) end, case[2])
+    end
+    for _, case in ipairs {
+      { { recipes = 5 }, "compare: recipes must be a table (got 5)" },
+      { { recipes = { "sgd", 7 } }, "compare: recipes[2] must be a recipe name, a file path or a recipe table (got 7)" },
+      { { options = 5 }, "compare: options must be a table (got 5)" },
+      { { options = { { value = 1 } } }, "compare: options[1] must be a table {key = option name" },
+      { { on_run = 5 }, "compare: on_run must be a function (got 5)" },
+      { { on_loaded = 5 }, "compare: on_loaded must be a function (got 5)" },
+      { { on_fail = 5 }, "compare: on_fail must be a function (got 5)" },
+    } do
+      H.expect_error(function() E.compare(cfg(case[1], true)) end, case[2])
+    end
+    assert.is_false(called)   -- no run started
+    assert.is_nil(io.open(dir, "r"))   -- no folder made for a refused save
+  end)
+
   it("a resumed run's final and best losses and moving average are the uninterrupted run's", function()
     -- they covered only the resumed part: its best was the best since the resume, its average restarted there
     local dir = os.tmpname()

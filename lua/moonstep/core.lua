@@ -138,6 +138,8 @@ M.kinds = {
   number = { test = function(v) return type(v) == "number" end, words = "a number" },
   boolean = { test = function(v) return type(v) == "boolean" end, words = "true or false" },
   string = { test = function(v) return type(v) == "string" end, words = "a string" },
+  table = { test = function(v) return type(v) == "table" end, words = "a table" },
+  ["function"] = { test = function(v) return type(v) == "function" end, words = "a function" },
   -- a Philox seed or offset (uint64_t): a whole number, or a 64-bit integer cdata (2^63 + k is no double's)
   uint64 = {
     test = function(v)
@@ -158,7 +160,8 @@ function M.show(v)
   return "a " .. type(v)
 end
 
---- Checks one value against `spec`: a kind of M.kinds ("integer", "number", "boolean", "string", "uint64"), or a table
+--- Checks one value against `spec`: a kind of M.kinds ("integer", "number", "boolean", "string", "table",
+--- "function", "uint64"), or a table
 --- {kind, min =, max =, values = {allowed strings}}.  Raises "<what>: <name> must be ..." at `level` of the
 --- caller (0: none); returns v.  nil is refused like any other wrong kind: callers check optional ones only
 --- when given.

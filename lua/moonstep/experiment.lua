@@ -291,7 +291,51 @@ local run_keys, compare_keys = key_set(RUN_KEYS), key_set(RUN_KEYS, COMPARE_KEYS
 
 local function check_cfg(what, cfg, keys)
   if type(cfg) ~= "table" then error(("%s: the configuration must be a table (got %s)"):format(what, type(cfg)), 0) end
-  require("moonstep.core").check_keys(what, cfg, keys, 0, "setting")
+  local core = require("moonstep.core")
+  core.check_keys(what, cfg, keys, 0, "setting")
+  -- each setting's kind, before anything runs: a wrong one otherwise failed deep inside (a Lua error naming
+  -- neither the setting nor the call), or only when first used -- a callback after the first step, a
+  -- checkpoint folder given as a number at the end of the run
+  local function kind(name, k)
+    if cfg[name] ~= nil then core.check_value(what, name, cfg[name], k, 0) end
+  end
+  kind("problem_options", "table") kind("recipe_options", "table") kind("options", "table")
+  kind("device", "string") kind("schedule", "string")
+  for _, f in ipairs { "on_step", "on_eval", "on_run", "on_loaded", "on_fail" } do kind(f, "function") end
+  if cfg.problem ~= nil and type(cfg.problem) ~= "string" and type(cfg.problem) ~= "table" then
+    error(("%s: problem must be a problem name or table (got %s)"):format(what, core.show(cfg.problem)), 0)
+  end
+  if cfg.recipe ~= nil and type(cfg.recipe) ~= "string" and type(cfg.recipe) ~= "table" then
+    error(("%s: recipe must be a recipe name, a file path or a recipe table (got %s)"):format(what, core.show(cfg.recipe)), 0)
+  end
+  if cfg.ctx ~= nil and require("moonstep.tensor").handle_ctx(cfg.ctx) == nil then
+    error(("%s: ctx must be a moonstep context (got %s)"):format(what, core.show(cfg.ctx)), 0)
+  end
+  -- folders: io and the shell read a path up to a NUL byte (another folder would be written or read)
+  for _, name in ipairs { "save", "resume" } do
+    local v = cfg[name]
+    if v ~= nil then
+      if type(v) ~= "string" or v == "" then
+        error(("%s: %s must be a folder's path (got %s)"):format(what, name, core.show(v)), 0)
+      end
+      core.c_string(what, name, v, 0)
+    end
+  end
+  if cfg.recipes ~= nil then
+    kind("recipes", "table")
+    for i, spec in ipairs(cfg.recipes) do
+      if type(spec) ~= "string" and type(spec) ~= "table" then
+        error(("%s: recipes[%d] must be a recipe name, a file path or a recipe table (got %s)"):format(what, i,
+              core.show(spec)), 0)
+      end
+    end
+  end
+  for i, a in ipairs(cfg.options or {}) do
+    if type(a) ~= "table" or type(a.key) ~= "string" or (a.recipe ~= nil and type(a.recipe) ~= "string") then
+      error(("%s: options[%d] must be a table {key = option name, value = v[, recipe = name]} (got %s)"):format(
+            what, i, core.show(a)), 0)
+    end
+  end
   local function whole(name, min)
     local v = cfg[name]
     -- (inf passes v == floor(v): seeds = inf would compare forever)
@@ -300,6 +344,7 @@ local function check_cfg(what, cfg, keys)
     end
   end
   whole("seed", 0) whole("seeds", 1) whole("smooth", 1) whole("eval_every", 1) whole("stop_after", 1)
+  whole("steps", 1) whole("warmup", 0)
   -- (trusted = "false" is true to Lua: a recipe file would run unsandboxed)
   for _, flag in ipairs { "trusted", "force", "skip_missing" } do
     if cfg[flag] ~= nil then require("moonstep.core").check_value(what, flag, cfg[flag], "boolean", 0) end
