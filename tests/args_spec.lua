@@ -486,3 +486,50 @@ describe("the optimizer's parameter entries", function()
     assert.equals(1, #opt:info().params)
   end)
 end)
+
+describe("the module-level forms of the tensor ops", function()
+  it("name an argument that is not a tensor (they failed inside, as 'attempt to index a number')", function()
+    local t = ms.ones({ 2, 2 })
+    for _, case in ipairs {
+      { function() return ms.abs(4) end, "abs: t must be a tensor (got 4)" },
+      { function() return ms.sqrt("x") end, 'sqrt: t must be a tensor (got "x")' },
+      { function() return ms.sum(3) end, "sum: t must be a tensor (got 3)" },
+      { function() return ms.zeros_like(5) end, "zeros_like: t must be a tensor (got 5)" },
+      { function() return ms.empty_like("t") end, 'empty_like: t must be a tensor (got "t")' },
+      { function() return ms.lerp(t, 1, 0.5) end, "lerp: b must be a tensor (got 1)" },
+      { function() return ms.lerp(t, t, 0.5, {}) end, "lerp: out must be a tensor (got a table)" },
+      { function() return ms.addcmul(2, t, t) end, "addcmul: a must be a tensor (got 2)" },
+      { function() return ms.addcdiv(t, t, true) end, "addcdiv: c must be a tensor (got true)" },
+      { function() return ms.matmul(t, 7) end, "matmul: b must be a tensor (got 7)" },
+      { function() return ms.diag({ 1, 2 }) end, "diag: src must be a tensor (got a table)" },
+      { function() return ms.eigh(9) end, "eigh: a must be a tensor (got 9)" },
+      { function() return ms.blocks_gather(5, {}) end, "blocks_gather: stack must be a tensor (got 5)" },
+      { function() return ms.broadcast_shapes(2, { 2 }) end, "broadcast_shapes: shapes must be tables of sizes" },
+    } do
+      H.expect_error(case[1], case[2])
+    end
+  end)
+
+  it("problems and recipes name a wrong problem, recipe or options argument", function()
+    local problems, R = require("moonstep.problems"), ms.recipe
+    H.expect_error(function() problems.options(5) end, "problems.options: problem must be a problem name or module (got 5)")
+    H.expect_error(function() problems.options("lsq", 3) end, "lsq: the problem options must be a table (got 3)")
+    H.expect_error(function() problems.doc({}) end, "problems.doc: problem must be a problem name or module (got a table)")
+    H.expect_error(function() problems.new("lsq", {}, "cpu") end, 'problems.new: env must be a table (got "cpu")')
+    assert.matches("%-%-dim", problems.doc("lsq"))
+    H.expect_error(function() R.options(5) end, "recipe.options: recipe must be a recipe table, a built-in name or a file path (got 5)")
+    H.expect_error(function() R.doc(true) end, "recipe.doc: recipe must be a recipe table")
+    assert.equals(1e-3, R.options("adamw", { lr = 1e-3 }).lr)
+    H.expect_error(function() ms.routing.adamw_by_name(5) end, "routing.adamw_by_name: name must be a string (got number)")
+  end)
+
+  it("recipe.call refuses a guard it did not make before changing anything", function()
+    -- it swapped the debug hook, the string metatable and the allocation guard first, then failed,
+    -- leaving them set: every later allocation failed with "attempt to index upvalue 'alloc_guard'"
+    H.expect_error(function() ms.recipe.call(5, function() end) end, "recipe.call: guard must be one M.guard made (got 5)")
+    H.expect_error(function() ms.recipe.call({}, function() end) end, "recipe.call: guard must be one M.guard made (got a table)")
+    assert.is_nil(debug.gethook())
+    assert.equals(3, ms.zeros({ 3 }):numel())
+    assert.equals("ab", ("a"):rep(1) .. "b")
+  end)
+end)

@@ -87,9 +87,7 @@ local COUNT, SEED = core.COUNT, core.SEED
 local function check_options(what, t, spec, level)
   return core.check_options(what, t, spec, level + 1)
 end
-local function need_tensor(what, v, name, level)
-  if not tensor.is_tensor(v) then error(("%s: %s must be a tensor (got %s)"):format(what, name, type(v)), level + 1) end
-end
+local need_tensor = tensor.need_tensor
 
 local GRAFT = { grad_ema = tensor_kind, adam_v = tensor_kind, norm = tensor_kind, pgraft = tensor_kind,
                 beta_grad = "number", beta_graft = "number", eps = "number", step = step_kind,
@@ -122,6 +120,7 @@ local function opt_handle(t) return t ~= nil and H(t) or nil end
 -- ---------------------------------------------------------------------------------------------------
 --- ms.blocks_gather(stack, blocks) -> stack: stack [N, r, c] f32 <- the blocks
 function M.blocks_gather(stack, blocks)
+  need_tensor("blocks_gather", "stack", stack, 2)
   local l = resolve(blocks, 2)
   check(C.ms_blocks_gather(ctx_of(stack), H(stack), l.n, l.array))
   return stack
@@ -180,7 +179,7 @@ end
 ---   stochastic rounding keyed by rng_ids[k] instead of k
 function M.blocks_apply(a)
   a = check_options("blocks_apply", a, APPLY, 2)
-  need_tensor("blocks_apply", a.stack, "stack", 2)
+  need_tensor("blocks_apply", "stack", a.stack, 2)
   local l = resolve(a.blocks, 2)
   local o = ffi.new("ms_blocks_apply_options")
   o.lr, o.lr_t = scalar(a.lr, 1e-3)
@@ -196,8 +195,8 @@ end
 
 --- ms.blocks_scatter(blocks, stack [, scale]): p_k <- scale[k] stack[k] (scale nil: 1)
 function M.blocks_scatter(blocks, stack, scale)
-  need_tensor("blocks_scatter", stack, "stack", 2)
-  if scale ~= nil then need_tensor("blocks_scatter", scale, "scale", 2) end
+  need_tensor("blocks_scatter", "stack", stack, 2)
+  if scale ~= nil then need_tensor("blocks_scatter", "scale", scale, 2) end
   local l = resolve(blocks, 2)
   check(C.ms_blocks_apply(ctx_of(stack), l.n, l.array, H(stack), opt_handle(scale), nil))
 end

@@ -50,10 +50,12 @@ ms.block_plan = require("moonstep.blocks").plan
 local LIKE_OPTIONS = { dtype = "string", ctx = function() end }   -- (ctx: checked by ms.zeros / ms.empty)
 function ms.zeros_like(t, opts)
   opts = core.check_options("zeros_like", opts, LIKE_OPTIONS, 2)
+  tensor.need_tensor("zeros_like", "t", t, 2)
   return ms.zeros(t:shape(), { dtype = opts.dtype or t:dtype(), ctx = opts.ctx or t:context() })
 end
 function ms.empty_like(t, opts)
   opts = core.check_options("empty_like", opts, LIKE_OPTIONS, 2)
+  tensor.need_tensor("empty_like", "t", t, 2)
   return ms.empty(t:shape(), { dtype = opts.dtype or t:dtype(), ctx = opts.ctx or t:context() })
 end
 

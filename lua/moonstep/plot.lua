@@ -37,6 +37,11 @@ local function shell_quote(s) return "'" .. s:gsub("'", "'\\''") .. "'" end
 --- Writes text to path whole or not at all: into path .. ".tmp" beside it, checked, then renamed over path,
 --- so a write that fails (a full disk, a file size limit) raises and leaves an earlier file as it was.
 function M.write_file(path, text)
+  -- (checked before the temporary file is made: a failing write left it behind; io reads a path up to a NUL)
+  if type(path) ~= "string" or path == "" or path:find("\0", 1, true) then
+    error(("write_file: path must be a file name without NUL bytes (got %s)"):format(require("moonstep.core").show(path)), 2)
+  end
+  if type(text) ~= "string" then error(("write_file: text must be a string (got %s)"):format(type(text)), 2) end
   local tmp = path .. ".tmp"
   local f, err = io.open(tmp, "wb")
   if not f then error(("cannot write %s: %s"):format(path, tostring(err)), 0) end

@@ -597,6 +597,7 @@ function M.guard(recipe, limits, params)
   return g
 end
 
+local guards = setmetatable({}, { __mode = "k" })   -- the guards new_guard made (M.call takes no other)
 new_guard = function(name, limits, params)
   local l = check_limits(limits)
   if l.quota == nil then
@@ -611,6 +612,7 @@ new_guard = function(name, limits, params)
   local g = { name = name, instructions = l.instructions, memory = l.memory, retained = l.retained, quota = l.quota,
               held = 0, calls = 0, since = 0, walks = 0,
               kept = setmetatable({}, { __mode = "k" }) }      -- (tables the runtime keeps: M.keep)
+  guards[g] = true
   -- the engine-memory account: a token per allocation, released by its finalizer (two collections after
   -- the tensor and its views die: the first clears the weak entry, the second finalizes the token)
   g.reserve = function(bytes)
@@ -730,6 +732,10 @@ end
 --- Every call of a recipe function by the runtime goes through here.
 call = function(g, fn, ...)
   if g == nil or active ~= nil then return fn(...) end     -- trusted, or already inside a guarded call
+  -- (checked before the hook, string metatable and allocation guard are swapped: an error after that
+  -- would leave them set for all code that follows)
+  if not guards[g] then error(("recipe.call: guard must be one M.guard made (got %s)"):format(core.show(g)), 2) end
+  if type(fn) ~= "function" then error(("recipe.call: fn must be a function (got %s)"):format(core.show(fn)), 2) end
   local h, mask, count = debug.gethook()
   local prev = { h, mask, count, tensor.set_alloc_guard(g) }
   g.count, g.mem0, g.calls = 0, collectgarbage("count"), g.calls + 1
@@ -1028,7 +1034,18 @@ end
 
 --- Options for a recipe: the given ones checked and converted, defaults filled in, then validate().
 --- Unknown options are refused.  `base` (optional) supplies values for options not given (group overrides).
+-- A recipe table from a name, a path or the table itself; anything else is named (it failed inside, as
+-- "attempt to index a number")
+local function recipe_arg(what, recipe)
+  if type(recipe) == "string" then return M.resolve(recipe) end
+  if type(recipe) ~= "table" or type(recipe.name) ~= "string" or type(recipe.options) ~= "table" then
+    error(("%s: recipe must be a recipe table, a built-in name or a file path (got %s)"):format(what, core.show(recipe)), 3)
+  end
+  return recipe
+end
+
 function M.options(recipe, given, base, guard)
+  recipe = recipe_arg("recipe.options", recipe)
   given = given or {}
   if type(given) ~= "table" then error(recipe.name .. ": options must be a table", 2) end
   core.check_keys(recipe.name, given, recipe.options, 0)
@@ -1049,6 +1066,7 @@ end
 
 --- The options documentation of a recipe, as lines "name (type, default): doc".
 function M.doc(recipe)
+  recipe = recipe_arg("recipe.doc", recipe)
   local names = {}
   for n in pairs(recipe.options) do names[#names + 1] = n end
   table.sort(names)

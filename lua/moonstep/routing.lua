@@ -14,6 +14,7 @@ local PEFT_SAVED_SUFFIX = "modules_to_save.default.weight"
 --- Whether axolotl's rule sends the parameter called name to AdamW: it holds embed_tokens, lm_head, wte or
 --- word_embeddings, or ends with modules_to_save.default.weight.
 function M.adamw_by_name(name)
+  if type(name) ~= "string" then error(("routing.adamw_by_name: name must be a string (got %s)"):format(type(name)), 2) end
   for _, s in ipairs(ADAMW_NAMES) do
     if name:find(s, 1, true) then return true end
   end

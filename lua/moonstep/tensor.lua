@@ -426,6 +426,14 @@ function Tensor:context() return M.ctx_object(self) end
 
 function M.is_tensor(x) return type(x) == "table" and handle[x] ~= nil end
 
+--- Raises "<what>: <name> must be a tensor (got ...)" at `level` of the caller unless v is a tensor: the
+--- module-level forms (ms.abs(x), ms.matmul(a, b), ...) otherwise failed inside, as "attempt to index a number".
+function M.need_tensor(what, name, v, level)
+  if not M.is_tensor(v) then error(("%s: %s must be a tensor (got %s)"):format(what, name, core.show(v)), level + 1) end
+  return v
+end
+local need_tensor = M.need_tensor
+
 -- Kinds of option values for core.check_options that involve tensors: fn(v) -> nil, or what v must be.
 M.kinds = {
   tensor = function(v) if not M.is_tensor(v) then return "a tensor" end end,
@@ -704,6 +712,9 @@ end
 -- elementwise arithmetic
 -- ---------------------------------------------------------------------------------------------------
 local function broadcast_shapes(a, b)
+  if type(a) ~= "table" or type(b) ~= "table" then
+    error(("broadcast_shapes: shapes must be tables of sizes (got %s and %s)"):format(core.show(a), core.show(b)), 2)
+  end
   local n = math.max(#a, #b)
   local out = {}
   for i = 1, n do
@@ -781,7 +792,7 @@ for op, code in pairs(unary_ops) do
     check(C.ms_unary(ctx_of(self), H(self), H(self), code))
     return self
   end
-  M[op] = function(t) return Tensor[op](t) end
+  M[op] = function(t) return Tensor[op](need_tensor(op, "t", t, 2)) end
 end
 Tensor.__unm = function(a) return a:neg() end
 
@@ -813,6 +824,8 @@ local function result_like(a, b, c)
 end
 
 function M.lerp(a, b, w, out)
+  need_tensor("lerp", "a", a, 2) need_tensor("lerp", "b", b, 2)
+  if out ~= nil then need_tensor("lerp", "out", out, 2) end
   out = out or result_like(a, b)
   local v, vt = scalar(w, "lerp", "weight")
   check(C.ms_lerp(ctx_of(out), H(out), H(a), H(b), v, vt))
@@ -822,12 +835,16 @@ function Tensor:lerp(b, w) return M.lerp(self, b, w) end
 function Tensor:lerp_(b, w) return M.lerp(self, b, w, self) end
 
 function M.addcmul(a, b, c, value, out)
+  need_tensor("addcmul", "a", a, 2) need_tensor("addcmul", "b", b, 2) need_tensor("addcmul", "c", c, 2)
+  if out ~= nil then need_tensor("addcmul", "out", out, 2) end
   out = out or result_like(a, b, c)
   local v, vt = scalar(value == nil and 1 or value, "addcmul", "value")
   check(C.ms_addcmul(ctx_of(out), H(out), H(a), H(b), H(c), v, vt))
   return out
 end
 function M.addcdiv(a, b, c, value, out)
+  need_tensor("addcdiv", "a", a, 2) need_tensor("addcdiv", "b", b, 2) need_tensor("addcdiv", "c", c, 2)
+  if out ~= nil then need_tensor("addcdiv", "out", out, 2) end
   out = out or result_like(a, b, c)
   local v, vt = scalar(value == nil and 1 or value, "addcdiv", "value")
   check(C.ms_addcdiv(ctx_of(out), H(out), H(a), H(b), H(c), v, vt))
@@ -872,7 +889,7 @@ local function reduce(op, self, dim, keepdim)
 end
 for op in pairs(reduce_ops) do
   Tensor[op] = function(self, dim, keepdim) return reduce(op, self, dim, keepdim) end
-  M[op] = function(t, dim, keepdim) return reduce(op, t, dim, keepdim) end
+  M[op] = function(t, dim, keepdim) return reduce(op, need_tensor(op, "t", t, 2), dim, keepdim) end
 end
 
 --- ms.dot(a, b) -> number (sum of products over all elements)
@@ -893,6 +910,7 @@ local MATMUL_OPTIONS = { trans_a = "boolean", trans_b = "boolean", alpha = "numb
                          out = M.kinds.tensor, dtype = "string" }
 function M.matmul(a, b, opts)
   opts = core.check_options("matmul", opts, MATMUL_OPTIONS, 2)
+  need_tensor("matmul", "a", a, 2) need_tensor("matmul", "b", b, 2)
   local sa, sb = a:shape(), b:shape()
   if #sa < 2 or #sb < 2 then error("matmul: a and b need at least 2 dims", 2) end
   local m = opts.trans_a and sa[#sa] or sa[#sa - 1]
@@ -925,6 +943,7 @@ end
 
 --- ms.diag(v) -> matrix with v on its diagonal; ms.diag(matrix) -> its diagonal (batched)
 function M.diag(src)
+  need_tensor("diag", "src", src, 2)
   local s = src:shape()
   local shape = {}
   for i = 1, #s - 1 do shape[i] = s[i] end
@@ -944,6 +963,7 @@ Tensor.diag = M.diag
 local EIGH_OPTIONS = { vectors = "boolean" }
 function M.eigh(a, opts)
   opts = core.check_options("eigh", opts, EIGH_OPTIONS, 2)
+  need_tensor("eigh", "a", a, 2)
   local s = a:shape()
   local ws = {}
   for i = 1, #s - 1 do ws[i] = s[i] end

@@ -34,8 +34,23 @@ function M.get(name)
   error(("unknown problem '%s' (known: %s)"):format(tostring(name), table.concat(M.names, ", ")), 0)
 end
 
+-- A problem module from a name or the module itself; anything else is named (it failed inside, as "attempt to
+-- index a number")
+local function resolve(what, problem)
+  if type(problem) == "string" then return M.get(problem) end
+  if type(problem) ~= "table" or type(problem.name) ~= "string" or type(problem.options) ~= "table" then
+    error(("%s: problem must be a problem name or module (got %s)"):format(what,
+          require("moonstep.core").show(problem)), 0)
+  end
+  return problem
+end
+
 --- The problem's options: given values checked against its specs (unknown names refused), defaults filled.
 function M.options(problem, given)
+  problem = resolve("problems.options", problem)
+  if given ~= nil and type(given) ~= "table" then
+    error(("%s: the problem options must be a table (got %s)"):format(problem.name, require("moonstep.core").show(given)), 0)
+  end
   require("moonstep.core").check_keys(problem.name, given or {}, problem.options, 0, "problem option")
   local out = {}
   for k, v in pairs(given or {}) do out[k] = R.check_option(problem.name, k, problem.options[k], v) end
@@ -49,8 +64,9 @@ local ENV_KEYS = { device = true, ctx = true, dtype = true, seed = true }
 
 --- A problem instance: problems.new(name_or_module, options, {device=|ctx=, dtype="f32", seed=0})
 function M.new(problem, given, env)
-  if type(problem) == "string" then problem = M.get(problem) end
+  problem = resolve("problems.new", problem)
   env = env or {}
+  if type(env) ~= "table" then error(("problems.new: env must be a table (got %s)"):format(require("moonstep.core").show(env)), 0) end
   -- (a misspelt key would build the instance with the default silently; a bad dtype used to be read as a device)
   require("moonstep.core").check_keys("problems.new", env, ENV_KEYS, 0, "environment key")
   local dtype = require("moonstep.tensor").norm_dtype(env.dtype, 0)
@@ -66,6 +82,7 @@ end
 
 --- The options documentation of a problem, one line per option.
 function M.doc(problem)
+  problem = resolve("problems.doc", problem)
   local names = {}
   for n in pairs(problem.options) do names[#names + 1] = n end
   table.sort(names)
