@@ -331,7 +331,8 @@ local function run_config(cmd, vals, problem, saved_device)
     device = device or ms.best_device()
     okd, ctx = open(device)
   end
-  if not okd then usage_error(("--device %s: %s"):format(device, tostring(ctx)), cmd) end
+  -- (without the Lua position ms.device's error carries: the engine's message names the problem)
+  if not okd then usage_error(("--device %s: %s"):format(device, (tostring(ctx):gsub("^[^\n]-%.lua:%d+: ", ""))), cmd) end
   return {
     problem = problem, problem_options = popts, steps = vals.steps, ctx = ctx, eval_every = vals.eval_every,
     schedule = vals.schedule, warmup = vals.warmup, clip = vals.clip, trusted = vals.trusted,
