@@ -9,6 +9,11 @@ Muon route, per [rows, cols] matrix:
   X   = u / (||u||_F + 1e-7), transposed when rows > cols so that X X^T is the smaller Gram matrix
   ns_steps times:  A = X X^T;  B = b A + c A A;  X = a X + B X        (a, b, c) = (3.4445, -4.7750, 2.0315)
   p   = p - lr * weight_decay * p - lr * sqrt(max(1, rows / cols)) * X
+The matrices: a 2-D parameter is one; a 3-D one [k, rows, cols] (stacked experts, fused q/k/v) is k of them,
+each orthogonalised and normalised on its own, as the reference's batched iteration does; one of 4 or more
+dims (conv filters [out, in, kh, kw]) is viewed as one [out, in * kh * kw] matrix, as the reference does for
+4-D.  For those the reference scales by its last two dims (sqrt(max(1, kh / kw))), here by the matrix's
+rows / cols, the same rule as for every other matrix (1 for a filter whose out <= in * kh * kw).
 
 The quintic iteration (coefficients chosen to maximise the slope at zero, 3.4445) maps the singular values
 of the normalised u into roughly [0.7, 1.2] in five steps, without an SVD -- those above about 1.5e-3 of
@@ -44,14 +49,16 @@ Options:
 local NS_A, NS_B, NS_C = 3.4445, -4.7750, 2.0315
 local EMBEDDING_NAMES = { "embed_tokens", "lm_head", "wte", "word_embeddings", "embed" }
 
--- the orthogonalised direction of u [rows, cols] (rows <= cols after the transpose), as a new tensor
+-- the orthogonalised direction of u [rows, cols] or a stack [k, rows, cols] of matrices (each on its own; rows
+-- <= cols after the transpose), as a new tensor
 local function newton_schulz(u, steps, dtype)
   local shape = u:shape()
-  local tall = shape[1] > shape[2]
-  local x = tall and u:t() or u
+  local nd = #shape
+  local tall = shape[nd - 1] > shape[nd]
+  local x = tall and u:transpose(nd - 2, nd - 1) or u
   if dtype ~= x:dtype() then x = x:to(dtype) end
-  -- ||u||_F stays on the device: no host round trip inside a step
-  local nrm = x:square():sum(1):sum(0):sqrt():add_(1e-7)
+  -- each matrix's ||u||_F ([k, 1, 1] for a stack) stays on the device: no host round trip inside a step
+  local nrm = x:square():sum(nd - 1, true):sum(nd - 2, true):sqrt():add_(1e-7)
   x = x / nrm
   for _ = 1, steps do
     local a = ms.matmul(x, x, { trans_b = true })                       -- A = X X^T
@@ -61,7 +68,7 @@ local function newton_schulz(u, steps, dtype)
     ms.matmul(b, x, { beta = 1, out = nx })                             -- X = a X + B X
     x = nx
   end
-  return tall and x:t() or x
+  return tall and x:transpose(nd - 2, nd - 1) or x
 end
 
 -- the route of parameter p, by the rules of the header
@@ -118,12 +125,12 @@ return {
             -- (1) momentum as an EMA; the Nesterov direction looks one step ahead
             buf:lerp_(g, 1 - beta)
             local u = o.nesterov and ms.lerp(g, buf, beta) or buf
-            -- (2) orthogonalise (matrices with more than 2 dims are treated as [rows, rest])
+            -- (2) orthogonalise: a 3-D parameter as a stack of matrices, 4-D and up as [rows, rest] (header)
             local shape = p:shape()
-            local rows = shape[1]
-            local cols = p:numel() / rows
-            local x = newton_schulz(u:reshape({ rows, cols }), o.ns_steps,
-                                    o.ns_dtype == "bf16" and "bf16" or u:dtype())
+            local mshape
+            if #shape == 3 then mshape = shape else mshape = { shape[1], p:numel() / shape[1] } end
+            local rows, cols = mshape[#mshape - 1], mshape[#mshape]
+            local x = newton_schulz(u:reshape(mshape), o.ns_steps, o.ns_dtype == "bf16" and "bf16" or u:dtype())
             if x:dtype() ~= p:dtype() then x = x:to(p:dtype()) end
             -- (3) decoupled decay and the step, scaled by the device learning rate
             if o.weight_decay ~= 0 then ms.addcmul(p, p, ctx.lr_t, -o.weight_decay, p) end

@@ -198,6 +198,37 @@ describe("recipes/muon.lua", function()
     H.assert_close(opt.members[1].state.momentum_buffer:tolist_flat(), flat(ref[1].buf), 1e-12, 1e-14, "momentum_buffer")
   end)
 
+  it("orthogonalises a 3-D parameter matrix by matrix (the reference's batched Muon) and views 4-D as [out, rest]", function()
+    -- stacked experts [3, 5, 4]: each [5, 4] matrix normalised, transposed and iterated on its own, scaled by
+    -- sqrt(5 / 4); a conv filter [2, 3, 2, 1] is one [2, 6] matrix (scale 1).  The old code flattened the
+    -- stack to one [3, 20] matrix.
+    local seed = H.seed()
+    local specs = { { name = "layers.0.experts", shape = { 3, 5, 4 } }, { name = "conv.weight", shape = { 2, 3, 2, 1 } } }
+    local params, grad_at = setup(specs, seed)
+    local o = { lr = 0.02, momentum = 0.9, nesterov = false, weight_decay = 0 }
+    local opt = ms.optim.new("muon", params, o)
+    for i, p in ipairs(params) do p.grad:copy_(grad_at(1, i, specs[i].shape)) end
+    local before = {}
+    for i, p in ipairs(params) do before[i] = p.param:tolist_flat() end
+    opt:step()
+    local lr = f32(o.lr)
+    -- experts: buf = 0.1 g after one step (the iteration is scale-invariant up to its 1e-7)
+    local want = {}
+    for e = 0, 2 do
+      local g = mat(params[1].grad:select(0, e), 5, 4)
+      local x = ns5(lin(1 - o.momentum, g), 5)
+      local p0 = {}
+      for r = 1, 5 do p0[r] = {} for c = 1, 4 do p0[r][c] = before[1][e * 20 + (r - 1) * 4 + c] end end
+      for _, v in ipairs(flat(lin(1, p0, -lr * math.sqrt(5 / 4), x))) do want[#want + 1] = v end
+    end
+    H.assert_close(params[1].param:tolist_flat(), want, 1e-10, 1e-12, "experts, matrix by matrix")
+    local gc = mat(params[2].grad:reshape({ 2, 6 }), 2, 6)
+    local p0 = {}
+    for r = 1, 2 do p0[r] = {} for c = 1, 6 do p0[r][c] = before[2][(r - 1) * 6 + c] end end
+    H.assert_close(params[2].param:tolist_flat(), flat(lin(1, p0, -lr, ns5(lin(1 - o.momentum, gc), 5))), 1e-10, 1e-12,
+                   "conv filter as [out, in * kh * kw]")
+  end)
+
   it("makes updates whose singular values are near 1 (Newton-Schulz)", function()
     local w = ms.zeros({ 8, 16 }, { dtype = "f64" })
     local g = ms.randn({ 8, 16 }, { seed = H.seed(), dtype = "f64" })
