@@ -616,6 +616,100 @@ def save_and_load_take_any_filesystem_path():
     opt.close()
 
 
+# ---------------------------------------------------------------------------------------------------
+# 8-bit AdamW moments against torchao's AdamW8bit, written here from its definitions (torchao/optim:
+# quant_utils.py create_dynamic_map, scale_tensor, quantize_8bit_with_qmap, dequant_with_qmap; adam.py
+# single_param_adam), in f32 as torch computes them
+def dynamic_map(signed):
+    # the map's values computed in f64 and rounded once (moonstep.h, ms_adamw8_qmap: torch's own f32 arithmetic
+    # can differ in the last bit or two of some codes)
+    values = [0.0, 1.0]
+    for k in range(7):
+        cells = 2 ** k if signed else 2 ** (k + 1)
+        for i in range(cells):
+            mid = 10.0 ** (k - 6) * (0.1 + 0.9 * (i + 0.5) / cells)
+            values += [mid, -mid] if signed else [mid]
+    return np.array(sorted(values), dtype=np.float32)
+
+
+def torchao_quantize(x, qmap, block):
+    """scale_tensor + quantize_8bit_with_qmap: absmax scales (clipped at 1e-12), then the 8-step search for the
+    largest code <= y and the step up to the next code from half way on."""
+    f = np.float32
+    xb = x.reshape(-1, block)
+    scale = np.maximum(np.abs(xb).max(axis=1), f(1e-12)).astype(np.float32)
+    y = (xb / scale[:, None]).astype(np.float32)
+    codes = np.where(y >= qmap[128], 128, 0)
+    for step in (64, 32, 16, 8, 4, 2, 1):
+        codes = codes + np.where(y >= qmap[codes + step], step, 0)
+    up = np.minimum(codes + 1, 255)
+    lo, hi = qmap[codes], qmap[up]
+    codes = np.where((y - lo).astype(np.float32) >= ((hi - lo) * f(0.5)).astype(np.float32), up, codes)
+    return codes.astype(np.uint8).reshape(x.shape), scale
+
+
+def torch_lerp(a, b, w):
+    """torch.lerp in f32: a + w (b - a) for w < 0.5, else b - (b - a) (1 - w)."""
+    w = np.float32(w)
+    if w < 0.5:
+        return (a + w * (b - a)).astype(np.float32)
+    return (b - (b - a) * (np.float32(1) - w)).astype(np.float32)
+
+
+@test
+def adamw8_moments_step_as_torchao_adamw8bit():
+    # SinkGD's AdamW route keeps an 8-bit-eligible tensor (>= 4096 elements, whole blocks of 256) in 8 bits.
+    # Each step starts torchao's formulas from moonstep's own state (read from its checkpoint), so nothing drifts:
+    # the codes must be torchao's but where f32 rounding puts y at a rounding threshold (then one code apart),
+    # the scales its, and the parameter its to f32 rounding (moonstep folds lr / bc1 in f64 and blends the
+    # moments as b m + (1 - b) g rather than lerp: a few ulps).
+    f, block = np.float32, 256
+    qs, qu = dynamic_map(True), dynamic_map(False)
+    r = rng(21)
+    w = r.standard_normal((64, 128)).astype(np.float32)
+    g = np.zeros_like(w)
+    lr, b1, b2, eps = 3e-3, 0.9, 0.95, 1e-8
+    opt = moonstep.Optimizer([("lm_head.weight", w, g)], "sinkgd", {"lr": lr, "betas": [b1, b2], "eps": eps})
+
+    def state():
+        tensors, _ = moonstep._read_safetensors(opt.checkpoint_bytes())
+        out = {}
+        for key, dt in (("exp_avg", np.uint8), ("exp_avg_sq", np.uint8), ("exp_avg_scale", np.float32),
+                        ("exp_avg_sq_scale", np.float32)):
+            dtype, shape, raw = tensors["param/lm_head.weight/" + key]
+            assert dtype == ("U8" if dt is np.uint8 else "F32"), (key, dtype)
+            out[key] = np.frombuffer(raw, dt).reshape(shape)
+        return out
+
+    differing = 0
+    for t in range(1, 31):
+        s, p = state(), w.copy()
+        g[:] = r.standard_normal(g.shape) * (1e-3 if t % 3 == 0 else 1.0)   # scales of both kinds
+        assert opt.step() is True
+        # torchao, from the same state: dequantize, lerp, requantize; the update from the unquantized moments
+        m_old = (qs[s["exp_avg"].astype(int)].reshape(-1, block) * s["exp_avg_scale"][:, None]).reshape(w.shape)
+        v_old = (qu[s["exp_avg_sq"].astype(int)].reshape(-1, block) * s["exp_avg_sq_scale"][:, None]).reshape(w.shape)
+        m = torch_lerp(m_old.astype(np.float32), g, 1 - b1)
+        v = torch_lerp(v_old.astype(np.float32), (g * g).astype(np.float32), 1 - b2)
+        bc1 = f(1) - np.power(f(b1), f(t), dtype=np.float32)
+        bc2 = f(1) - np.power(f(b2), f(t), dtype=np.float32)
+        denom = (np.sqrt(v) / np.sqrt(bc2) + f(eps)).astype(np.float32)
+        update = (f(lr) * (m / bc1).astype(np.float32) / denom).astype(np.float32)
+        want_p = (p - update).astype(np.float32)
+        err = np.abs(w - want_p) - 2 * np.spacing(np.abs(want_p))
+        assert (err <= 4e-6 * np.abs(update)).all(), \
+            "step %d: parameter off torchao's by %.3g of the update" % (t, (err / np.abs(update)).max())
+        got = state()
+        for key, x, qmap in (("exp_avg", m, qs), ("exp_avg_sq", v, qu)):
+            codes, scale = torchao_quantize(x, qmap, block)
+            assert_close(got[key + "_scale"], scale, 1e-6, 0, "step %d %s scales" % (t, key))
+            delta = np.abs(got[key].astype(int) - codes.astype(int))
+            assert delta.max() <= 1, "step %d %s: a code %d away from torchao's" % (t, key, delta.max())
+            differing += int((delta > 0).sum())
+    assert differing <= 2 * w.size * 30 // 10000, "%d codes differ from torchao's" % differing
+    opt.close()
+
+
 @test
 def the_module_docstring_example_runs_as_written():
     # the example at the top of moonstep's docstring (help(moonstep)), its indented block, run on the CPU
