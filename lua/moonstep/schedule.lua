@@ -2,11 +2,19 @@
 moonstep.schedule -- learning-rate schedules: a multiplier of the base learning rate for each 1-based step.
 
   {kind = "constant"}
-  {kind = "linear_warmup", warmup_steps = W}                   0 -> 1 over W steps, then 1
+  {kind = "linear_warmup", warmup_steps = W}                   1/W -> 1 over steps 1..W, then 1
   {kind = "cosine", warmup_steps = W, total_steps = T, min_lr_ratio = r}
   {kind = "wsd", warmup_steps = W, stable_steps = S, decay_steps = D, min_lr_ratio = r, decay = "linear"|"cosine"}
                                                                 warmup-stable-decay (decay: "linear" by default)
   function(step) return multiplier end
+
+Steps count from 1 (the first optimizer step is step 1), and every phase ends on its value: the warmup gives
+step / W (1/W at step 1, never 0, and 1 at step W); cosine's decay gives r + (1 - r) (1 + cos(pi (step - W) /
+(T - W))) / 2, reaching r at step T and staying there; wsd holds 1 through step W + S and decays to r at step
+W + S + D.  So a run of T steps under cosine (or wsd with W + S + D = T) takes its last step at r times the
+base rate -- with r = 0, as moonstep.experiment's cosine, a step that changes nothing but the state.  (Hugging
+Face's get_*_schedule_with_warmup count from 0 and shift this by one: their first warmup step has rate 0, their
+last step a rate above r.)
 ]]
 local M = {}
 
