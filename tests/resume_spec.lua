@@ -120,6 +120,7 @@ describe("every recipe resumes bit for bit", function()
                   weight_decay = 0.1, bf16_stochastic_round = true, seed = 3 }, COSINE },
     { "sinkgd", { sinkgd_spectral_norm = true, adamw_state = "f32" }, WARM },
     { "sinkgd", { sinkgd_md_sphere = true, lr = 0.05, sinkgd_base_width = 8, bf16_stochastic_round = true }, WSD },
+    { "sinkgd", { sinkgd_md_sphere = true, adamw_state = "f32", sinkhorn_iters = 2 }, COSINE },
     -- AdamW: f32 and bf16 moments, stochastic rounding, masters, no bias correction
     { "adamw", { lr = 0.01, weight_decay = 0.1, stochastic_round = true, seed = 8, no_decay_1d = true }, COSINE },
     { "adamw", { state_dtype = "bf16", bias_correction = false }, { master_weights = true, schedule = WARM.schedule } },
