@@ -261,6 +261,55 @@ describe("ms.inv_root iterations, stopping, subsets and 16-bit products", functi
   end)
 end)
 
+describe("ms.inv_root and ms.spectrum_estimate under another thread count", function()
+  -- Blocks large enough to be solved side by side (engine/cpu/dash.c, blas_one_thread), with OpenBLAS on 2
+  -- threads: a context of 1 thread used to leave each block OpenBLAS's threads while one of 3 put OpenBLAS on
+  -- one, and OpenBLAS rounds differently on more threads, so the roots (EVD most) and a run resumed under
+  -- another --threads came out different.
+  pcall(ffi.cdef, "void openblas_set_num_threads(int n); int openblas_get_num_threads(void);")
+  local okb, blas = pcall(function()
+    local lib = ffi.C
+    local _ = lib.openblas_get_num_threads
+    return lib
+  end)
+  if not okb then okb, blas = pcall(ffi.load, "openblas") end
+  if not okb then okb, blas = pcall(ffi.load, "libopenblas.so.0") end
+
+  it("gives the same bits under 1 and 3 threads, OpenBLAS on 2 (every method, pim scaling, estimates)", function()
+    assert(okb, "OpenBLAS's openblas_set_num_threads is not reachable: " .. tostring(blas))
+    local saved = blas.openblas_get_num_threads()
+    blas.openblas_set_num_threads(2)
+    local ok, err = pcall(function()
+      local out = {}
+      for _, nt in ipairs { 1, 3 } do
+        local cpu = ms.context({ device = "cpu", num_threads = nt })
+        local g = ms.randn({ 4, 160, 160 }, { seed = 91, ctx = cpu })
+        local a = ms.matmul(g, g, { trans_b = true })
+        local r = {}
+        for _, method in ipairs { "evd", "cn", "ndb", "chebyshev" } do
+          local x, res = ms.inv_root(a, { method = method, root = 4, scaling = "pim", residual = true, seed = 4,
+                                          eps = method == "evd" and 1e-10 or 0 })
+          r[method], r[method .. " residual"] = vals(x), vals(res)
+        end
+        local lmax, lmin = ms.spectrum_estimate(a, { x_root = ms.inv_root(a, { method = "evd", root = 4, eps = 1e-10 }),
+                                                     root = 4, seed = 6, vectors = 32 })
+        r.lam_max, r.lam_min = vals(lmax), vals(lmin)
+        out[nt] = r
+      end
+      for key, want in pairs(out[1]) do
+        local got = out[3][key]
+        for i = 1, #want do
+          if want[i] ~= got[i] and not (want[i] ~= want[i] and got[i] ~= got[i]) then
+            error(("%s differs at %d under 3 threads: %.9g, under 1: %.9g"):format(key, i, got[i], want[i]))
+          end
+        end
+      end
+    end)
+    blas.openblas_set_num_threads(saved)
+    assert(ok, err)
+  end)
+end)
+
 describe("ms.inv_root EVD on the CPU", function()
   it("does a block again alone after the parallel part where asked (MOONSTEP_TEST_EVD_REDO), with the same bits", function()
     -- the path a block takes when its ssyevd, run beside the others, fails or gives a non-finite root

@@ -81,6 +81,21 @@ static int threads_for(const ms_ctx *ctx, int64_t work, int64_t units)
     return units < nt ? (int)units : nt;
 }
 
+/* Whether a stack is solved block by block, each block's products and LAPACK calls on one OpenBLAS thread (several
+** blocks and enough work: threads_for's test without the context's count), and then OpenBLAS put on one thread;
+** returns the count to restore after the region (0: none).  Otherwise OpenBLAS keeps its threads (a lone block,
+** little work: threads_for gives 1 then, whatever the context runs).  OpenBLAS splits its work differently on
+** more threads and rounds differently (ssyevd, the solvers' GEMMs), so this choice must not follow the
+** context's thread count: it did (a context of 1 thread left OpenBLAS its threads), and a DASH run resumed under
+** another --threads did not continue the same run.  Now a stack gives the same bits under any count. */
+static int blas_one_thread(int64_t work, int64_t units)
+{
+    if (work < STACK_PAR_MIN || units < 2) return 0;
+    int saved = openblas_get_num_threads();
+    if (saved > 1) openblas_set_num_threads(1);
+    return saved > 1 ? saved : 0;
+}
+
 /* The f32 normals of ms_rand (MS_RAND_NORMAL, a = 0, b = 1) for a [rows, cols] tensor with key seed and
 ** offset `offset` (moonstep.h, "Random vectors"). */
 static void philox_normals(float *out, int64_t count, uint64_t seed, uint64_t offset)
@@ -689,12 +704,9 @@ ms_status ms_cpu_inv_root(ms_ctx *ctx, ms_tensor *x, ms_tensor *residual, ms_ten
         if (f != NULL && *f != '\0') force_redo = strtoll(f, NULL, 10);
     }
 
-    /* blocks in parallel, each product single-threaded; a lone block keeps OpenBLAS's threads */
-    int saved_blas = -1;
-    if (nt > 1) {
-        saved_blas = openblas_get_num_threads();
-        openblas_set_num_threads(1);
-    }
+    /* blocks in parallel, each on one OpenBLAS thread whatever nt is; a lone block keeps OpenBLAS's threads
+    ** (blas_one_thread: the same bits under any thread count) */
+    const int saved_blas = blas_one_thread(kc * bb * (b > 64 ? 64 : b), kc);
     int64_t fail_q = -1;
     int fail_info = 0;
     #pragma omp parallel num_threads(nt)
@@ -788,11 +800,7 @@ ms_status ms_cpu_spectrum_estimate(ms_ctx *ctx, ms_tensor *lam_max, ms_tensor *l
     const float *A = ms_tensor_ptr(a), *XR = x_root ? ms_tensor_ptr(x_root) : NULL;
     float *lmax = ms_tensor_ptr(lam_max), *lmin = lam_min ? ms_tensor_ptr(lam_min) : NULL;
     const bool bf16 = o->bf16 != 0;
-    int saved_blas = -1;
-    if (nt > 1) {
-        saved_blas = openblas_get_num_threads();
-        openblas_set_num_threads(1);
-    }
+    const int saved_blas = blas_one_thread(n * bb * o->vectors, n);   /* as ms_cpu_inv_root */
     #pragma omp parallel num_threads(nt)
     {
         float *room = mem + (size_t)omp_get_thread_num() * per_thread;

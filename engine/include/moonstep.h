@@ -979,7 +979,10 @@ typedef struct ms_root_options {
 ** accumulation): how well block k was inverted, large where an iterative solver under-inverts by design (even
 ** an exact root stored in f32 leaves about 1e-7 times the condition number of A_reg);
 ** iters[k] = the iterations block k ran (NDB: Newton steps of both square roots; CN: iterations; Chebyshev:
-** d; EVD: 0).  No host synchronisation except EVD's convergence check.
+** d; EVD: 0).  No host synchronisation except EVD's convergence check.  CPU: the bits do not depend on the
+** context's num_threads (a stack of several large blocks is solved block by block, each on one OpenBLAS thread;
+** a lone or small one on OpenBLAS's threads), so ms_spectrum_estimate's neither; OpenBLAS's own thread count,
+** a setting of the process, can change them.
 ** Errors: MS_E_ARG (options out of range, bad index entries), MS_E_SHAPE, MS_E_DTYPE, MS_E_LAYOUT,
 ** MS_E_DEVICE, MS_E_NUMERIC (EVD did not converge or met a non-finite entry, with the block named; x is then
 ** unchanged), MS_E_UNSUPPORTED. */
