@@ -83,6 +83,11 @@ Where moonstep deliberately differs from axolotl (options, defaults, routing and
     torch.randn, and has the two guards above.
   - AdamW moments too small for 8 bits (or not a multiple of block_size) are f32; torchao keeps them in the
     param's dtype (bf16 for bf16 params).
+  - the 8-bit step is ms_adamw_step's f32 math (m = b1 m + (1 - b1) g, lr / bc1 folded in f64) where torchao
+    lerps and folds in f32, and its quantization maps are rounded once from f64 where torch computes them in
+    f32 (moonstep.h, ms_adamw8_qmap: some codes differ in the last bit or two): parameters agree to f32
+    rounding and codes but at rounding thresholds (tests/python/test_bridge.py checks it against torchao's
+    formulas).
   - bf16_stochastic_round rounds f16 params too (axolotl: bf16 only).
   - every option given as a string is converted; axolotl's "k=v" optim_args leave sinkgd_eps,
     bf16_stochastic_round and block_size strings (its "False" turns stochastic rounding on).
