@@ -321,5 +321,18 @@ describe("lion and muon as files", function()
       end
       H.assert_close(run("cuda"), run("cpu"), 1e-4, 1e-6, name)
     end
+    -- Muon's stacked experts: batched products and per-matrix norms, one matrix transposed (wide) per stack
+    for _, shape in ipairs { { 3, 12, 20 }, { 2, 20, 12 } } do
+      local function run(device)
+        local w = ms.randn(shape, { seed = 5, device = device })
+        local g = ms.randn(shape, { seed = 6, device = device })
+        local opt = ms.optim.new("muon", { { name = "layers.0.experts", param = w, grad = g } }, {})
+        opt:step()
+        g:mul_(-0.5)
+        opt:step()
+        return w:tolist_flat()
+      end
+      H.assert_close(run("cuda"), run("cpu"), 1e-4, 1e-6, "muon " .. table.concat(shape, "x"))
+    end
   end)
 end)
