@@ -139,9 +139,12 @@ end
 -- sharded parameter (this rank's part, info.shard) takes them only when it is a block-aligned run of the
 -- whole parameter's elements (rows of a matrix from a multiple of block_size elements): its blocks are then
 -- the whole parameter's, as on one rank, and checkpoints join and cut them.  Other slices keep f32 moments.
+-- The whole parameter must take them on one rank too (info.numel, a multiple of block_size): an aligned
+-- slice of a matrix kept in f32 there would otherwise quantize its moments, unlike one rank.
 local function uses_8bit(m, o)
   local numel, s = m.param:numel(), m.info.shard
-  if o.adamw_state ~= "8bit" or m.param:dtype() == "f64" or m.info.numel < 4096 or numel % o.block_size ~= 0 then
+  if o.adamw_state ~= "8bit" or m.param:dtype() == "f64" or m.info.numel < 4096 or m.info.numel % o.block_size ~= 0
+     or numel % o.block_size ~= 0 then
     return false
   end
   return s == nil or (s.dim == "rows" and m.info.ndim == 2 and s.offset * m.info.shape[2] % o.block_size == 0)

@@ -157,6 +157,33 @@ scenario("sinkgd_sharded", function()
   end
 end)
 
+-- (2b) a rows slice aligned to the 8-bit blocks of a matrix whose numel is no multiple of block_size: one rank
+-- keeps that matrix's moments in f32, so the slice must too (it took 8 bits, stepped otherwise than one rank,
+-- and its checkpoint could not be saved: its scales did not follow the shard)
+scenario("sinkgd_8bit_whole_f32", function()
+  local spec = { { "embed_odd", { 65, 128 }, shard = { "rows", { 0, 32 } }, tags = { "adamw" } } }
+  local whole, slices, cuts = model(spec, 23)
+  local ones = whole_entries(spec, whole)
+  local opt1 = ms.optim.new("sinkgd", ones, { lr = 0.01 })
+  local opt2 = ms.optim.new("sinkgd", slices, { lr = 0.01 }, { comm = comm })
+  for t = 1, 3 do
+    fill(spec, t, ones, slices, cuts)
+    opt1:step() opt2:step()
+  end
+  assert(opt1.by_name.embed_odd.member.state.exp_avg:dtype() == "f32", "one rank: f32 moments")
+  assert(opt2.by_name.embed_odd.member.state.exp_avg:dtype() == "f32",
+         "rank " .. RANK .. ": " .. opt2.by_name.embed_odd.member.state.exp_avg:dtype() .. " moments")
+  check_same(slices[1].param, slice_of(ones[1].param, cuts[1]), "embed_odd")
+  local path = DIR .. "/odd.ckpt"
+  opt2:save(path)
+  local at3 = gather_whole(slices[1].param, 0, cuts[1].lo, 65)
+  local again = whole_entries(spec, { at3 })
+  local opt3 = ms.optim.new("sinkgd", again, { lr = 0.01 })
+  opt3:load(path)
+  check_same(opt3.by_name.embed_odd.member.state.exp_avg, gather_whole(opt2.by_name.embed_odd.member.state.exp_avg, 0,
+             cuts[1].lo, 65), "2 -> 1 exp_avg")
+end)
+
 -- (3) replicate: every rank steps every parameter, as one rank does
 scenario("replicate", function()
   local spec = { { "w", { 6, 5 } }, { "v", { 4, 4 } }, { "b", { 5 } } }
@@ -535,6 +562,9 @@ describe("several ranks (settings.comm) on the CPU, through `moonstep launch -n 
   end)
   it("SinkGD on rows- and cols-sharded matrices (and AdamW on 8-bit row slices) gives one rank's update", function()
     passes("sinkgd_sharded")
+  end)
+  it("SinkGD's AdamW keeps f32 moments on a block-aligned slice of a matrix one rank keeps in f32", function()
+    passes("sinkgd_8bit_whole_f32")
   end)
   it("distribute = 'replicate': every rank steps every parameter, as one rank does", function() passes("replicate") end)
   it("a NaN gradient on one rank makes every rank skip (host and device checks); 'raise' raises on both", function()
