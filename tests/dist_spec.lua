@@ -386,6 +386,33 @@ scenario("checkpoint_all_or_none", function()
   grown:step()
 end)
 
+-- a part that one rank cannot even gather (its route's state does not follow the shard there) fails the save on
+-- every rank at once, each saying why, and the world goes on
+scenario("save_gather_fails", function()
+  local probe = {
+    name = "probe", options = { lr = { default = 0.1, type = "number" } },
+    route = function() return "r" end,
+    routes = { r = {
+      init = function(g) for _, m in ipairs(g) do m.state.buf = ms.zeros(RANK == 1 and { 3 } or m.param:shape()) end end,
+      step = function() end,
+      state_shard = function() if RANK == 1 then return 0 end end,
+    } },
+  }
+  local opt = ms.optim.new(probe, { { name = "w", param = ms.zeros({ 4, 3 }), grad = ms.zeros({ 4, 3 }),
+                                      shard = { dim = "rows", offset = RANK * 4, size = 8 } } }, {}, { comm = comm })
+  opt:step()
+  local t0 = os.time()
+  local ok, err = pcall(opt.save, opt, DIR .. "/gather.ckpt")
+  assert(not ok, "saved")
+  local want = RANK == 1 and "state 'buf' of parameter 'w' ([3]) does not follow its shard"
+               or "1 of the 2 ranks could not write their part of " .. DIR .. "/gather.ckpt"
+  assert(tostring(err):find(want, 1, true), tostring(err))
+  assert(os.time() - t0 < 10, "the save waited for the timeout")
+  local t = ms.ones({ 2 })
+  comm:all_reduce(t)
+  check_same(t, ms.full({ 2 }, 2), "after the failed save")
+end)
+
 -- what recipes see: the whole shape, the slice's, the shard, the world; owners alone init and step
 scenario("info", function()
   local seen = {}
@@ -581,6 +608,9 @@ describe("several ranks (settings.comm) on the CPU, through `moonstep launch -n 
   end)
   it("sharded state joins and splits exactly 2 -> 1, 1 -> 2, 2 -> 2; missing or corrupt parts are named", function()
     passes("checkpoint_sinkgd")
+  end)
+  it("a part that one rank cannot gather fails the save on every rank at once, each saying why", function()
+    passes("save_gather_fails")
   end)
   it("a checkpoint that one rank cannot load is loaded by none, each rank saying why", function()
     passes("checkpoint_all_or_none")

@@ -1980,6 +1980,46 @@ end
 --- Writes the optimizer's state to a safetensors file (atomically).  With several ranks: each rank's part
 --- to path .. ".rank<r>-of-<N>", then (once every part is written) the index, from rank 0, to path.
 function Optimizer:save(path)
+  if not self.dist then
+    local tensors, meta = self:_save_contents()
+    ms.save(path, tensors, { moonstep = json.encode(meta) })
+    return
+  end
+  -- with several ranks an error while this rank gathers its state (a route's state_shard hook, a state
+  -- tensor that does not follow its shard) is told to the others in the flag below, as a write's failure is:
+  -- raised here alone, it left them waiting in that all-reduce until the communicator's timeout
+  local world, rank = self.world.size, self.world.rank
+  local part = part_path(path, rank, world)
+  local ok, tensors, meta = pcall(self._save_contents, self)
+  local err = not ok and tostring(tensors) or nil
+  if ok then
+    local wrote, why = pcall(function() ms.save(part, tensors, { moonstep = json.encode(meta) }) end)
+    if not wrote then ok, err = false, ("save: %s: %s"):format(part, tostring(why)) end
+  end
+  local failed = self:_dist_flag(not ok)
+  if not ok then error(err, 0) end
+  if failed > 0 then
+    error(("save: %d of the %d ranks could not write their part of %s (their errors say why)"):format(failed, world,
+          path), 2)
+  end
+  if rank == 0 then
+    local names = {}
+    for r = 0, world - 1 do names[r + 1] = part_path(path, r, world):match("[^/]*$") end
+    local index = {}
+    for _, k in ipairs { "moonstep", "schema", "recipe", "options", "step", "skipped", "lr_override", "schedule", "rng",
+                         "lags" } do
+      index[k] = meta[k]
+    end
+    index.world, index.parts = world, names
+    ok, err = pcall(ms.save, path, {}, { moonstep = json.encode(index) })
+  end
+  if self:_dist_flag(not ok) > 0 then
+    error(("save: %s: %s"):format(path, rank == 0 and tostring(err) or "rank 0 could not write the index"), 2)
+  end
+end
+
+-- what save writes to this rank's file: its state tensors and the metadata
+function Optimizer:_save_contents()
   local tensors, scalars, groups = self:_state_entries()
   local splits, slots, parts = self:_layout()
   -- JSON has no infinities or NaN: such state numbers go to `nonfinite` by name, as "inf", "-inf" or "nan"
@@ -1998,31 +2038,10 @@ function Optimizer:save(path)
     schedule = self.schedule_kind, rng = ms.rng_state(), scalars = scalars, nonfinite = nonfinite, groups = groups,
     slots = next(slots) and slots or nil, lags = self:_lags(),
   }
-  if not self.dist then
-    ms.save(path, tensors, { moonstep = json.encode(meta) })
-    return
+  if self.dist then
+    meta.world, meta.rank, meta.params, meta.split = self.world.size, self.world.rank, parts, next(splits) and splits or nil
   end
-  local world, rank = self.world.size, self.world.rank
-  meta.world, meta.rank, meta.params, meta.split = world, rank, parts, next(splits) and splits or nil
-  local part = part_path(path, rank, world)
-  local ok, err = pcall(ms.save, part, tensors, { moonstep = json.encode(meta) })
-  local failed = self:_dist_flag(not ok)
-  if not ok then error(("save: %s: %s"):format(part, tostring(err)), 2) end
-  if failed > 0 then error(("save: %d of the %d ranks could not write their part of %s"):format(failed, world, path), 2) end
-  if rank == 0 then
-    local names = {}
-    for r = 0, world - 1 do names[r + 1] = part_path(path, r, world):match("[^/]*$") end
-    local index = {}
-    for _, k in ipairs { "moonstep", "schema", "recipe", "options", "step", "skipped", "lr_override", "schedule", "rng",
-                         "lags" } do
-      index[k] = meta[k]
-    end
-    index.world, index.parts = world, names
-    ok, err = pcall(ms.save, path, {}, { moonstep = json.encode(index) })
-  end
-  if self:_dist_flag(not ok) > 0 then
-    error(("save: %s: %s"):format(path, rank == 0 and tostring(err) or "rank 0 could not write the index"), 2)
-  end
+  return tensors, meta
 end
 
 -- a checkpoint file's metadata, checked
