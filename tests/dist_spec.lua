@@ -505,6 +505,15 @@ scenario("agree", function()
   expect(new("adamw", { p("w", { 4, 4 }) }, {}, { distribute = RANK == 0 and "owner" or "replicate" }), "setting distribute")
   expect(new("adamw", { p("w", { 4, 4 }) }, {}, { clip_grad_norm = RANK == 0 and 1 or nil }), "setting clip_grad_norm")
   expect(new("adamw", { p("w", { 4, 4 }) }, {}, { nonfinite = RANK == 0 and "skip" or "apply" }), "setting nonfinite")
+  -- the settings that change the step's result or collectives without changing the options: another schedule
+  -- would step the ranks' slices with other learning rates, silently
+  expect(new("adamw", { p("w", { 4, 4 }) }, {}, { schedule = RANK == 0 and { kind = "cosine", total_steps = 10 } or nil }),
+         "setting schedule differs")
+  expect(new("adamw", { p("w", { 4, 4 }) }, {}, { schedule = { kind = "cosine", total_steps = RANK == 0 and 10 or 20 } }),
+         "setting schedule differs")
+  expect(new("adamw", { p("w", { 4, 4 }) }, {}, { master_weights = RANK == 0 }), "setting master_weights differs")
+  expect(new("adamw", { p("w", { 4, 4 }) }, {}, { device_checks = RANK == 1 }), "setting device_checks differs")
+  new("adamw", { p("w", { 4, 4 }) }, {}, { schedule = { kind = "cosine", total_steps = 10 }, device_checks = true })()
   expect(new(RANK == 0 and "adamw" or "sinkgd", { p("w", { 4, 4 }) }), "another recipe")
   expect(new("adamw", { p("w", { 4, 4 }) }, { lr = RANK == 0 and 0.1 or 0.2 }), "other options")
   -- the same numel in another shape or dtype: owners would be assigned differently (2+ dims by numel, the
@@ -621,7 +630,7 @@ describe("several ranks (settings.comm) on the CPU, through `moonstep launch -n 
   it("refuses a step whose gradients go to other parameters on another rank, on every rank, changing nothing", function()
     passes("grad_sets")
   end)
-  it("refuses ranks whose parameter counts, recipe, options or collective settings differ, before any waits", function()
+  it("refuses ranks whose parameter counts, recipe, options, schedule or collective settings differ, before any waits", function()
     passes("agree")
   end)
 end)

@@ -56,7 +56,9 @@ two routes share a stream.  The groups of one route share theirs: what a matrix 
 first power vector) is then the same whether it is sharded or whole, alone in its group or not.
 
 Several ranks (settings.comm of N > 1 ranks).  Every rank makes its optimizer with the same recipe, options,
-settings and parameters (same names, same order); the checks at creation (two all-gathers) name what differs.
+settings and parameters (same names, same order); the checks at creation (two all-gathers) name what differs
+(of the settings: distribute, nonfinite, clip_grad_norm, schedule, master_weights, device_checks; a schedule
+given as a function is not compared).
   - A parameter entry may carry shard = {dim = "rows"|"cols", offset = k, size = s}: its param (and grad) is
     this rank's slice of a matrix (or stack of matrices) whose dim -2 (rows) or -1 (cols) is s long, starting
     at k.  The ranks' slices must tile [0, s).  Every rank steps its own slice (SinkGD exchanges its norm
@@ -381,18 +383,28 @@ end
 -- the settings that decide the step's collectives and their results (distribute, nonfinite, clip_grad_norm)
 -- and the recipe and its options (the routes' own collectives).
 -- A rank that refused its own arguments before getting here (M.new) takes part with column 7 set, so that
--- the others raise too instead of waiting.
+-- the others raise too instead of waiting.  Columns 8 to 10 are the settings that change the step's result
+-- or its collectives without changing the recipe's options: the schedule (a table or kind name by its
+-- fields; a function cannot be compared and counts as "function"), master_weights and device_checks (which
+-- makes other collectives).  A rank with another schedule would step its slices with another learning rate.
 local NONFINITE_CODE = { skip = 1, raise = 2, apply = 3 }
-local HEADER_COLS = 7
+local HEADER_COLS = 10
+local REFUSED_HEADER = { 0, 0, 0, 0, 0, 0, 1, 0, 0, 0 }
 local function header_gather(comm, ctx, v)
   return comm:all_gather(ms.empty({ comm:size() * HEADER_COLS }, { dtype = "f64", ctx = ctx }),
                          ms.tensor(v, { dtype = "f64", ctx = ctx })):tolist_flat()
+end
+local function schedule_key(schedule)
+  if type(schedule) == "function" then return name_key("function") end
+  local ok, text = pcall(json.encode, schedule)
+  return ok and name_key(text) or 0
 end
 local function dist_agree(self, n)
   local world, rank, s = self.world.size, self.world.rank, self.settings
   local okj, opts = pcall(json.encode, self.options)
   local v = { n, self.dist.mode == "owner" and 1 or 2, NONFINITE_CODE[s.nonfinite] or 0, s.clip_grad_norm or 0,
-              name_key(tostring(self.recipe_hash)), okj and name_key(opts) or 0, 0 }
+              name_key(tostring(self.recipe_hash)), okj and name_key(opts) or 0, 0, schedule_key(s.schedule),
+              s.master_weights and 1 or 0, s.device_checks and 1 or 0 }
   if self.progress then self.progress.agreed = true end
   local all = header_gather(self.comm, self.ctx, v)
   local function at(r, c) return all[r * HEADER_COLS + c] end
@@ -406,7 +418,8 @@ local function dist_agree(self, n)
       error(("settings.comm: rank %d gives %d parameters, this rank (%d) %d: every rank must give the same parameters, "
              .. "in the same order"):format(r, at(r, 1), rank, n), 4)
     end
-    for c, name in pairs { [2] = "distribute", [3] = "nonfinite", [4] = "clip_grad_norm" } do
+    for c, name in pairs { [2] = "distribute", [3] = "nonfinite", [4] = "clip_grad_norm", [8] = "schedule",
+                           [9] = "master_weights", [10] = "device_checks" } do
       if at(r, c) ~= v[c] then
         error(("settings.comm: setting %s differs between rank %d and this rank (%d): every rank must pass the same "
                .. "settings"):format(name, r, rank), 4)
@@ -634,7 +647,7 @@ function M.new(recipe, params, options, settings)
   if ok then return res end
   if not progress.agreed then
     local ctx = s.comm:context() or ms.device()
-    pcall(header_gather, s.comm, ctx, { 0, 0, 0, 0, 0, 0, 1 })
+    pcall(header_gather, s.comm, ctx, REFUSED_HEADER)
   end
   error(res, 0)
 end
