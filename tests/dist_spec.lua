@@ -564,6 +564,24 @@ scenario("grad_sets", function()
   comm:all_reduce(t)
   check_same(t, ms.full({ 2 }, 2), "after the refusals")
 end)
+-- (10) a learning rate set on one rank only (a plateau scheduler fed this rank's loss): every rank refuses the
+-- step, changing nothing, instead of stepping the slices with different rates
+scenario("lr_differs", function()
+  local whole, slices, cuts = model(sink_spec, 91)
+  local opt = ms.optim.new("sinkgd", slices, sink_opts, { comm = comm })
+  fill(sink_spec, 1, nil, slices, cuts)
+  assert(opt:step() == true)
+  local before = {}
+  for i, e in ipairs(slices) do before[i] = e.param:clone() end
+  if RANK == 1 then opt:set_lr(0.01) end
+  local ok, err = pcall(opt.step, opt)
+  assert(not ok, "the step ran")
+  assert(tostring(err):find("step 2: the ranks step with different learning rates (this rank: lr "
+                            .. (RANK == 1 and "0.01" or "0.02"), 1, true), tostring(err))
+  for i, e in ipairs(slices) do check_same(e.param, before[i], "refused step changed " .. e.name) end
+  opt:set_lr(0.01)
+  assert(opt:step() == true, "the step after the refusal")
+end)
 print("done " .. RANK)
 ]==]
 
@@ -626,6 +644,9 @@ describe("several ranks (settings.comm) on the CPU, through `moonstep launch -n 
   end)
   it("refuses slices that do not tile, parameters that differ between ranks and sharded DASH parameters", function()
     passes("errors")
+  end)
+  it("refuses a step whose learning rate differs on another rank, on every rank, changing nothing", function()
+    passes("lr_differs")
   end)
   it("refuses a step whose gradients go to other parameters on another rank, on every rank, changing nothing", function()
     passes("grad_sets")
