@@ -355,6 +355,30 @@ scenario("checkpoint_sinkgd", function()
   assert(not ok and tostring(err):find("sink.ckpt.rank1%-of%-2"), tostring(err))
 end)
 
+-- the same world sharded another way: rows -> cols (u, whole in every rows part, is cut by columns here) and
+-- cols -> rows (u's slices joined) continue as the uninterrupted run
+scenario("checkpoint_reshard", function()
+  local path = DIR .. "/reshard.ckpt"
+  local rows = { { "m", { 6, 8 }, shard = { "rows", { 0, 3 } } } }
+  local cols = { { "m", { 6, 8 }, shard = { "cols", { 0, 4 } } } }
+  for _, pair in ipairs { { rows, cols }, { cols, rows } } do
+    local from, to = pair[1], pair[2]
+    local whole, slices, cuts = model(from, 93)
+    local opt = ms.optim.new("sinkgd", slices, sink_opts, { comm = comm })
+    continue(opt, slices, from, cuts, 1, 3)
+    opt:save(path)
+    local at3 = { gather_whole(slices[1].param, cuts[1].axis, cuts[1].lo, 6 + 2 * cuts[1].axis) }
+    continue(opt, slices, from, cuts, 4, 5)
+    local _, again, cuts2 = model(to, 93)
+    again[1].param:copy_(slice_of(at3[1], cuts2[1]))
+    local opt2 = ms.optim.new("sinkgd", again, sink_opts, { comm = comm })
+    opt2:load(path)
+    continue(opt2, again, to, cuts2, 4, 5)
+    local done = gather_whole(slices[1].param, cuts[1].axis, cuts[1].lo, 6 + 2 * cuts[1].axis)
+    check_same(again[1].param, slice_of(done, cuts2[1]), from[1].shard[1] .. " -> " .. to[1].shard[1], 2e-6)
+  end
+end)
+
 -- a checkpoint one rank cannot load (the state of a parameter it owns is missing) is loaded by none: the
 -- other rank's checks pass, but going on from the checkpoint there and from fresh state here would split
 -- the world without an error
@@ -638,6 +662,9 @@ describe("several ranks (settings.comm) on the CPU, through `moonstep launch -n 
   end)
   it("a part that one rank cannot gather fails the save on every rank at once, each saying why", function()
     passes("save_gather_fails")
+  end)
+  it("sharded state loads into the same world sharded another way (rows <-> cols)", function()
+    passes("checkpoint_reshard")
   end)
   it("a checkpoint that one rank cannot load is loaded by none, each rank saying why", function()
     passes("checkpoint_all_or_none")

@@ -2195,8 +2195,14 @@ local function plan_copies(path, name, t, files, split, slot_ids, copies, exact)
     if split then lo, hi = split.lo, split.hi elseif t:dim() <= axis or t:size(axis) ~= total then
       mismatch(holders[1], holders[1].tensors[name], (" (the checkpoint's slices join to %d along dim %d)"):format(total, axis))
     end
-    local covered, pieces = 0, {}
+    -- a tensor that every rank held whole (a rows-sharded matrix's u, cut here by columns) is in every part,
+    -- the same: one copy covers the range (each counted, they overlapped)
+    local from = holders
     for _, f in ipairs(holders) do
+      if not (f.meta.split and f.meta.split[name]) then from = { f } break end
+    end
+    local covered, pieces = 0, {}
+    for _, f in ipairs(from) do
       local src, fs = f.tensors[name], f.meta.split and f.meta.split[name]
       local flo, fhi = 0, total
       if fs then flo, fhi = fs.lo, fs.hi end
