@@ -270,6 +270,17 @@ elseif case == "disagree" then
   attempt(function() comm:all_reduce(rank == 1 and input("f32", rank, { 9 }, 2) or x) end)
   -- and the communicator is done for
   attempt(function() comm:all_reduce(x) end)
+elseif case == "empty" then
+  -- empty on every rank: nothing to do, but still one call each (an empty reduce_scatter and all_gather too)
+  local none = ms.empty({ 0 }, { ctx = cpu })
+  attempt(function()
+    comm:all_reduce(none) comm:broadcast(none, world - 1)
+    comm:all_gather(ms.empty({ 0 }, { ctx = cpu }), none) comm:reduce_scatter(none, ms.empty({ 0 }, { ctx = cpu }))
+    local y = x:clone()
+    comm:all_reduce(y)
+  end)
+  -- rank 1's tensor is empty where the others' are not: every rank hears it at once, none waits for the timeout
+  attempt(function() comm:all_reduce(rank == 1 and ms.empty({ 0 }, { ctx = cpu }) or x) end)
 elseif case == "kind" then
   -- the last rank broadcasts where the others all-reduce
   attempt(function() if rank == world - 1 then comm:broadcast(x, 0) else comm:all_reduce(x) end end)
@@ -329,6 +340,26 @@ describe("the CPU communicator's failures", function()
       assert.is_true(seconds[r] == true, "rank " .. r .. ": " .. out)
     end
     assert.is_true(wall < 5, "took " .. wall .. " s")
+  end)
+
+  it("runs empty collectives as calls, so that a rank whose tensor alone is empty fails every rank at once", function()
+    local out, code, wall = run("empty", 3, 30)
+    assert.are.equal(0, code, out)
+    local lines = {}
+    for r, st, msg in out:gmatch("status (%d) (%S+) %d+ ([^\n]*)") do
+      lines[tonumber(r)] = lines[tonumber(r)] or {}
+      table.insert(lines[tonumber(r)], { st = st, msg = msg })
+    end
+    local want = "the ranks disagree on collective #6: rank 0 calls ms_comm_all_reduce (sum) of 8 f32 elements, "
+      .. "rank 1 ms_comm_all_reduce (sum) of 0 f32 elements"
+    for r = 0, 2 do
+      local l = lines[r]
+      assert.is_truthy(l and #l == 2, out)
+      assert.are.equal("ok", l[1].st, out)
+      assert.are.equal("error", l[2].st, out)
+      assert.is_truthy(l[2].msg:find(want, 1, true), out)
+    end
+    assert.is_true(wall < 10, "took " .. wall .. " s")
   end)
 
   it("fails on every rank when one makes another collective", function()

@@ -254,11 +254,11 @@ typedef struct reduction {
 /* false when there is no memory for the buffers */
 static bool reduction_begin(reduction *R, ms_dtype dt, ms_comm_op op, int64_t n, const void *mine, void *out)
 {
-    size_t es = ms_dtype_size(dt);
+    size_t es = ms_dtype_size(dt), n1 = n > 0 ? (size_t)n : 1;   /* (an empty call too: malloc(0) may be NULL) */
     *R = (reduction){ .dt = dt, .op = op, .n = n };
-    R->scratch = malloc((size_t)n * es);
-    R->acc = is_half(dt) ? malloc((size_t)n * sizeof(float)) : out;
-    if (R->scratch == NULL || R->acc == NULL) {
+    R->scratch = malloc(n1 * es);
+    R->acc = is_half(dt) ? malloc(n1 * sizeof(float)) : out;
+    if (R->scratch == NULL || (is_half(dt) && R->acc == NULL)) {   /* (out is NULL for an empty tensor) */
         free(R->scratch);
         if (R->acc != out) free(R->acc);
         return false;
@@ -267,7 +267,7 @@ static bool reduction_begin(reduction *R, ms_dtype dt, ms_comm_op op, int64_t n,
         const uint16_t *h = mine;
         float *a = R->acc;
         for (int64_t i = 0; i < n; i++) a[i] = half_to_f32(dt, h[i]);
-    } else if (out != mine) {
+    } else if (out != mine && n > 0) {
         memcpy(out, mine, (size_t)n * es);
     }
     return true;
@@ -452,12 +452,12 @@ ms_status ms_cpu_comm_reduce_scatter(ms_ctx *ctx, void *comm, ms_tensor *dst, co
     if (c->rank != 0) return take_part(ctx, c, &k, ms_tensor_ptr(src), bytes * (size_t)c->world_size,
                                        ms_tensor_ptr(dst), bytes);
     int64_t start = ms_now_ms(), deadline = start + c->timeout_ms;
-    char *out = malloc(bytes * (size_t)c->world_size);   /* dst may be a slice of src: reduce aside */
+    char *out = malloc(bytes * (size_t)c->world_size + 1);   /* dst may be a slice of src: reduce aside (+1: never malloc(0)) */
     if (out == NULL)
         return fail(ctx, c, MS_E_OOM, "ms_comm_reduce_scatter: no host memory for rank 0's %lld-element result",
                     (long long)all);
     ms_status st = reduce_from_ranks(ctx, c, &k, op, all, ms_tensor_ptr(src), out, start, deadline);
-    if (st == MS_OK) memmove(ms_tensor_ptr(dst), out, bytes);
+    if (st == MS_OK && bytes > 0) memmove(ms_tensor_ptr(dst), out, bytes);
     for (int r = 1; r < c->world_size && st == MS_OK; r++)
         st = answer(ctx, c, call_name[k.kind], r, out + bytes * (size_t)r, bytes, start, deadline);
     free(out);
@@ -474,7 +474,7 @@ ms_status ms_cpu_comm_all_gather(ms_ctx *ctx, void *comm, ms_tensor *dst, const 
     MS_TRY(begin(ctx, c, &k, CALL_ALL_GATHER, src->dtype, 0, n));
     if (c->rank != 0) return take_part(ctx, c, &k, ms_tensor_ptr(src), bytes, out, bytes * (size_t)c->world_size);
     int64_t start = ms_now_ms(), deadline = start + c->timeout_ms;
-    memmove(out, ms_tensor_ptr(src), bytes);   /* a no-op in place */
+    if (bytes > 0) memmove(out, ms_tensor_ptr(src), bytes);   /* a no-op in place */
     for (int r = 1; r < c->world_size; r++) {
         MS_TRY(read_call(ctx, c, r, &k, start, deadline));
         MS_TRY(read_data(ctx, c, call_name[k.kind], r, out + bytes * (size_t)r, bytes, start, deadline));

@@ -1255,7 +1255,8 @@ MS_API void ms_lua_heap_cap_disarm(ms_lua_heap_cap *cap);
 ** collective waits at most the communicator's timeout for the other ranks: a rank that is gone, stuck or
 ** making other calls (named when rank 0 can tell) ends it with MS_E_IO (MS_E_ARG: the ranks' calls differ),
 ** on every rank, and the communicator then refuses every later collective.  Every rank makes the same calls
-** in the same order, with tensors of the same shapes and dtypes.  Tensors are contiguous (MS_E_LAYOUT), of
+** in the same order, with tensors of the same shapes and dtypes (on the CPU a collective of no elements is
+** still a call, compared with the others': NCCL's does nothing).  Tensors are contiguous (MS_E_LAYOUT), of
 ** f32, bf16, f16, f64, i32 or u8 (MS_E_DTYPE), on the communicator's context's device (MS_E_DEVICE); shapes
 ** that do not fit are MS_E_SHAPE.  A CUDA context in a build without NCCL gets MS_E_UNSUPPORTED, and so does
 ** ms_comm_unique_id there.
