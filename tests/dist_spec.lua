@@ -437,6 +437,32 @@ scenario("save_gather_fails", function()
   check_same(t, ms.full({ 2 }, 2), "after the failed save")
 end)
 
+-- a save that one rank cannot write (its disk full) leaves the checkpoint already at that path loadable: the
+-- other ranks' parts of the new step must not have replaced theirs
+scenario("save_fails_keeps_old", function()
+  local path = DIR .. "/keep.ckpt"
+  local function entries()
+    local function p(name, shape) return { name = name, param = ms.randn(shape, { seed = 7 }), grad = ms.ones(shape) } end
+    return { p("w", { 4, 4 }), p("v", { 3, 2 }) }
+  end
+  local opt = ms.optim.new("adamw", entries(), { lr = 0.1 }, { comm = comm })
+  opt:step() opt:step()
+  opt:save(path)
+  opt:step()
+  local real = ms.save
+  if RANK == 1 then ms.save = function() error("no space left on device", 0) end end
+  local ok, err = pcall(opt.save, opt, path)
+  ms.save = real
+  assert(not ok, "saved")
+  assert(tostring(err):find(RANK == 1 and "keep.ckpt.rank1-of-2: no space left on device"
+                            or "1 of the 2 ranks could not write their part of", 1, true), tostring(err))
+  local again = ms.optim.new("adamw", entries(), { lr = 0.1 }, { comm = comm })
+  again:load(path)
+  assert(again.step_count == 2, "loaded step " .. again.step_count)
+  local f = io.open(path .. ".rank" .. RANK .. "-of-2.partial")
+  assert(f == nil, "a staged part was left behind")
+end)
+
 -- what recipes see: the whole shape, the slice's, the shard, the world; owners alone init and step
 scenario("info", function()
   local seen = {}
@@ -665,6 +691,9 @@ describe("several ranks (settings.comm) on the CPU, through `moonstep launch -n 
   end)
   it("sharded state loads into the same world sharded another way (rows <-> cols)", function()
     passes("checkpoint_reshard")
+  end)
+  it("a save that one rank cannot write leaves the checkpoint already there loadable", function()
+    passes("save_fails_keeps_old")
   end)
   it("a checkpoint that one rank cannot load is loaded by none, each rank saying why", function()
     passes("checkpoint_all_or_none")

@@ -71,8 +71,9 @@ given as a function is not compared).
   - Every rank takes the same decisions: one all-reduce gives the non-finite flag (any rank, any gradient)
     and clip_grad_norm's global norm (a shard's sum of squares from every rank, a whole parameter's once).
   - ctx.world = {rank =, size =} for the recipes.
-  - opt:save(path) writes one part per rank (path .. ".rank<r>-of-<N>") and then, from rank 0, the index
-    at path; opt:load(path) reads a checkpoint of any world size (one file or an index and its parts) and
+  - opt:save(path) writes one part per rank (path .. ".rank<r>-of-<N>", moved there from a ".partial" file
+    once every rank has written its own: a failed save leaves the checkpoint at path as it was) and then, from
+    rank 0, the index at path; opt:load(path) reads a checkpoint of any world size (one file or an index and its parts) and
     re-shards it by name: slices of sharded state joined or cut along the shard's dim, owned state taken
     wherever its parameter was owned, the stacked state of routes that name their slots (DASH) block by block.
     A route describes its state for that with two optional functions: state_shard(member, key, options) ->
@@ -2010,17 +2011,28 @@ function Optimizer:save(path)
   -- raised here alone, it left them waiting in that all-reduce until the communicator's timeout
   local world, rank = self.world.size, self.world.rank
   local part = part_path(path, rank, world)
+  -- each part is written beside its place first, and moved there once every rank has written its own: a part
+  -- that one rank cannot write leaves the checkpoint already at path whole (written in place, the others'
+  -- parts of the new step replaced theirs, and the old index pointed at parts of two steps)
+  local staged = part .. ".partial"
   local ok, tensors, meta = pcall(self._save_contents, self)
   local err = not ok and tostring(tensors) or nil
   if ok then
-    local wrote, why = pcall(function() ms.save(part, tensors, { moonstep = json.encode(meta) }) end)
+    local wrote, why = pcall(function() ms.save(staged, tensors, { moonstep = json.encode(meta) }) end)
     if not wrote then ok, err = false, ("save: %s: %s"):format(part, tostring(why)) end
   end
   local failed = self:_dist_flag(not ok)
+  if not ok or failed > 0 then os.remove(staged) end
   if not ok then error(err, 0) end
   if failed > 0 then
-    error(("save: %d of the %d ranks could not write their part of %s (their errors say why)"):format(failed, world,
-          path), 2)
+    error(("save: %d of the %d ranks could not write their part of %s (their errors say why); the checkpoint there "
+           .. "is unchanged"):format(failed, world, path), 2)
+  end
+  local moved, why = os.rename(staged, part)
+  if self:_dist_flag(not moved) > 0 then
+    if not moved then os.remove(staged) end
+    error(("save: %s: %s"):format(part, moved and ("a rank could not move its part of " .. path .. " into place")
+          or ("cannot move " .. staged .. " into place: " .. tostring(why))), 2)
   end
   if rank == 0 then
     local names = {}
