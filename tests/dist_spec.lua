@@ -463,6 +463,27 @@ scenario("save_fails_keeps_old", function()
   assert(f == nil, "a staged part was left behind")
 end)
 
+-- ranks given different checkpoints (a stale copy on one host) refuse the load on every rank, changing nothing
+scenario("load_different_steps", function()
+  local function entries()
+    local function p(name, shape) return { name = name, param = ms.randn(shape, { seed = 7 }), grad = ms.ones(shape) } end
+    return { p("w", { 4, 4 }), p("v", { 3, 2 }) }
+  end
+  local opt = ms.optim.new("adamw", entries(), { lr = 0.1 }, { comm = comm })
+  opt:step() opt:step()
+  opt:save(DIR .. "/at2.ckpt")
+  opt:step()
+  opt:save(DIR .. "/at3.ckpt")
+  local again = ms.optim.new("adamw", entries(), { lr = 0.1 }, { comm = comm })
+  local ok, err = pcall(again.load, again, DIR .. (RANK == 0 and "/at2.ckpt" or "/at3.ckpt"))
+  assert(not ok, "loaded")
+  assert(tostring(err):find("the ranks load checkpoints of different steps or learning rates (this rank's: step "
+                            .. (RANK == 0 and 2 or 3) .. ")", 1, true), tostring(err))
+  assert(again.step_count == 0, "step count " .. again.step_count)
+  again:load(DIR .. "/at3.ckpt")
+  assert(again.step_count == 3 and again:step() == true)
+end)
+
 -- what recipes see: the whole shape, the slice's, the shard, the world; owners alone init and step
 scenario("info", function()
   local seen = {}
@@ -626,8 +647,8 @@ scenario("lr_differs", function()
   if RANK == 1 then opt:set_lr(0.01) end
   local ok, err = pcall(opt.step, opt)
   assert(not ok, "the step ran")
-  assert(tostring(err):find("step 2: the ranks step with different learning rates (this rank: lr "
-                            .. (RANK == 1 and "0.01" or "0.02"), 1, true), tostring(err))
+  assert(tostring(err):find("step 2: the ranks step with different learning rates or step counts (this rank: lr "
+                            .. (RANK == 1 and "0.01" or "0.02") .. " at step 2)", 1, true), tostring(err))
   for i, e in ipairs(slices) do check_same(e.param, before[i], "refused step changed " .. e.name) end
   opt:set_lr(0.01)
   assert(opt:step() == true, "the step after the refusal")
@@ -694,6 +715,9 @@ describe("several ranks (settings.comm) on the CPU, through `moonstep launch -n 
   end)
   it("a save that one rank cannot write leaves the checkpoint already there loadable", function()
     passes("save_fails_keeps_old")
+  end)
+  it("ranks given checkpoints of different steps refuse the load on every rank", function()
+    passes("load_different_steps")
   end)
   it("a checkpoint that one rank cannot load is loaded by none, each rank saying why", function()
     passes("checkpoint_all_or_none")

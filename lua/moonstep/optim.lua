@@ -601,8 +601,8 @@ function Optimizer:_dist_total(sums, active, step, lr)
   self.comm:all_reduce(t)
   local r, n = t:tolist_flat(), self.comm:size()
   if n * r[7] ~= r[6] * r[6] then
-    error(("step %d: the ranks step with different learning rates (this rank: lr %.17g); every rank must set the "
-           .. "same lr and schedule"):format(step, lr), 0)
+    error(("step %d: the ranks step with different learning rates or step counts (this rank: lr %.17g at step %d); "
+           .. "every rank must set the same lr and schedule"):format(step, lr, step), 0)
   end
   if n * r[3] ~= r[2] * r[2] or n * r[5] ~= r[4] * r[4] then
     error(("step %d: the ranks give gradients to different parameters (this rank to %d); every rank must give "
@@ -2298,11 +2298,19 @@ function Optimizer:load(path, opts)
   if not self.dist then return self:_load_apply(self:_load_plan(path, opts, 3)) end
   -- the checks differ by rank (its slices, the state of the parameters it owns): all of them before the vote
   local ok, plan = pcall(self._load_plan, self, path, opts, 4)
-  local failed = self:_dist_flag(not ok)
+  -- the vote also compares the step each rank would go on from (k and k^2 summed, as _dist_total does): ranks
+  -- given different checkpoints (a stale copy on one host) would otherwise each load their own, silently
+  local k = ok and name_key(("%d/%s"):format(plan.meta.step, tostring(plan.meta.lr_override))) % 1048576 or 0
+  local t = self.comm:all_reduce(ms.tensor({ ok and 0 or 1, k, k * k }, { dtype = "f64", ctx = self.ctx }))
+  local r, n = t:tolist_flat(), self.world.size
   if not ok then error(plan, 0) end
-  if failed > 0 then
+  if r[1] > 0 then
     error(("load: %s: %d of the %d ranks cannot load it (their errors say why); nothing was loaded"):format(path,
-          failed, self.world.size), 2)
+          r[1], self.world.size), 2)
+  end
+  if n * r[3] ~= r[2] * r[2] then
+    error(("load: %s: the ranks load checkpoints of different steps or learning rates (this rank's: step %d); every "
+           .. "rank must load the same checkpoint; nothing was loaded"):format(path, plan.meta.step), 2)
   end
   return self:_load_apply(plan)
 end
