@@ -647,11 +647,18 @@ scenario("lr_differs", function()
   if RANK == 1 then opt:set_lr(0.01) end
   local ok, err = pcall(opt.step, opt)
   assert(not ok, "the step ran")
-  assert(tostring(err):find("step 2: the ranks step with different learning rates or step counts (this rank: lr "
-                            .. (RANK == 1 and "0.01" or "0.02") .. " at step 2)", 1, true), tostring(err))
+  assert(tostring(err):find("step 2: the ranks step with different learning rates, step counts or grad_scale (this "
+                            .. "rank: lr " .. (RANK == 1 and "0.01" or "0.02") .. " at step 2, grad_scale 1)", 1, true),
+         tostring(err))
   for i, e in ipairs(slices) do check_same(e.param, before[i], "refused step changed " .. e.name) end
   opt:set_lr(0.01)
-  assert(opt:step() == true, "the step after the refusal")
+  -- a loss scale on one rank only: its sums of squares would be unscaled alone (the global norm wrong)
+  ok, err = pcall(opt.step, opt, { grad_scale = RANK == 0 and 1024 or nil })
+  assert(not ok, "the step with one rank's grad_scale ran")
+  assert(tostring(err):find("(this rank: lr 0.01 at step 2, grad_scale " .. (RANK == 0 and 1024 or 1) .. ")", 1, true),
+         tostring(err))
+  for i, e in ipairs(slices) do check_same(e.param, before[i], "refused step changed " .. e.name) end
+  assert(opt:step() == true, "the step after the refusals")
 end)
 print("done " .. RANK)
 ]==]
@@ -725,7 +732,7 @@ describe("several ranks (settings.comm) on the CPU, through `moonstep launch -n 
   it("refuses slices that do not tile, parameters that differ between ranks and sharded DASH parameters", function()
     passes("errors")
   end)
-  it("refuses a step whose learning rate differs on another rank, on every rank, changing nothing", function()
+  it("refuses a step whose learning rate or grad_scale differs on another rank, on every rank, changing nothing", function()
     passes("lr_differs")
   end)
   it("refuses a step whose gradients go to other parameters on another rank, on every rank, changing nothing", function()

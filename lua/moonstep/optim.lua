@@ -81,10 +81,10 @@ given as a function is not compared).
     the slice is split like it, any other is the same on every rank) and slots(group, options) -> {[path in
     group.state] = {block name per dim-0 slot}} (group state stacked from several parameters).
   - Every rank must give gradients to the same parameters at each step (the checks and broadcasts are
-    collectives over them), and step with the same learning rate (set_lr on every rank alike).  Steps checked
-    on the host verify both in the all-reduce they make anyway, and every rank raises on a step where they
-    differ, changing nothing; steps that read nothing back (device-checked, captured, or nonfinite = "apply"
-    without clipping or loss scaling) do not check them.
+    collectives over them), and step with the same learning rate (set_lr on every rank alike) and
+    grad_scale.  Steps checked on the host verify these in the all-reduce they make anyway, and every rank
+    raises on a step where they differ, changing nothing; steps that read nothing back (device-checked,
+    captured, or nonfinite = "apply" without clipping or loss scaling) do not check them.
 
 Captured steps (CUDA): after opt:capture(), each step replays a CUDA graph per plan key (the plan() keys
 of the routes that run, e.g. DASH's "refresh" and "apply"), instead of running the recipe.  The first step
@@ -584,9 +584,11 @@ end
 -- every rank gives gradients to the same parameters: it sums k and k^2 for k = their count and a 20-bit sum of
 -- their names' keys, and the ranks agree when N sum(k^2) = (sum k)^2 (only if every k is the same).  Every
 -- rank sees the same sums, so all of them raise, before anything changed, instead of pairing the broadcasts
--- of different parameters.  A 20-bit key of the step's learning rate and number is checked alike: a rank with
--- another lr (set_lr on one rank, a schedule function that differs) would step its slices otherwise, silently.
-function Optimizer:_dist_total(sums, active, step, lr)
+-- of different parameters.  A 20-bit key of the step's learning rate, number and grad_scale is checked alike:
+-- a rank with another lr (set_lr on one rank, a schedule function that differs) would step its slices
+-- otherwise, and one with another grad_scale would unscale its own sums of squares alone, so the global norm
+-- (clipping) would be wrong on every rank, silently.
+function Optimizer:_dist_total(sums, active, step, lr, inv)
   local total = 0
   for i, v in ipairs(sums) do
     if active[i].counted then total = total + v
@@ -594,15 +596,16 @@ function Optimizer:_dist_total(sums, active, step, lr)
   end
   local h = 0
   for _, m in ipairs(active) do h = (h + name_key(m.name) % 1048576) % 1048576 end
-  local k = name_key(("%a@%d"):format(lr, step)) % 1048576
+  local k = name_key(("%a@%d@%a"):format(lr, step, inv)) % 1048576
   local t, buf = self.dist.step_t, self.dist.step_buf
   buf[0], buf[1], buf[2], buf[3], buf[4], buf[5], buf[6] = total, #active, #active * #active, h, h * h, k, k * k
   core.check(C.ms_tensor_write(self.ctx_h, tensor.handle(t), buf, 56))   -- (no tensor made per step)
   self.comm:all_reduce(t)
   local r, n = t:tolist_flat(), self.comm:size()
   if n * r[7] ~= r[6] * r[6] then
-    error(("step %d: the ranks step with different learning rates or step counts (this rank: lr %.17g at step %d); "
-           .. "every rank must set the same lr and schedule"):format(step, lr, step), 0)
+    error(("step %d: the ranks step with different learning rates, step counts or grad_scale (this rank: lr %.17g at "
+           .. "step %d, grad_scale %.17g); every rank must set the same lr and schedule, and pass the same grad_scale")
+          :format(step, lr, step, 1 / inv), 0)
   end
   if n * r[3] ~= r[2] * r[2] or n * r[5] ~= r[4] * r[4] then
     error(("step %d: the ranks give gradients to different parameters (this rank to %d); every rank must give "
@@ -1218,7 +1221,7 @@ function Optimizer:_step_now(grad_scale)
   end
   -- several ranks: every one reduces, one without gradients too (nonfinite = "apply" without clipping or loss
   -- scaling reads nothing back, and so checks nothing across the ranks either)
-  if self.dist and wanted then total = self:_dist_total(sums, active, step, lr) end
+  if self.dist and wanted then total = self:_dist_total(sums, active, step, lr, inv) end
   if checks then
     if total ~= total or total == math.huge then
       if self.settings.nonfinite ~= "apply" then
