@@ -184,6 +184,25 @@ scenario("sinkgd_8bit_whole_f32", function()
              cuts[1].lo, 65), "2 -> 1 exp_avg")
 end)
 
+-- (2c) stats: a sharded parameter's update norm is the whole parameter's (a slice's alone was reported, a
+-- different number on each rank), the others' as one rank's
+scenario("stats_sharded", function()
+  local whole, slices, cuts = model(sink_spec, 25)
+  local ones = whole_entries(sink_spec, whole)
+  local opt1 = ms.optim.new("sinkgd", ones, sink_opts, { stats = true })
+  local opt2 = ms.optim.new("sinkgd", slices, sink_opts, { comm = comm, stats = true })
+  for t = 1, 2 do
+    fill(sink_spec, t, ones, slices, cuts)
+    opt1:step() opt2:step()
+    local n1, n2 = opt1:stats().last.update_norms, opt2:stats().last.update_norms
+    for _, s in ipairs(sink_spec) do
+      local a, b = n2[s[1]], n1[s[1]]
+      assert(a and b and b > 0 and math.abs(a - b) <= 1e-5 * b,
+             ("step %d: update norm of %s is %s, one rank's %s"):format(t, s[1], tostring(a), tostring(b)))
+    end
+  end
+end)
+
 -- (3) replicate: every rank steps every parameter, as one rank does
 scenario("replicate", function()
   local spec = { { "w", { 6, 5 } }, { "v", { 4, 4 } }, { "b", { 5 } } }
@@ -584,6 +603,7 @@ scenario("agree", function()
          "setting schedule differs")
   expect(new("adamw", { p("w", { 4, 4 }) }, {}, { master_weights = RANK == 0 }), "setting master_weights differs")
   expect(new("adamw", { p("w", { 4, 4 }) }, {}, { device_checks = RANK == 1 }), "setting device_checks differs")
+  expect(new("adamw", { p("w", { 4, 4 }) }, {}, { stats = RANK == 1 }), "setting stats differs")
   new("adamw", { p("w", { 4, 4 }) }, {}, { schedule = { kind = "cosine", total_steps = 10 }, device_checks = true })()
   expect(new(RANK == 0 and "adamw" or "sinkgd", { p("w", { 4, 4 }) }), "another recipe")
   expect(new("adamw", { p("w", { 4, 4 }) }, { lr = RANK == 0 and 0.1 or 0.2 }), "other options")
@@ -698,6 +718,7 @@ describe("several ranks (settings.comm) on the CPU, through `moonstep launch -n 
   it("SinkGD's AdamW keeps f32 moments on a block-aligned slice of a matrix one rank keeps in f32", function()
     passes("sinkgd_8bit_whole_f32")
   end)
+  it("stats: a sharded parameter's update norm is the whole parameter's", function() passes("stats_sharded") end)
   it("distribute = 'replicate': every rank steps every parameter, as one rank does", function() passes("replicate") end)
   it("a NaN gradient on one rank makes every rank skip (host and device checks); 'raise' raises on both", function()
     passes("skip")

@@ -19,7 +19,8 @@ Settings (the runtime's, kept apart from the recipe's options):
   trusted         run a recipe loaded from a file with the full Lua environment
   sandbox         limits of an untrusted recipe: {instructions =, memory =, retained =, quota =} (moonstep.recipe)
   ctx / device    the context or device the optimizer runs on (default: the first parameter's)
-  stats           true: opt:stats() also reports each parameter's update norm (costs a copy per step)
+  stats           true: opt:stats() also reports each parameter's update norm (costs a copy per step; a
+                  sharded parameter's is the whole parameter's, one all-reduce more)
   timings         true: events around each route's step (CUDA events; the host clock on the CPU), read
                   lazily: opt:stats().timings per route, opt.last.timings once stats() has read them
   device_checks   true: the non-finite check and clipping run on the device, as in captured steps, so a
@@ -57,8 +58,8 @@ first power vector) is then the same whether it is sharded or whole, alone in it
 
 Several ranks (settings.comm of N > 1 ranks).  Every rank makes its optimizer with the same recipe, options,
 settings and parameters (same names, same order); the checks at creation (two all-gathers) name what differs
-(of the settings: distribute, nonfinite, clip_grad_norm, schedule, master_weights, device_checks; a schedule
-given as a function is not compared).
+(of the settings: distribute, nonfinite, clip_grad_norm, schedule, master_weights, device_checks, stats; a
+schedule given as a function is not compared).
   - A parameter entry may carry shard = {dim = "rows"|"cols", offset = k, size = s}: its param (and grad) is
     this rank's slice of a matrix (or stack of matrices) whose dim -2 (rows) or -1 (cols) is s long, starting
     at k.  The ranks' slices must tile [0, s).  Every rank steps its own slice (SinkGD exchanges its norm
@@ -388,10 +389,11 @@ end
 -- the others raise too instead of waiting.  Columns 8 to 10 are the settings that change the step's result
 -- or its collectives without changing the recipe's options: the schedule (a table or kind name by its
 -- fields; a function cannot be compared and counts as "function"), master_weights and device_checks (which
--- makes other collectives).  A rank with another schedule would step its slices with another learning rate.
+-- makes other collectives), and stats (the sharded update norms' all-reduce).  A rank with another schedule
+-- would step its slices with another learning rate.
 local NONFINITE_CODE = { skip = 1, raise = 2, apply = 3 }
-local HEADER_COLS = 10
-local REFUSED_HEADER = { 0, 0, 0, 0, 0, 0, 1, 0, 0, 0 }
+local HEADER_COLS = 11
+local REFUSED_HEADER = { 0, 0, 0, 0, 0, 0, 1, 0, 0, 0, 0 }
 local function header_gather(comm, ctx, v)
   return comm:all_gather(ms.empty({ comm:size() * HEADER_COLS }, { dtype = "f64", ctx = ctx }),
                          ms.tensor(v, { dtype = "f64", ctx = ctx })):tolist_flat()
@@ -406,7 +408,7 @@ local function dist_agree(self, n)
   local okj, opts = pcall(json.encode, self.options)
   local v = { n, self.dist.mode == "owner" and 1 or 2, NONFINITE_CODE[s.nonfinite] or 0, s.clip_grad_norm or 0,
               name_key(tostring(self.recipe_hash)), okj and name_key(opts) or 0, 0, schedule_key(s.schedule),
-              s.master_weights and 1 or 0, s.device_checks and 1 or 0 }
+              s.master_weights and 1 or 0, s.device_checks and 1 or 0, s.stats and 1 or 0 }
   if self.progress then self.progress.agreed = true end
   local all = header_gather(self.comm, self.ctx, v)
   local function at(r, c) return all[r * HEADER_COLS + c] end
@@ -421,7 +423,7 @@ local function dist_agree(self, n)
              .. "in the same order"):format(r, at(r, 1), rank, n), 4)
     end
     for c, name in pairs { [2] = "distribute", [3] = "nonfinite", [4] = "clip_grad_norm", [8] = "schedule",
-                           [9] = "master_weights", [10] = "device_checks" } do
+                           [9] = "master_weights", [10] = "device_checks", [11] = "stats" } do
       if at(r, c) ~= v[c] then
         error(("settings.comm: setting %s differs between rank %d and this rank (%d): every rank must pass the same "
                .. "settings"):format(name, r, rank), 4)
@@ -1255,7 +1257,7 @@ function Optimizer:_step_now(grad_scale)
     if m.model_param then m.model_param:copy_(m.param) end
   end
   if self.dist then self:_dist_broadcast(active) end
-  if before then self:_update_norms(before, last) end
+  if before then self:_update_norms(before, last, active) end
   self.step_count = step
   last.skipped = false
   last.reports = self.reports
@@ -1269,9 +1271,21 @@ function Optimizer:_params_before(active)
   return before
 end
 
-function Optimizer:_update_norms(before, last)
+function Optimizer:_update_norms(before, last, active)
   last.update_norms = {}
-  for m, old in pairs(before) do last.update_norms[m.name] = (m.param - old):norm() end
+  local parts = {}   -- (several ranks) the sharded members' squared norms here, in the order of active
+  for _, m in ipairs(active) do
+    local norm = (m.param - before[m]):norm()
+    if m.shard then parts[#parts + 1] = { m = m, sq = norm * norm } else last.update_norms[m.name] = norm end
+  end
+  -- a slice's norm is only part of its parameter's: the whole one is the root of the ranks' sum (every rank
+  -- has the same sharded members here, in the same order: the step checked it)
+  if #parts > 0 then
+    local sq = {}
+    for i, x in ipairs(parts) do sq[i] = x.sq end
+    local r = self.comm:all_reduce(ms.tensor(sq, { dtype = "f64", ctx = self.ctx })):tolist_flat()
+    for i, x in ipairs(parts) do last.update_norms[x.m.name] = math.sqrt(r[i]) end
+  end
 end
 
 -- ---------------------------------------------------------------------------------------------------
@@ -1558,7 +1572,7 @@ function Optimizer:_step_device(grad_scale)
       self.graphs[key].warm = true
     end
   end
-  if before then self:_update_norms(before, last) end
+  if before then self:_update_norms(before, last, active) end
   self.step_count = step
   last.reports = self.reports
   last.launches = launches(h) - launches0
