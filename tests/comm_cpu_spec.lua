@@ -281,6 +281,22 @@ elseif case == "empty" then
   end)
   -- rank 1's tensor is empty where the others' are not: every rank hears it at once, none waits for the timeout
   attempt(function() comm:all_reduce(rank == 1 and ms.empty({ 0 }, { ctx = cpu }) or x) end)
+elseif case == "abort-step" then
+  -- a recipe that fails on the last rank alone, after the step's checks: the other ranks are then in the owners'
+  -- broadcasts, and must fail at once, naming that rank, while it stays alive without another collective
+  local probe = { name = "probe", options = { lr = { default = 0.1, type = "number" } }, route = function() return "r" end,
+    routes = { r = { init = function() end,
+                     step = function() if rank == world - 1 then error("out of memory here", 0) end end } } }
+  local params = {}
+  for i = 1, world do params[i] = { name = "p" .. i, param = ms.zeros({ 4, 4 }, { ctx = cpu }), grad = ms.ones({ 4, 4 }, { ctx = cpu }) } end
+  local opt = ms.optim.new(probe, params, {}, { comm = comm })
+  attempt(function() opt:step() end)
+  if rank == world - 1 then local t0 = os.time() while os.time() - t0 < 3 do end end
+  attempt(function() comm:all_reduce(x) end)
+elseif case == "abort" then
+  -- comm:abort on rank 0 (between collectives) and then on another rank: every rank's next collective fails
+  if rank == 1 then comm:abort("bad batch") end
+  attempt(function() comm:all_reduce(x) end)
 elseif case == "kind" then
   -- the last rank broadcasts where the others all-reduce
   attempt(function() if rank == world - 1 then comm:broadcast(x, 0) else comm:all_reduce(x) end end)
@@ -360,6 +376,40 @@ describe("the CPU communicator's failures", function()
       assert.is_truthy(l[2].msg:find(want, 1, true), out)
     end
     assert.is_true(wall < 10, "took " .. wall .. " s")
+  end)
+
+  it("fails every rank at once, naming it, when a rank's recipe fails mid-step and it stays alive", function()
+    local out, code, wall = run("abort-step", 3, 30)
+    assert.are.equal(0, code, out)
+    local lines = {}
+    for r, st, ms_, msg in out:gmatch("status (%d) (%S+) (%d+) ([^\n]*)") do
+      lines[tonumber(r)] = lines[tonumber(r)] or {}
+      table.insert(lines[tonumber(r)], { st = st, ms = tonumber(ms_), msg = msg })
+    end
+    for r = 0, 2 do
+      local l = lines[r]
+      assert.is_truthy(l and #l == 2, out)
+      assert.are.equal("error", l[1].st, out)
+      assert.are.equal("error", l[2].st, out)
+      assert.is_true(l[1].ms < 2000, ("rank %d took %d ms"):format(r, l[1].ms))
+      assert.is_truthy(l[2].msg:find("this communicator failed earlier", 1, true), out)
+    end
+    assert.is_truthy(lines[2][1].msg:find("out of memory here", 1, true), out)
+    assert.is_truthy(lines[0][1].msg:find("ms_comm_broadcast: rank 2 gave up the communicator (rank 2, step 1: out of "
+      .. "memory here)", 1, true), out)
+    assert.is_truthy(lines[1][1].msg:find("rank 0 reports: ms_comm_broadcast: rank 2 gave up the communicator", 1, true), out)
+  end)
+
+  it("comm:abort makes every rank's next collective fail at once, with the reason", function()
+    local out, code = run("abort", 3, 30)
+    assert.are.equal(0, code, out)
+    local res = status_lines(out)
+    for r = 0, 2 do
+      assert.are.equal("error", res[r].status, out)
+      assert.is_true(res[r].ms < 2000, ("rank %d took %d ms"):format(r, res[r].ms))
+      assert.is_truthy(res[r].msg:find(r == 1 and "this communicator failed earlier (rank 1 gave up the communicator "
+        .. "(bad batch))" or "rank 1 gave up the communicator (bad batch) before collective #1", 1, true), out)
+    end
   end)
 
   it("fails on every rank when one makes another collective", function()

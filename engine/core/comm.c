@@ -163,6 +163,17 @@ MS_API void ms_comm_free(ms_comm *comm)
     free(comm);
 }
 
+MS_API ms_status ms_comm_abort(ms_comm *comm, const char *why)
+{
+    static const char *fn = "ms_comm_abort";
+    if (comm == NULL) return MS_FAIL(NULL, MS_E_ARG, "%s: comm is NULL", fn);
+    if (comm->ctx->backend->comm_abort == NULL)
+        return MS_FAIL(comm->ctx, MS_E_UNSUPPORTED, "%s: a %s communicator cannot tell the other ranks (NCCL's wait "
+                       "for the missing rank until its own timeout): end the process instead", fn, comm->ctx->name);
+    comm->ctx->backend->comm_abort(comm->ctx, comm->impl, why ? why : "no reason given");
+    return MS_OK;
+}
+
 MS_API int ms_comm_rank(const ms_comm *comm) { return comm ? comm->rank : -1; }
 ms_ctx *ms_comm_context(const ms_comm *comm) { return comm ? comm->ctx : NULL; }
 MS_API int ms_comm_size(const ms_comm *comm) { return comm ? comm->world_size : -1; }

@@ -207,6 +207,9 @@ struct ms_backend {
     ** NULL: MS_E_UNSUPPORTED. */
     ms_status (*blocks_gather_factors)(ms_ctx *ctx, ms_tensor *stack, ms_tensor *left, ms_tensor *right, int n,
                                        const ms_block *blocks, const ms_dash_factor_options *o);
+    /* ms_comm_abort (why never NULL): the communicator is failed here and the other ranks are told;
+    ** NULL: MS_E_UNSUPPORTED. */
+    void      (*comm_abort)(ms_ctx *ctx, void *comm, const char *why);
 };
 
 /* Backends compiled into this build (the CUDA one only with MS_WITH_CUDA). */

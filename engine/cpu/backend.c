@@ -57,6 +57,7 @@ static ms_status cpu_memcpy(ms_ctx *ctx, void *dst, const void *src, size_t nbyt
 ms_status ms_cpu_comm_connect(ms_ctx *ctx, const char *addr, int port, int rank, int world_size, int timeout_ms,
                               void **out);
 void ms_cpu_comm_destroy(ms_ctx *ctx, void *comm);
+void ms_cpu_comm_abort(ms_ctx *ctx, void *comm, const char *why);
 ms_status ms_cpu_comm_all_reduce(ms_ctx *ctx, void *comm, ms_tensor *dst, const ms_tensor *src, ms_comm_op op);
 ms_status ms_cpu_comm_broadcast(ms_ctx *ctx, void *comm, ms_tensor *t, int root);
 ms_status ms_cpu_comm_all_gather(ms_ctx *ctx, void *comm, ms_tensor *dst, const ms_tensor *src);
@@ -125,4 +126,5 @@ const ms_backend ms_cpu_backend = {
     /* .comm_group_begin = */ NULL,   /* collectives run at once: the core's nesting count is all a group is */
     /* .comm_group_end   = */ NULL,
     /* .blocks_gather_factors = */ ms_cpu_blocks_gather_factors,
+    /* .comm_abort       = */ ms_cpu_comm_abort,
 };

@@ -12,7 +12,9 @@
 ** Messages (integers big-endian):
 **   call,   rank r -> rank 0:  "MSCC" | seq | kind | dtype | op or root | 0 | count (u64)      (32 bytes)
 **   answer, rank 0 -> rank r:  "MSCA" | seq | status | 0 | bytes (u64)                       (24 bytes)
-** followed by the data; an answer with a status other than 0 carries rank 0's message instead.  seq counts
+** followed by the data; an answer with a status other than 0 carries rank 0's message instead.  A rank that
+** gives the communicator up (ms_comm_abort) sends, in place of its next call, one of kind 5 whose count is the
+** length of its reason, which follows.  seq counts
 ** the collectives, so a rank that skipped one is caught.  When a collective fails anywhere the sockets are
 ** out of step: the communicator refuses every later collective, and rank 0 tells every rank why (a rank
 ** reads it at its next collective if this one already succeeded there).  Waits end at the timeout given to
@@ -41,9 +43,10 @@
 #define ANSWER_BYTES 24
 #define WHY_BYTES 512                  /* the longest message rank 0 relays */
 
-enum { CALL_ALL_REDUCE = 1, CALL_BROADCAST = 2, CALL_ALL_GATHER = 3, CALL_REDUCE_SCATTER = 4 };
+/* CALL_ABORT: a rank gave the communicator up (ms_comm_abort); its count is the length of the reason that follows */
+enum { CALL_ALL_REDUCE = 1, CALL_BROADCAST = 2, CALL_ALL_GATHER = 3, CALL_REDUCE_SCATTER = 4, CALL_ABORT = 5 };
 static const char *const call_name[] = { "?", "ms_comm_all_reduce", "ms_comm_broadcast", "ms_comm_all_gather",
-                                         "ms_comm_reduce_scatter" };
+                                         "ms_comm_reduce_scatter", "ms_comm_abort" };
 static const char *const op_name[] = { "sum", "max", "min", "avg" };
 
 typedef struct cpu_comm {
@@ -315,6 +318,14 @@ static ms_status read_call(ms_ctx *ctx, cpu_comm *c, int r, const call *want, in
                     fn, r, h[0], h[1], h[2], h[3]);
     call got = { .seq = ms_get_be32(h + 4), .kind = ms_get_be32(h + 8), .dtype = ms_get_be32(h + 12), .arg = ms_get_be32(h + 16),
                  .count = get_u64(h + 24) };
+    if (got.kind == CALL_ABORT) {
+        char why[WHY_BYTES] = "";
+        size_t take = got.count < sizeof why ? (size_t)got.count : sizeof why - 1;
+        if (recv_all(c->fd[r], why, take, ms_now_ms() + 1000) != IO_OK) snprintf(why, sizeof why, "(reason lost)");
+        why[sizeof why - 1] = '\0';
+        return fail(ctx, c, MS_E_IO, "%s: rank %d gave up the communicator (%s) before collective #%u", fn, r, why,
+                    want->seq);
+    }
     if (got.seq != want->seq)
         return fail(ctx, c, MS_E_ARG, "%s: the ranks are out of step: rank %d is at collective #%u, rank 0 at #%u "
                     "(every rank must make the same collective calls in the same order)", fn, r, got.seq, want->seq);
@@ -565,6 +576,25 @@ static void drain_before_close(cpu_comm *c, int ms)
         if (open == 0 || left <= 0 || poll(q, (nfds_t)open, (int)left) < 0) break;
     }
     free(q);
+}
+
+void ms_cpu_comm_abort(ms_ctx *ctx, void *comm, const char *why)
+{
+    cpu_comm *c = comm;
+    if (c->failed) return;   /* the others were told already, or told this rank */
+    if (c->rank != 0 && c->fd[0] >= 0) {
+        /* in place of this rank's next call: rank 0 reads it at its next collective with this rank (or now,
+        ** when it waits for this rank in one) and fails it on every rank, with the reason */
+        size_t len = strnlen(why, WHY_BYTES - 1);
+        unsigned char h[CALL_BYTES] = { 0 };
+        memcpy(h, CALL_MAGIC, 4);
+        ms_put_be32(h + 4, c->seq + 1);
+        ms_put_be32(h + 8, CALL_ABORT);
+        put_u64(h + 24, len);
+        int64_t deadline = ms_now_ms() + 1000;
+        if (send_all(c->fd[0], h, sizeof h, deadline, false) == IO_OK) send_all(c->fd[0], why, len, deadline, false);
+    }
+    fail(ctx, c, MS_E_IO, "rank %d gave up the communicator (%s)", c->rank, why);   /* rank 0: tells every rank */
 }
 
 void ms_cpu_comm_destroy(ms_ctx *ctx, void *comm)

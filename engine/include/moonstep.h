@@ -1089,7 +1089,9 @@ MS_API ms_status ms_optimizer_set_grad(ms_optimizer *opt, const char *name, ms_t
 ** The runtime then takes each step's decisions on all ranks together (the non-finite check, clip_grad_norm's
 ** global norm), and updates the parameters that are not sharded as the setting "distribute" says: "owner"
 ** (the default with more than one rank: each parameter is updated by one rank, then broadcast from it) or
-** "replicate" (every rank updates every parameter: the trainer keeps their gradients identical).
+** "replicate" (every rank updates every parameter: the trainer keeps their gradients identical).  A step that
+** fails on one rank while the recipe updates gives comm up there (ms_comm_abort), so that the other ranks fail
+** at once rather than at the timeout.
 ** Errors: MS_E_ARG (NULL opt, the optimizer has started), MS_E_DEVICE (comm made on another context). */
 MS_API ms_status ms_optimizer_set_comm(ms_optimizer *opt, ms_comm *comm);
 
@@ -1326,6 +1328,15 @@ MS_API ms_status ms_comm_new(ms_ctx *ctx, const ms_comm_options *opts, ms_comm *
 MS_API ms_status ms_comm_new_from_env(ms_ctx *ctx, int timeout_ms, ms_comm **out);
 /* Destroys the communicator (NULL is fine); call it on every rank. */
 MS_API void ms_comm_free(ms_comm *comm);
+/* Gives the communicator up after an error on this rank that the others cannot see (one between the
+** collectives of a step: the optimizer runtime calls it when a recipe fails there): every later collective
+** here is refused, and the other ranks' current or next collective fails at once with MS_E_IO naming this
+** rank and `why` (NULL: no reason), instead of waiting for this rank until the timeout.  On the CPU a rank
+** tells rank 0, which tells the others (rank 0 tells them itself).  A communicator that failed already is
+** left as it is.  Free it on every rank afterwards.
+** Errors: MS_E_ARG (NULL comm), MS_E_UNSUPPORTED (NCCL's communicators: their ranks wait for the missing
+** one until NCCL's own timeout; end the process instead). */
+MS_API ms_status ms_comm_abort(ms_comm *comm, const char *why);
 
 MS_API int ms_comm_rank(const ms_comm *comm);   /* -1 for NULL */
 MS_API int ms_comm_size(const ms_comm *comm);   /* the world size; -1 for NULL */

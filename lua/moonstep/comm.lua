@@ -217,6 +217,13 @@ function Comm:group(fn, ...)
   return unpack(res, 2, res.n)
 end
 
+--- comm:abort([why]): gives the communicator up after an error on this rank that the others cannot see; their
+--- current or next collective fails at once, naming this rank and why (CPU communicators; NCCL's refuse).
+function Comm:abort(why)
+  check(C.ms_comm_abort(self_handle(self), why ~= nil and tostring(why) or nil))
+  return self
+end
+
 --- Destroys the communicator now (on every rank) rather than at garbage collection.
 function Comm:free()
   local h = handle[self]

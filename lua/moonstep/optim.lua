@@ -86,6 +86,9 @@ schedule given as a function is not compared).
     grad_scale.  Steps checked on the host verify these in the all-reduce they make anyway, and every rank
     raises on a step where they differ, changing nothing; steps that read nothing back (device-checked,
     captured, or nonfinite = "apply" without clipping or loss scaling) do not check them.
+  - An error on one rank while the routes update (a recipe's error) gives the communicator up (comm:abort),
+    so that the other ranks' collectives in that step fail at once, naming the rank, rather than at the
+    timeout; the communicator is then done for on every rank (CPU communicators; NCCL's cannot be told).
 
 Captured steps (CUDA): after opt:capture(), each step replays a CUDA graph per plan key (the plan() keys
 of the routes that run, e.g. DASH's "refresh" and "apply"), instead of running the recipe.  The first step
@@ -1158,13 +1161,28 @@ function Optimizer:step(args)
     -- recorded into a graph, which reads these gradients at every replay (prepare_replay counts them): they stay
     if cap ~= 0 then return self:_step_in_capture(cap, grad_scale) end
     -- this step's gradients only: afterwards (and after a refused step) each parameter has the one it had
-    local ok, applied = pcall(self._step_now, self, grad_scale)
+    local ok, applied = pcall(self._step_guarded, self, grad_scale)
     for _, b in pairs(before) do self:set_grad(b.name, b.grad or nil) end
     if not ok then error(applied, 0) end
     return applied
   end
   if cap ~= 0 then return self:_step_in_capture(cap, grad_scale) end
-  return self:_step_now(grad_scale)
+  return self:_step_guarded(grad_scale)
+end
+
+-- _step_now; with several ranks, an error on this rank while the routes update (a recipe's error, memory
+-- that ran out) gives the communicator up (comm:abort): the other ranks are then in the step's later
+-- collectives (SinkGD's exchanges, the owners' broadcasts), and would wait for this rank until the timeout.
+-- The checks that every rank fails alike (different gradient sets, learning rates) come before, and keep it.
+function Optimizer:_step_guarded(grad_scale)
+  if not self.dist then return self:_step_now(grad_scale) end
+  self.dist.updating = false
+  local ok, res = pcall(self._step_now, self, grad_scale)
+  if ok then return res end
+  if self.dist.updating and self.comm.abort then
+    pcall(self.comm.abort, self.comm, ("rank %d, step %d: %s"):format(self.world.rank, self.step_count + 1, tostring(res)))
+  end
+  error(res, 0)
 end
 
 -- step{grads =}: every gradient checked before any is set (a refused step changes nothing), then set.  Returns
@@ -1248,6 +1266,7 @@ function Optimizer:_step_now(grad_scale)
   end
 
   -- device scalars first, so captured kernels read this step's values
+  if self.dist then self.dist.updating = true end
   self:_write_scalars(lr, step)
   local before = self.settings.stats and self:_params_before(active)
   local c = step_ctx(self, step, lr)
@@ -1349,6 +1368,7 @@ function Optimizer:_device_body(runs, active, plans, c, scaled, rec, verify)
     end
     if verify and self.skip_now and d.skip:item() ~= 0 then return d, true end
   end
+  if self.dist then self.dist.updating = true end   -- (see _step_guarded)
   self:_run_routes(runs, plans, c, rec)
   for _, m in ipairs(active) do
     if m.model_param then m.model_param:copy_(m.param) end
