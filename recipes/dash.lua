@@ -481,7 +481,7 @@ local function scale_of(o, b, lam_max, fro)
 end
 
 -- the per-factor tensors auto's calls read (transient, kept so that a captured refresh replays with their
--- new contents): index tensors by (code, count), the damping mask, the damped factors, iterations
+-- new contents): index buffers by code, the damping mask, the damped factors, iterations
 local function auto_work(w, f, ctx)
   local a = w.auto_t[f.key]
   if a then return a end
@@ -545,10 +545,12 @@ local function auto_plan(group, o, w)
         local m = members[c]
         local call = { code = c, method = method, steps = steps, gemms = gemms, damped = damped, blocks = #m }
         if #m < n then
-          local key = c .. ":" .. #m
-          t.index[key] = t.index[key] or ms.empty({ #m }, { dtype = "i32", ctx = ctx })
-          t.index[key]:copy_(ms.tensor(m, { dtype = "i32", ctx = ctx }))
-          call.index = t.index[key]
+          -- one buffer of n entries a code, its first #m read: a captured refresh reads the buffer its call was
+          -- captured with, so buffers live as long as the group -- as many as the ladder has codes, where one
+          -- per (code, count) seen grew with every new layout of a long run
+          t.index[c] = t.index[c] or ms.empty({ n }, { dtype = "i32", ctx = ctx })
+          call.index = t.index[c]:narrow(0, 0, #m)
+          call.index:copy_(ms.tensor(m, { dtype = "i32", ctx = ctx }))
         end
         calls[#calls + 1] = call
         parts[#parts + 1] = ("%s%s%s:%d"):format(method, steps > 0 and ("-" .. steps) or "", damped and "+damp" or "", #m)

@@ -524,6 +524,38 @@ describe("captured steps on CUDA", function()
     assert.equals(2, st.captures)
   end)
 
+  cuda_it("keep at most max_graphs graphs, freeing the one replayed longest ago", function()
+    -- five plan keys in turn: a graph per key would be kept for the rest of the run (DASH's auto names its
+    -- class layout in its key, and a long run meets many)
+    local recipe = {
+      name = "five_plans", options = { lr = { default = 0.1, type = "number" } },
+      route = function() return "r" end,
+      routes = { r = {
+        plan = function(group, o, ctx) return "k" .. (ctx.step % 5) end,
+        step = function(group, o, ctx)
+          local params, grads, scales = {}, {}, {}
+          local k = tonumber(ctx.plan:sub(2))
+          for i, m in ipairs(group) do params[i], grads[i], scales[i] = m.param, m.grad, 1 + k end
+          ms.sgd_step { params = params, grads = grads, scales = scales, lr = ctx.lr_t, step = ctx.step_t, skip = ctx.skip_t }
+        end,
+      } },
+    }
+    H.expect_error(function() pair(recipe, { { "w", { 9, 7 } } }, {}, { max_graphs = 0 }) end,
+                   "setting max_graphs must be an integer >= 1 (got 0)")
+    local ref, cap, a, b = pair(recipe, { { "w", { 9, 7 } }, { "v", { 5 } } }, {}, { max_graphs = 2 })
+    for step = 1, 25 do
+      fill_grads(H.seed(), a, b)
+      ref:step()
+      cap:step()
+      same_bits(values(b), values(a), "params after step " .. step)
+      local n = 0
+      for _ in pairs(cap:stats().graphs) do n = n + 1 end
+      assert.is_true(n <= 2, ("%d graphs kept after step %d"):format(n, step))
+    end
+    local st = cap:stats()
+    assert.is_true(st.evictions > 0 and st.captures > 5, ("%d evictions, %d captures"):format(st.evictions, st.captures))
+  end)
+
   cuda_it("allocate nothing from the driver during replays", function()
     local ref, cap, a, b = pair("sinkgd", LLAMA_LIKE, { lr = 0.01 }, { clip_grad_norm = 1.0 })
     for _ = 1, 3 do fill_grads(H.seed(), a, b) ref:step() cap:step() end

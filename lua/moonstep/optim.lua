@@ -27,6 +27,8 @@ Settings (the runtime's, kept apart from the recipe's options):
                   step never waits for the GPU (see "Captured steps"; without capture too)
   capture_on_change  what a captured step does when a parameter's or gradient's memory, shape or dtype
                   differs from the capture: "recapture" (default) or "error"
+  max_graphs      captured graphs kept at once (default 32): a capture past it frees the graph replayed
+                  longest ago (its key captures again when it comes back)
   comm            a communicator (ms.comm): this optimizer is one rank of its world (see "Several ranks")
   distribute      with several ranks, who updates a parameter that is not sharded: "owner" (default: one
                   rank, then a broadcast from it) or "replicate" (every rank; the trainer keeps the gradients
@@ -106,7 +108,9 @@ shape or dtype).  A captured step reads nothing back to the host, so:
   - a skipped step still advances the step count and the schedule (the host cannot know it was skipped).
   - the recipe's step() runs only while recording: it must not change host state per step (plan() does).
 A parameter or gradient whose memory, shape or dtype changed (set_grad with another buffer) is re-captured
-(or an error, per capture_on_change); opt:uncapture() frees the graphs.  Inside a trainer's own capture of
+(or an error, per capture_on_change); opt:uncapture() frees the graphs.  At most settings.max_graphs graphs are
+kept: a route whose plan keys keep changing (DASH's auto names its class layout) does not accumulate one per
+key for the rest of the run.  Inside a trainer's own capture of
 the context's stream (torch.cuda.graph), opt:step() only queues the capture-safe step (ms_graph_join) and
 writes no device scalars: call opt:prepare_replay() before each replay of that graph.
 ]]
@@ -131,7 +135,7 @@ M.SCHEMA = 1
 local setting_names = {
   schedule = true, clip_grad_norm = true, nonfinite = true, master_weights = true, trusted = true, ctx = true,
   device = true, stats = true, sandbox = true, timings = true, device_checks = true, capture_on_change = true,
-  comm = true, distribute = true,
+  comm = true, distribute = true, max_graphs = true,
 }
 
 -- a live communicator of moonstep.comm (ms.comm.new, from_env, borrow)
@@ -161,6 +165,11 @@ local function check_settings(s)
     error("setting nonfinite must be 'skip', 'raise' or 'apply' (got " .. tostring(out.nonfinite) .. ")", 3)
   end
   out.capture_on_change = out.capture_on_change or "recapture"
+  out.max_graphs = out.max_graphs == nil and 32 or out.max_graphs
+  if type(out.max_graphs) ~= "number" or out.max_graphs ~= math.floor(out.max_graphs) or out.max_graphs < 1
+     or out.max_graphs == math.huge then
+    error("setting max_graphs must be an integer >= 1 (got " .. core.show(out.max_graphs) .. ")", 3)
+  end
   if out.capture_on_change ~= "recapture" and out.capture_on_change ~= "error" then
     error("setting capture_on_change must be 'recapture' or 'error' (got " .. tostring(out.capture_on_change) .. ")", 3)
   end
@@ -702,7 +711,7 @@ function build(recipe, params, options, settings, progress)
   -- captured and device-checked steps (see "Captured steps"): the checks' tensors per gradient count, the
   -- routes seen reading ctx.skip_t, the plan keys that ran uncaptured, and the graphs once opt:capture()
   self.checks, self.skip_readers, self.warm_keys = {}, {}, {}
-  self.grads_version, self.captures, self.recaptures = 0, 0, 0
+  self.grads_version, self.captures, self.recaptures, self.evictions = 0, 0, 0, 0
   self.ctx_mt = {
     __index = function(_, k)
       if k ~= "skip_t" then return nil end
@@ -1529,6 +1538,7 @@ function Optimizer:_step_device(grad_scale)
   local rec = self.timing and self:_timing_slot(step)
   local t3 = clock and clock()
   if e and e.graph then
+    e.used = step
     if rec then self:_timing_mark(rec, "graph") end
     C.ms_profile_push(h, e.nvtx)
     local st = C.ms_graph_launch(h, e.graph.h)
@@ -1553,7 +1563,8 @@ function Optimizer:_step_device(grad_scale)
       error(("step %d: capturing plan '%s' failed (the step was not applied; opt:uncapture() runs steps "
              .. "uncaptured): %s"):format(step, key, tostring(g)), 2)
     end
-    e.graph, e.checks, e.nvtx = g, checks, "moonstep:graph:" .. key
+    e.graph, e.checks, e.nvtx, e.used = g, checks, "moonstep:graph:" .. key, step
+    self:_bound_graphs(e)
     record_members(e, active, self.grads_version)
     self.captures = self.captures + 1
     C.ms_profile_push(h, e.nvtx)
@@ -1624,6 +1635,7 @@ function Optimizer:_replay(e)
   local h = self.ctx_h
   local launches0 = launches(h)
   if w[self.lr_t] ~= lr then self:_write_scalars(lr, step - 1) end
+  e.used = step
   C.ms_profile_push(h, e.nvtx)
   local st = C.ms_graph_launch(h, e.graph.h)
   C.ms_profile_pop(h)
@@ -1739,6 +1751,23 @@ function Optimizer:capture()
   end
   self.graphs = self.graphs or {}
   return self
+end
+
+-- At most settings.max_graphs captured graphs: past it, the one replayed longest ago (not `keep`, just made) is
+-- freed and its key forgotten, so that it runs uncaptured, then captures again, if it comes back.
+function Optimizer:_bound_graphs(keep)
+  local n, oldest, oldest_key = 0, nil, nil
+  for key, e in pairs(self.graphs) do
+    if e.graph then
+      n = n + 1
+      if e ~= keep and (oldest == nil or e.used < oldest.used) then oldest, oldest_key = e, key end
+    end
+  end
+  if n > self.settings.max_graphs and oldest then
+    oldest.graph:free()
+    self.graphs[oldest_key] = nil
+    self.evictions = self.evictions + 1
+  end
 end
 
 --- Frees the captured graphs; the following steps run uncaptured.  Idempotent.
@@ -1917,7 +1946,7 @@ function Optimizer:stats()
   if self.graphs then
     s.graphs = {}
     for key, e in pairs(self.graphs) do if e.graph then s.graphs[key] = e.graph:num_nodes() end end
-    s.captures, s.recaptures = self.captures, self.recaptures
+    s.captures, s.recaptures, s.evictions = self.captures, self.recaptures, self.evictions
   end
   return s
 end
