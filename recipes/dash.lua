@@ -481,11 +481,11 @@ local function scale_of(o, b, lam_max, fro)
 end
 
 -- the per-factor tensors auto's calls read (transient, kept so that a captured refresh replays with their
--- new contents): index buffers by code, the damping mask, the damped factors, iterations
+-- new contents): the classes' index lists, the damping mask, the damped factors, iterations
 local function auto_work(w, f, ctx)
   local a = w.auto_t[f.key]
   if a then return a end
-  a = { index = {}, mask = f32({ f.n }, ctx), d = f32({ f.n }, ctx), eye = ms.eye(f.size, { dtype = "f32", ctx = ctx }),
+  a = { index = ms.empty({ f.n }, { dtype = "i32", ctx = ctx }), mask = f32({ f.n }, ctx), d = f32({ f.n }, ctx), eye = ms.eye(f.size, { dtype = "f32", ctx = ctx }),
         iters = ms.zeros({ f.n }, { dtype = "i32", ctx = ctx }) }
   w.auto_t[f.key] = a
   return a
@@ -540,21 +540,23 @@ local function auto_plan(group, o, w)
       table.sort(order, function(x, y) return math.abs(x) < math.abs(y) or (math.abs(x) == math.abs(y) and x > y) end)
       local calls, parts, mask = {}, {}, {}
       for k = 1, n do mask[k] = codes[k] < 0 and 1 or 0 end
+      -- the classes' index lists one after the other in one buffer of n entries, each call reading its part: a
+      -- captured refresh replays with the buffer written for its layout (the offsets follow from the layout,
+      -- which its key names), and the buffer is the only one whatever layouts a long run meets (one per
+      -- (code, count) seen grew with each new one)
+      local all = {}
       for _, c in ipairs(order) do
         local method, steps, gemms, damped = describe(ladder, c)
         local m = members[c]
         local call = { code = c, method = method, steps = steps, gemms = gemms, damped = damped, blocks = #m }
         if #m < n then
-          -- one buffer of n entries a code, its first #m read: a captured refresh reads the buffer its call was
-          -- captured with, so buffers live as long as the group -- as many as the ladder has codes, where one
-          -- per (code, count) seen grew with every new layout of a long run
-          t.index[c] = t.index[c] or ms.empty({ n }, { dtype = "i32", ctx = ctx })
-          call.index = t.index[c]:narrow(0, 0, #m)
-          call.index:copy_(ms.tensor(m, { dtype = "i32", ctx = ctx }))
+          call.index = t.index:narrow(0, #all, #m)
+          for _, k in ipairs(m) do all[#all + 1] = k end
         end
         calls[#calls + 1] = call
         parts[#parts + 1] = ("%s%s%s:%d"):format(method, steps > 0 and ("-" .. steps) or "", damped and "+damp" or "", #m)
       end
+      if #all > 0 then t.index:narrow(0, 0, #all):copy_(ms.tensor(all, { dtype = "i32", ctx = ctx })) end
       t.mask:copy_(ms.tensor(mask, { dtype = "f32", ctx = ctx }))
       local any_damped = false
       for _, call in ipairs(calls) do any_damped = any_damped or call.damped end
