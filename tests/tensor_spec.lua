@@ -155,9 +155,19 @@ describe("views", function()
     H.expect_error(function() ms.zeros({ 0 }):reshape({ 2 ^ 33, 2 ^ 31 }) end, "too many elements")
     H.expect_error(function() ms.ones({ 1 }):expand({ 2 ^ 32, 2 ^ 32 }) end, "too many elements")
     H.expect_error(function() ms.ones({ 1, 1 }):expand({ 2 ^ 40, 2 ^ 40 }) end, "too many elements")
+    -- an empty tensor's other sizes must multiply within int64 too: they are its strides ([0, 2^62, 2^62]
+    -- once had numel 0 and a first stride of 2^124, a signed overflow; a hand-made input to fuzz_safetensors
+    -- showed it under UBSan)
+    H.expect_error(function() ms.zeros({ 0, 2 ^ 62, 2 ^ 62 }) end, "too many elements")
+    H.expect_error(function() ms.zeros({ 2 ^ 62, 2 ^ 62, 0 }) end, "too many elements")
+    H.expect_error(function() ms.zeros({ 0 }):reshape({ 0, 2 ^ 62, 2 ^ 62 }) end, "too many elements")
+    H.expect_error(function() ms.zeros({ 0 }):view({ 2 ^ 62, 0, 2 ^ 62 }) end, "too many elements")
+    H.expect_error(function() ms.ones({ 1 }):expand({ 0, 2 ^ 62, 2 ^ 62 }) end, "too many elements")
     -- large but representable views stay allowed
     assert.equals(2 ^ 62, ms.ones({ 1 }):expand({ 2 ^ 31, 2 ^ 31 }):numel())
     assert.same({ 2 ^ 40, 0 }, ms.zeros({ 0 }):view({ 2 ^ 40, 0 }):shape())
+    assert.same({ 0, 2 ^ 31, 2 ^ 31 }, ms.zeros({ 0, 2 ^ 31, 2 ^ 31 }):shape())
+    assert.same({ 2 ^ 62, 2 ^ 31, 1 }, ms.zeros({ 0, 2 ^ 31, 2 ^ 31 }):strides())
   end)
 
   it("slices with a step far larger than the dim", function()

@@ -156,15 +156,19 @@ static ms_status parse_entry(loader *L, const ms_json *v, entry *e)
         return LFAIL(L, MS_E_FORMAT, "tensor " NAME_FMT ": data_offsets [%llu, %llu] end before they begin", e->name,
                      U64(e->begin), U64(e->end));
 
-    /* bytes = numel * size, refusing any product that overflows int64 (a tensor could not hold it) */
+    /* bytes = numel * size, refusing any product that overflows int64 (a tensor could not hold it).  The sizes
+    ** other than 0 must multiply within int64 even when one is 0: they are an empty tensor's strides too
+    ** ([0, 2^62, 2^62] holds no byte, but its first stride would be 2^124) */
     char sbuf[16 * MS_MAX_DIMS + 4];
-    uint64_t esize = ms_dtype_size(e->dt), bytes = empty ? 0 : esize;
-    for (int d = 0; d < e->ndim && !empty; d++) {
-        if ((uint64_t)e->shape[d] > (uint64_t)INT64_MAX / bytes)
+    uint64_t esize = ms_dtype_size(e->dt), extent = esize;
+    for (int d = 0; d < e->ndim; d++) {
+        if (e->shape[d] == 0) continue;
+        if ((uint64_t)e->shape[d] > (uint64_t)INT64_MAX / extent)
             return LFAIL(L, MS_E_FORMAT, "tensor " NAME_FMT ": shape %s is too large", e->name,
                          ms_shape_str(sbuf, sizeof sbuf, e->ndim, e->shape));
-        bytes *= (uint64_t)e->shape[d];
+        extent *= (uint64_t)e->shape[d];
     }
+    uint64_t bytes = empty ? 0 : extent;
     if (bytes != e->end - e->begin)
         return LFAIL(L, MS_E_FORMAT, "tensor " NAME_FMT ": shape %s of %s needs %llu bytes but data_offsets [%llu, "
                      "%llu] hold %llu", e->name, ms_shape_str(sbuf, sizeof sbuf, e->ndim, e->shape),

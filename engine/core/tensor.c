@@ -19,16 +19,20 @@ MS_API const char *ms_dtype_name(ms_dtype dt)
     return ms_dtype_valid(dt) ? names[dt] : "invalid";
 }
 
-/* numel of a shape, or -1 on overflow / negative sizes */
+/* numel of a shape, or -1 for a negative size or a shape past int64.  The sizes other than 0 must multiply
+** within int64 even when a size is 0: they are the contiguous strides (contiguous_strides), which an empty
+** tensor has too ([0, 2^62, 2^62] has numel 0 but a stride of 2^124). */
 static int64_t shape_numel(int ndim, const int64_t *shape)
 {
-    int64_t n = 1;
+    int64_t extent = 1;
+    bool empty = false;
     for (int i = 0; i < ndim; i++) {
         if (shape[i] < 0) return -1;
-        if (shape[i] != 0 && n > INT64_MAX / shape[i]) return -1;
-        n *= shape[i];
+        if (shape[i] == 0) { empty = true; continue; }
+        if (extent > INT64_MAX / shape[i]) return -1;
+        extent *= shape[i];
     }
-    return n;
+    return empty ? 0 : extent;
 }
 
 static void contiguous_strides(int ndim, const int64_t *shape, int64_t *strides)
@@ -45,8 +49,10 @@ static ms_status check_shape(ms_ctx *ctx, const char *fn, int ndim, const int64_
     *numel = shape_numel(ndim, shape);
     if (*numel < 0) {
         char buf[160];
-        return MS_FAIL(ctx, MS_E_SHAPE, "%s: invalid shape %s (negative size or too many elements)", fn,
-                       ms_shape_str(buf, sizeof buf, ndim, shape));
+        bool negative = false;
+        for (int i = 0; i < ndim; i++) negative |= shape[i] < 0;
+        return MS_FAIL(ctx, MS_E_SHAPE, "%s: invalid shape %s (%s)", fn, ms_shape_str(buf, sizeof buf, ndim, shape),
+                       negative ? "negative size" : "too many elements: its sizes other than 0 multiply past int64");
     }
     return MS_OK;
 }
@@ -332,7 +338,7 @@ MS_API ms_status ms_tensor_reshape(ms_ctx *ctx, const ms_tensor *src, int ndim, 
     if (ndim > 0 && shape == NULL) return MS_FAIL(ctx, MS_E_ARG, "%s: shape is NULL", fn);
     int64_t want[MS_MAX_DIMS];
     int infer = -1;
-    int64_t known = 1, numel = ms_tensor_numel(src);
+    int64_t known = 1, extent = 1, numel = ms_tensor_numel(src);   /* extent: the sizes other than 0 (shape_numel) */
     char b1[160], b2[160];
     for (int i = 0; i < ndim; i++) {
         want[i] = shape[i];
@@ -342,11 +348,15 @@ MS_API ms_status ms_tensor_reshape(ms_ctx *ctx, const ms_tensor *src, int ndim, 
             infer = i;
         } else if (shape[i] < 0) {
             return MS_FAIL(ctx, MS_E_SHAPE, "%s: negative size in %s", fn, ms_shape_str(b1, sizeof b1, ndim, shape));
-        } else if (shape[i] != 0 && known > INT64_MAX / shape[i]) {
-            /* a product that wraps could equal numel (2^64 wraps to 0): the view would reach past the storage */
+        } else if (shape[i] != 0 && extent > INT64_MAX / shape[i]) {
+            /* a product that wraps could equal numel (2^64 wraps to 0): the view would reach past the storage;
+            ** and the strides of an empty view ([0, 2^62, 2^62]) are the product of the other sizes */
             return MS_FAIL(ctx, MS_E_SHAPE, "%s: shape %s has too many elements", fn,
                            ms_shape_str(b1, sizeof b1, ndim, shape));
-        } else known *= shape[i];
+        } else {
+            known *= shape[i];
+            if (shape[i] != 0) extent *= shape[i];
+        }
     }
     if (infer >= 0) {
         if (known == 0 || numel % known != 0)

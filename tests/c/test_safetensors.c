@@ -349,6 +349,12 @@ static void test_load_errors(void)
           "tensor \"a\": shape [4611686018427387904,4] is too large" },
         { "{\"a\":{\"dtype\":\"U8\",\"shape\":[9223372036854775807,2],\"data_offsets\":[0,0]}}", 0, MS_E_FORMAT, "is too large" },
         { "{\"a\":{\"dtype\":\"U8\",\"shape\":[9223372036854775808],\"data_offsets\":[0,0]}}", 0, MS_E_FORMAT, "shape[0] is not" },
+        /* no bytes, but the sizes other than 0 are its strides: they must multiply within int64 too (a hand-made
+        ** input to fuzz_safetensors, under UBSan: the tensor was made, its first stride a signed overflow) */
+        { "{\"a\":{\"dtype\":\"F32\",\"shape\":[0,4611686018427387904,4611686018427387904],\"data_offsets\":[0,0]}}", 0,
+          MS_E_FORMAT, "tensor \"a\": shape [0,4611686018427387904,4611686018427387904] is too large" },
+        { "{\"a\":{\"dtype\":\"U8\",\"shape\":[9223372036854775807,9223372036854775807,0],\"data_offsets\":[0,0]}}", 0,
+          MS_E_FORMAT, "is too large" },
         { "{\"a\":{\"dtype\":\"F32\",\"shape\":[3],\"data_offsets\":[0,12]}}", 8, MS_E_FORMAT,
           "tensor \"a\": data_offsets [0, 12] run past the end of the data (8 bytes; truncated file?)" },
         { "{\"a\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[0,8]},\"b\":{\"dtype\":\"F32\",\"shape\":[2],"
