@@ -309,6 +309,14 @@ describe("the recipe sandbox", function()
         ("s, "):rep(63) .. "s)", "string.format" },
       { "return string.find(('a'):rep(4000), '.-.-.-.-.-b')", "too expensive" },
       { "return ('a'):rep(1e5):match('(a*)*b')", "too expensive" },
+      -- a long literal needle: each of the 2^21 start positions compares up to 2^19 bytes, out of the hook's
+      -- reach (a plain find of this took 15 s under an instruction limit of 2e6, and the pattern functions
+      -- passed it as a pattern without repetitions)
+      { "local s, p = ('a'):rep(2^21), ('a'):rep(2^19) .. 'b' return s:find(p, 1, true)", "plain search" },
+      { "local s, p = ('a'):rep(2^21), ('a'):rep(2^19) .. 'b' return s:find(p)", "too expensive" },
+      { "local s, p = ('a'):rep(2^21), ('a'):rep(2^19) .. 'b' return s:match(p)", "too expensive" },
+      { "local s, p = ('a'):rep(2^21), ('a'):rep(2^19) .. 'b' return s:gsub(p, '')", "too expensive" },
+      { "local s = ('a'):rep(5000) return s:match('a-' .. ('a'):rep(5000) .. 'b')", "too expensive" },
     }
     -- (the bound only tells a stopped bomb from a hung one: filling the memory limit takes 1-3 s of CPU on a
     -- 2-core CI machine, more under a sanitizer)

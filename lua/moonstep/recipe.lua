@@ -188,11 +188,22 @@ local function too_big(what, n)
 end
 
 -- Worst-case backtracking of a Lua pattern grows like n^(k+1) for k quantifiers (*, +, -, ?, %b) on a
--- subject of n bytes; the C matcher cannot be interrupted by the hook, so an expensive pattern is refused
--- up front.  Anchored patterns lose the factor for trying every start position.
+-- subject of n bytes, times the pattern's length m (each attempt may walk all of it: a literal pattern of
+-- 2^19 "a"s and a "b" compares 2^19 bytes at each of 2^21 start positions of ("a"):rep(2^21)); the C
+-- matcher cannot be interrupted by the hook, so an expensive pattern is refused up front.  Anchored
+-- patterns lose the factor for trying every start position.  A plain find (and a pattern without special
+-- characters, which the matcher searches the same way) compares up to (n - m + 1) * m bytes.
 local PATTERN_BUDGET = 1e8
 local function check_pattern(what, s, p, init, plain)
-  if type(s) ~= "string" or type(p) ~= "string" or plain then return end
+  if type(s) ~= "string" or type(p) ~= "string" then return end
+  local len = #s - ((type(init) == "number" and init > 1) and init - 1 or 0)
+  if plain then
+    local m = #p
+    if m > 1 and m <= len and (len - m + 1) * m > PATTERN_BUDGET then
+      error(("%s: a plain search for %d bytes in %d bytes is too expensive for a sandboxed recipe"):format(what, m, len), 3)
+    end
+    return
+  end
   local k, i, n = 0, 1, #p
   while i <= n do
     local c = p:byte(i)
@@ -210,11 +221,11 @@ local function check_pattern(what, s, p, init, plain)
       i = i + 1
     end
   end
-  local len = #s - ((type(init) == "number" and init > 1) and init - 1 or 0)
   if len < 1 then len = 1 end
-  local cost = len ^ (k + ((p:byte(1) == 94) and 0 or 1))
+  local cost = len ^ (k + ((p:byte(1) == 94) and 0 or 1)) * math.max(n, 1)
   if cost > PATTERN_BUDGET then
-    error(("%s: pattern with %d repetitions on %d bytes is too expensive for a sandboxed recipe"):format(what, k, len), 3)
+    error(("%s: pattern of %d bytes with %d repetitions on %d bytes is too expensive for a sandboxed recipe")
+          :format(what, n, k, len), 3)
   end
 end
 
