@@ -620,19 +620,24 @@ new_guard = function(name, limits, params)
     end
     l.quota = M.limits.quota + M.QUOTA_PER_PARAM_BYTE * bytes
   end
+  -- the engine-memory account: held bytes, in a table of its own that the charges' finalizers close over.  Not
+  -- g: a charged tensor's token sits in a weak-keyed table (moonstep.tensor's anchors) and LuaJIT has no
+  -- ephemerons, so a token reaching g, g.env and a recipe global holding that tensor kept the tensor, the
+  -- guard, the recipe and its optimizer alive for good
+  local account = { held = 0 }
   local g = { name = name, instructions = l.instructions, memory = l.memory, retained = l.retained, quota = l.quota,
-              held = 0, calls = 0, since = 0, walks = 0,
+              account = account, calls = 0, since = 0, walks = 0,
               kept = setmetatable({}, { __mode = "k" }) }      -- (tables the runtime keeps: M.keep)
   guards[g] = true
   -- the engine-memory account: a token per allocation, released by its finalizer (two collections after
   -- the tensor and its views die: the first clears the weak entry, the second finalizes the token)
   g.reserve = function(bytes)
-    if g.held + bytes <= g.quota then return end
+    if account.held + bytes <= g.quota then return end
     collectgarbage()
     collectgarbage()
-    if g.held + bytes > g.quota then
+    if account.held + bytes > g.quota then
       error(("%s: engine allocation quota exceeded (%.0f bytes held, %.0f more asked, quota %.0f)")
-            :format(g.name, g.held, bytes, g.quota), 0)
+            :format(g.name, account.held, bytes, g.quota), 0)
     end
   end
   -- host memory one trusted call is about to build for the recipe (tensor data read back into Lua): checked
@@ -659,8 +664,8 @@ new_guard = function(name, limits, params)
   end
   g.charge = function(t, bytes)
     local token = newproxy(true)
-    getmetatable(token).__gc = function() g.held = g.held - bytes end
-    g.held = g.held + bytes
+    getmetatable(token).__gc = function() account.held = account.held - bytes end
+    account.held = account.held + bytes
     tensor.set_anchor(t, token)
   end
   return g
