@@ -264,7 +264,10 @@ static inline void ms_ctx_count_launch(ms_ctx *ctx) { ctx->launches++; }
 ms_status ms_tensor_alloc(ms_ctx *ctx, ms_dtype dt, int ndim, const int64_t *shape, ms_tensor **out);
 static inline void *ms_tensor_ptr(const ms_tensor *t)
 {
-    return (char *)t->storage->data + t->offset * (int64_t)ms_dtype_size(t->dtype);
+    /* an empty tensor's storage may have no memory at all (NULL), and arithmetic on a null pointer is undefined
+    ** even by 0 (UBSan: "applying zero offset to null pointer", ms.zeros({0}) under fuzz_recipe) */
+    char *data = t->storage->data;
+    return data ? data + t->offset * (int64_t)ms_dtype_size(t->dtype) : NULL;
 }
 bool ms_tensor_contiguous_p(const ms_tensor *t);
 /* MS_E_LAYOUT when t cannot be written element by element: two of its elements may share an address (stride

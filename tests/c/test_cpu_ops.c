@@ -266,6 +266,30 @@ static void test_scalar_tensor_overlapping_dst(ms_ctx *ctx)
     ms_tensor_free(tz);
 }
 
+/* Ops on empty tensors: their storage may hold no memory (a NULL pointer), which the data pointer of a view must
+** not be computed from (UBSan under fuzz_recipe: "applying zero offset to null pointer" in ms_tensor_ptr, from
+** ms.zeros({0})).  Only a sanitized build (-fsanitize=undefined) tells the old code from the new here. */
+static void test_empty_tensor_ops(ms_ctx *ctx)
+{
+    int64_t s0[1] = { 0 }, s03[2] = { 0, 3 };
+    ms_tensor *a = NULL, *b = NULL, *c = NULL, *d = NULL;
+    CHECK(ms_tensor_new(ctx, MS_DTYPE_F32, 1, s0, &a) == MS_OK && ms_tensor_new(ctx, MS_DTYPE_F32, 1, s0, &b) == MS_OK
+          && ms_tensor_new(ctx, MS_DTYPE_F64, 2, s03, &c) == MS_OK && ms_tensor_new(ctx, MS_DTYPE_F64, 2, s03, &d) == MS_OK,
+          "empty tensors: %s", ms_last_error());
+    if (a && b && c && d) {
+        CHECK(ms_fill(ctx, a, 1, NULL) == MS_OK, "fill of [0]: %s", ms_ctx_last_error(ctx));
+        CHECK(ms_fill(ctx, c, 1, NULL) == MS_OK, "fill of [0,3]: %s", ms_ctx_last_error(ctx));
+        CHECK(ms_copy(ctx, b, a) == MS_OK, "copy of [0]: %s", ms_ctx_last_error(ctx));
+        CHECK(ms_copy(ctx, d, c) == MS_OK, "copy of [0,3]: %s", ms_ctx_last_error(ctx));
+        CHECK(ms_binary_scalar(ctx, b, a, 2, NULL, MS_BINARY_MUL, 0) == MS_OK, "b <- a * 2: %s", ms_ctx_last_error(ctx));
+        CHECK(ms_lerp(ctx, a, a, b, 0.5, NULL) == MS_OK, "lerp: %s", ms_ctx_last_error(ctx));
+    }
+    ms_tensor_free(a);
+    ms_tensor_free(b);
+    ms_tensor_free(c);
+    ms_tensor_free(d);
+}
+
 int main(void)
 {
     test_f16_all_patterns();
@@ -280,6 +304,7 @@ int main(void)
         test_matmul_scratch_overflow(ctx);
         test_matmul_dst_huge_column_stride(ctx);
         test_scalar_tensor_overlapping_dst(ctx);
+        test_empty_tensor_ops(ctx);
         ms_ctx_free(ctx);
     }
     CHECK(f32_bits(ms_f16_to_f32(0x3c00)) == 0x3f800000u, "f16 1.0 is f32 1.0");
