@@ -331,6 +331,10 @@ describe("the recipe sandbox", function()
       -- passed it as a pattern without repetitions)
       { "local s, p = ('a'):rep(2^21), ('a'):rep(2^19) .. 'b' return s:find(p, 1, true)", "plain search" },
       { "local s, p = ('a'):rep(2^21), ('a'):rep(2^19) .. 'b' return s:find(p)", "too expensive" },
+      -- (an init past int32, which the C function wraps to a negative start: the whole string; found by fuzz_recipe)
+      { "local s, p = ('a'):rep(2^21), ('a'):rep(2^19) .. 'b' return s:find(p, 1.2e47, true)", "plain search" },
+      { "local s, p = ('a'):rep(2^21), ('a'):rep(2^19) .. 'b' return s:find(p, 2^32 + 1, true)", "plain search" },
+      { "local s, p = ('a'):rep(2^21), ('a'):rep(2^19) .. 'b' return s:match(p, 1e300)", "too expensive" },
       { "local s, p = ('a'):rep(2^21), ('a'):rep(2^19) .. 'b' return s:match(p)", "too expensive" },
       { "local s, p = ('a'):rep(2^21), ('a'):rep(2^19) .. 'b' return s:gsub(p, '')", "too expensive" },
       { "local s = ('a'):rep(5000) return s:match('a-' .. ('a'):rep(5000) .. 'b')", "too expensive" },

@@ -196,7 +196,11 @@ end
 local PATTERN_BUDGET = 1e8
 local function check_pattern(what, s, p, init, plain)
   if type(s) ~= "string" or type(p) ~= "string" then return end
-  local len = #s - ((type(init) == "number" and init > 1) and init - 1 or 0)
+  -- the bytes searched: from init on only where init is a position the C function reads as given; it converts
+  -- init to an int32, and a number past that range (1e47) wrapped to a negative start, which searches the whole
+  -- string, so anything else counts the whole string
+  local from = (type(init) == "number" and init > 1 and init < 2 ^ 31) and math.floor(init) or 1
+  local len = #s - (from - 1)
   if plain then
     local m = #p
     if m > 1 and m <= len and (len - m + 1) * m > PATTERN_BUDGET then
