@@ -862,7 +862,7 @@ describe("checkpoints", function()
     local rng = ms.rng_state()
     for _, case in ipairs {
       { "rng", 5 }, { "rng", { seed = "x", offset = 0 } }, { "rng", { seed = -1, offset = 1.5 } },
-      { "step", -3 }, { "step", 2.5 }, { "skipped", "many" }, { "lr_override", "fast" }, { "lr_override", -1 },
+      { "step", -3 }, { "step", 2.5 }, { "step", 2 ^ 53 }, { "step", 1e300 }, { "skipped", "many" }, { "lr_override", "fast" }, { "lr_override", -1 },
     } do
       local meta = ms.json.decode(filemeta.moonstep)
       meta[case[1]] = case[2]

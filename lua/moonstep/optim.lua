@@ -2399,8 +2399,9 @@ function Optimizer:_load_plan(path, opts, level)
   end
   -- the metadata that load() writes into the optimizer (and the global generator) after the copies: checked
   -- here, with everything else, so that a corrupt file changes nothing
-  if not (is_integer(meta.step) and meta.step >= 0) then
-    error(("%s: checkpoint step %s is not a non-negative integer"):format(path, tostring(meta.step)), level)
+  -- (past 2^53 a double's step + 1 is the step again: the count would stop advancing, silently)
+  if not (is_integer(meta.step) and meta.step >= 0 and meta.step < 2 ^ 53) then
+    error(("%s: checkpoint step %s is not an integer in [0, 2^53)"):format(path, tostring(meta.step)), level)
   end
   if meta.skipped ~= nil and not (is_integer(meta.skipped) and meta.skipped >= 0) then
     error(("%s: checkpoint skipped = %s is not a non-negative integer"):format(path, tostring(meta.skipped)), level)
