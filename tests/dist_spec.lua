@@ -457,14 +457,16 @@ scenario("save_gather_fails", function()
 end)
 
 -- a save that one rank cannot write (its disk full) leaves the checkpoint already at that path loadable: the
+-- two small AdamW parameters, the same on every rank (the save and load scenarios below)
+local function two_entries()
+  local function p(name, shape) return { name = name, param = ms.randn(shape, { seed = 7 }), grad = ms.ones(shape) } end
+  return { p("w", { 4, 4 }), p("v", { 3, 2 }) }
+end
+
 -- other ranks' parts of the new step must not have replaced theirs
 scenario("save_fails_keeps_old", function()
   local path = DIR .. "/keep.ckpt"
-  local function entries()
-    local function p(name, shape) return { name = name, param = ms.randn(shape, { seed = 7 }), grad = ms.ones(shape) } end
-    return { p("w", { 4, 4 }), p("v", { 3, 2 }) }
-  end
-  local opt = ms.optim.new("adamw", entries(), { lr = 0.1 }, { comm = comm })
+  local opt = ms.optim.new("adamw", two_entries(), { lr = 0.1 }, { comm = comm })
   opt:step() opt:step()
   opt:save(path)
   opt:step()
@@ -475,7 +477,7 @@ scenario("save_fails_keeps_old", function()
   assert(not ok, "saved")
   assert(tostring(err):find(RANK == 1 and "keep.ckpt.rank1-of-2: no space left on device"
                             or "1 of the 2 ranks could not write their part of", 1, true), tostring(err))
-  local again = ms.optim.new("adamw", entries(), { lr = 0.1 }, { comm = comm })
+  local again = ms.optim.new("adamw", two_entries(), { lr = 0.1 }, { comm = comm })
   again:load(path)
   assert(again.step_count == 2, "loaded step " .. again.step_count)
   local f = io.open(path .. ".rank" .. RANK .. "-of-2.partial")
@@ -484,16 +486,12 @@ end)
 
 -- ranks given different checkpoints (a stale copy on one host) refuse the load on every rank, changing nothing
 scenario("load_different_steps", function()
-  local function entries()
-    local function p(name, shape) return { name = name, param = ms.randn(shape, { seed = 7 }), grad = ms.ones(shape) } end
-    return { p("w", { 4, 4 }), p("v", { 3, 2 }) }
-  end
-  local opt = ms.optim.new("adamw", entries(), { lr = 0.1 }, { comm = comm })
+  local opt = ms.optim.new("adamw", two_entries(), { lr = 0.1 }, { comm = comm })
   opt:step() opt:step()
   opt:save(DIR .. "/at2.ckpt")
   opt:step()
   opt:save(DIR .. "/at3.ckpt")
-  local again = ms.optim.new("adamw", entries(), { lr = 0.1 }, { comm = comm })
+  local again = ms.optim.new("adamw", two_entries(), { lr = 0.1 }, { comm = comm })
   local ok, err = pcall(again.load, again, DIR .. (RANK == 0 and "/at2.ckpt" or "/at3.ckpt"))
   assert(not ok, "loaded")
   assert(tostring(err):find("the ranks load checkpoints of different steps or learning rates (this rank's: step "
