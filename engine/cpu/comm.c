@@ -380,6 +380,18 @@ static ms_status reduce_from_ranks(ms_ctx *ctx, cpu_comm *c, const call *k, ms_c
 
 /* --- the collectives ------------------------------------------------------------------------------ */
 
+/* The 32-byte header of a call (the file's comment) */
+static void put_call(unsigned char h[CALL_BYTES], const call *k)
+{
+    memset(h, 0, CALL_BYTES);
+    memcpy(h, CALL_MAGIC, 4);
+    ms_put_be32(h + 4, k->seq);
+    ms_put_be32(h + 8, k->kind);
+    ms_put_be32(h + 12, k->dtype);
+    ms_put_be32(h + 16, k->arg);
+    put_u64(h + 24, k->count);
+}
+
 /* A rank > 0's part: its call, `out_bytes` of data, then rank 0's answer of `in_bytes` into `in`. */
 static ms_status take_part(ms_ctx *ctx, cpu_comm *c, const call *k, const void *out, size_t out_bytes, void *in,
                            size_t in_bytes)
@@ -387,13 +399,8 @@ static ms_status take_part(ms_ctx *ctx, cpu_comm *c, const call *k, const void *
     const char *fn = call_name[k->kind];
     int64_t start = ms_now_ms(), deadline = start + c->timeout_ms + GRACE_MS;
     int fd = c->fd[0];
-    unsigned char h[CALL_BYTES] = { 0 };
-    memcpy(h, CALL_MAGIC, 4);
-    ms_put_be32(h + 4, k->seq);
-    ms_put_be32(h + 8, k->kind);
-    ms_put_be32(h + 12, k->dtype);
-    ms_put_be32(h + 16, k->arg);
-    put_u64(h + 24, k->count);
+    unsigned char h[CALL_BYTES];
+    put_call(h, k);
     io_result io = send_all(fd, h, sizeof h, deadline, true);
     if (io == IO_OK && out_bytes > 0) io = send_all(fd, out, out_bytes, deadline, true);
     if (io != IO_OK && io != IO_ANSWERED) return io_fail(ctx, c, fn, io, 0, ms_now_ms() - start);
@@ -586,11 +593,8 @@ void ms_cpu_comm_abort(ms_ctx *ctx, void *comm, const char *why)
         /* in place of this rank's next call: rank 0 reads it at its next collective with this rank (or now,
         ** when it waits for this rank in one) and fails it on every rank, with the reason */
         size_t len = strnlen(why, WHY_BYTES - 1);
-        unsigned char h[CALL_BYTES] = { 0 };
-        memcpy(h, CALL_MAGIC, 4);
-        ms_put_be32(h + 4, c->seq + 1);
-        ms_put_be32(h + 8, CALL_ABORT);
-        put_u64(h + 24, len);
+        unsigned char h[CALL_BYTES];
+        put_call(h, &(call){ .seq = c->seq + 1, .kind = CALL_ABORT, .count = len });
         int64_t deadline = ms_now_ms() + 1000;
         if (send_all(c->fd[0], h, sizeof h, deadline, false) == IO_OK) send_all(c->fd[0], why, len, deadline, false);
     }
