@@ -734,9 +734,13 @@ leave = function(g, prev, ok, ...)
 end
 
 -- armed and disarmed inside the pcall, so that no request is refused outside it, where the error would escape
--- M.call with its hook still set (a refused request disarms the cap by itself: see moonstep.h)
+-- M.call with its hook still set (a refused request disarms the cap by itself: see moonstep.h).  The guard
+-- is let go there too: no recipe code runs after that, and a hook that tripped between the end of fn and
+-- leave's restore would raise outside the pcall, leaving the hook set and the guard active for all the code
+-- that follows (a tripped guard then raises its error again anywhere)
 local function disarmed(...)
   heap_disarm()
+  active = nil
   return ...
 end
 local function armed(limit, fn, ...)
@@ -745,6 +749,7 @@ local function armed(limit, fn, ...)
 end
 local function disarm_on_error(e)
   heap_disarm()
+  active = nil
   return e
 end
 
