@@ -11,8 +11,8 @@
 **           a block when a chunk of many matrices has few bands each: fold_warp_kernel, the same bits).
 **   power   (spectral, sphere) one pass per power step: v = diag(r) G (c u) per row, and the column partials of
 **           G^T (r v) from the same rows; the fold makes w, sigma and the next u (the last CTA of a matrix, told
-**           by an integer ticket, does the O(n) vector work); a degenerate u restarts the step (a second pass
-**           that every other matrix skips at once).
+**           by an integer ticket, does the O(n) vector work); a degenerate u restarts the step, which that
+**           last block redoes alone (power_redo: a rare step's slow path, not two launches in every step).
 **   pairs   dense bf16/f16 rows of 16385-32768 elements, too long for one CTA's registers: the sweep on
 **           clusters of two CTAs, each half of every row, the row sums exchanged between them (pair_kernel).
 **   wide    longer dense rows (bf16/f16 n > 32768, f32 n > 16384) take two passes an iteration instead of
@@ -82,7 +82,7 @@ enum { E_SUMS = 0, E_APPLY = 1 };       /* elementwise passes */
 /* the per-matrix scalars (f64) */
 enum { SC_F2 = 0, SC_UU, SC_SIGMA, SC_S0, SC_S1, SC_S2, SC_RESTARTED, SC_REDO, SC_N = 8 };
 /* the scalars' second half -- cols-sharded: ||v|| of the power step, this rank's part of ||u||^2; unsharded: the
-** last power fold's w was 0 (u kept), for the restart fold that stores u */
+** last power fold's w was 0 (u kept), for the apply that stores u */
 enum { SC_NV = SC_N, SC_UUL, SC_WZERO };
 
 /* --- the launch table ------------------------------------------------------------------------------- */
@@ -1296,7 +1296,7 @@ __device__ __forceinline__ double power_column(const msk_sinkgd &o, const skmat 
 
 /* The end of a power fold's last block or warp, once sigma = max(||w||, eps) is known.  power_defers_u: the
 ** step's last power fold, unsharded and not a restart's, stores sigma only -- nothing in the step reads u again,
-** so the restart fold that follows (a no-op otherwise) stores it, 32 columns a block, instead of this block
+** so the apply stores it (store_deferred_u: each of its CTAs of the matrix a slice) instead of this block
 ** walking all n on the step's path; true when it did (the scalars by `writer`).  power_done: the scalars after u
 ** = w / sigma (uu = ||u||^2; w = 0 keeps u and its uu). */
 template <int CAP>
@@ -1319,6 +1319,91 @@ __device__ __forceinline__ void power_done(const skscr &S, double sigma, double 
     S.scal[SC_REDO] = 0;
 }
 
+/* block_sum<FOLD_THREADS> of the values v(t) of the threads t = 0..255 of a block, on one warp: lane l holds
+** t = l + 32 w for w = 0..7 (every lane gets the same bits) */
+template <class V>
+__device__ __forceinline__ double sum256(const V &v)
+{
+    double s = 0;
+#pragma unroll 1
+    for (int w = 0; w < FOLD_THREADS / 32; w++) s += warp_sum(v((int)(threadIdx.x & 31) + 32 * w));
+    return s;
+}
+
+/* --- the restarted power step of an unsharded matrix -----------------------------------------------------
+** A degenerate u (power_restarts: u orthogonal to every row of X to 1e-4, as a 1-row matrix half of whose signs
+** flip) is rare, so the power fold's last block (or warp) redoes that matrix's power step alone from the start
+** vector the fold's blocks wrote to S.uv: v = X u (r v into rv_of), then w = X^T v / max(||v||, eps) into S.wv,
+** engine/cpu/sinkgd.c's restart.  Before, a restart pass and fold followed every power fold and did nothing
+** almost always: two launches, 6.3 us of a 14336x4096 spectral step and 8.4 of a 4096x14336 one.  The work is
+** 256 virtual threads' in a fixed order -- thread t the rows t, t + 256, ..., then the columns t, t + 256, ...,
+** each a sequential f64 sum -- added as block_sum (a block) or sum256 (a warp) add them, so both give the same
+** bits.  One CTA reads G twice: milliseconds for a large matrix, on the rare step that needs it.
+** redo_rows returns thread t's sum of v_i^2, redo_cols its sum of w_j^2. */
+template <class T>
+__device__ __noinline__ double redo_rows(const skmat &M, const skscr &S, bool unit, int t)
+{
+    const T *g = (const T *)M.g;
+    float *const rv = rv_of(S);
+    double vv = 0;
+    for (int64_t i = t; i < M.m; i += FOLD_THREADS) {
+        const T *gi = g + i * M.rs;
+        double s = 0;
+        for (int64_t j = 0; j < M.n; j++) {
+            const double cu = unit ? (double)__ldcg(S.uv + j) : (double)__ldcg(S.c + j) * (double)__ldcg(S.uv + j);
+            s += (double)msk_f(gi[j * M.cs]) * cu;
+        }
+        const double ri = unit ? 1.0 : (double)__ldcg(S.r + i), v = ri * s;
+        rv[i] = (float)(ri * v);
+        vv += v * v;
+    }
+    return vv;
+}
+template <class T>
+__device__ __noinline__ double redo_cols(const msk_sinkgd &o, const skmat &M, const skscr &S, bool unit, double nv, int t)
+{
+    const T *g = (const T *)M.g;
+    const float *const rv = rv_of(S);
+    double w2 = 0;
+    for (int64_t j = t; j < M.n; j += FOLD_THREADS) {
+        double s = 0;
+        for (int64_t i = 0; i < M.m; i++) s += (double)msk_f(g[i * M.rs + j * M.cs]) * (double)__ldcg(rv + i);
+        const float w = (float)((unit ? 1.0 : (double)__ldcg(S.c + j)) * s / clampd(nv, o.eps));
+        S.wv[j] = w;
+        w2 += (double)w * w;
+    }
+    return w2;
+}
+template <bool COLS>
+__device__ __noinline__ double redo_part(const msk_sinkgd &o, const skmat &M, const skscr &S, bool unit, double nv, int t)
+{
+    switch (M.gdt) {
+    case MS_DTYPE_BF16: return COLS ? redo_cols<__nv_bfloat16>(o, M, S, unit, nv, t) : redo_rows<__nv_bfloat16>(M, S, unit, t);
+    case MS_DTYPE_F16:  return COLS ? redo_cols<__half>(o, M, S, unit, nv, t) : redo_rows<__half>(M, S, unit, t);
+    default:            return COLS ? redo_cols<float>(o, M, S, unit, nv, t) : redo_rows<float>(M, S, unit, t);
+    }
+}
+/* The redo by a whole fold block (WARP false: dred is block_sum's) or by one warp; returns ||w||^2 and marks the
+** matrix restarted (once a step, as the CPU). */
+template <bool WARP>
+__device__ double power_redo(const msk_sinkgd &o, const skmat &M, const skscr &S, bool unit, double *dred)
+{
+    double vv, w2;
+    if (WARP) {
+        vv = sum256([&](int t) { return redo_part<false>(o, M, S, unit, 0, t); });
+        __syncwarp();   /* r v, written by every lane, is read by every lane */
+        const double nv = sqrt(vv);
+        w2 = sum256([&](int t) { return redo_part<true>(o, M, S, unit, nv, t); });
+    } else {
+        /* (block_sum's barriers make every thread's r v visible to the block) */
+        vv = block_sum<FOLD_THREADS>(redo_part<false>(o, M, S, unit, 0, threadIdx.x), dred);
+        const double nv = sqrt(vv);
+        w2 = block_sum<FOLD_THREADS>(redo_part<true>(o, M, S, unit, nv, threadIdx.x), dred);
+    }
+    if ((WARP ? threadIdx.x & 31 : threadIdx.x) == 0) S.scal[SC_RESTARTED] = 1;
+    return w2;
+}
+
 /* --- the folds: column partials summed in band order ------------------------------------------------------
 ** A block takes FOLD_COLS = 32 columns of one matrix: warp w adds the bands w, w + 8, ... of its lane's column,
 ** then the 8 warp sums are added in warp order.  A matrix of more than FOLD_QUAD_BANDS bands (n a multiple of 4)
@@ -1329,10 +1414,10 @@ __device__ __forceinline__ void power_done(const skscr &S, double sigma, double 
 ** SINK:  T_j = sum of the bands; c_j <- sqrt(m) c_j / max(c_j sqrt(T_j), eps) (T_j = 0: kept); with FL_LAST
 **        (START) the power step's start: ||X||_F^2 by columns (the sum of c_j^2 T_j, for the restart test), u
 **        from the state and ||u||^2 (power_start).
-** POWER: w_j = c_j (G^T r v)_j / max(||v||, eps); the restart test of engine/cpu/sinkgd.c; the matrix's last
-**        block (ticket) makes sigma = max(||w||, eps) and u = w / sigma (kept when w = 0), and with FL_LAST
-**        stores u -- save in an unsharded step, whose restart fold (FL_REDO, a no-op when no restart is
-**        pending) stores it, each block its columns.
+** POWER: w_j = c_j (G^T r v)_j / max(||v||, eps); the restart test of engine/cpu/sinkgd.c (a restart: the
+**        last block's power_redo; sharded, the restart passes and folds); the matrix's last block (ticket) makes
+**        sigma = max(||w||, eps) and u = w / sigma (kept when w = 0), and with FL_LAST stores u -- save in an
+**        unsharded step, whose apply stores it (power_defers_u).
 ** Rows-sharded, a fold is two launches around the exchange: FOLD_PART stores T_j at A.xch[block * 32 + lane]
 ** (f32 for SINK; f64 for POWER, followed by |v|^2 and ||G||^2, two per matrix: exact for one rank, so its step
 ** is the single-GPU one bit for bit), FOLD_FINISH reads the ranks' sums back and goes on as a whole fold, with
@@ -1382,17 +1467,7 @@ __device__ __forceinline__ void fold_pass(const skargs<CAP> *__restrict__ tables
         if (t == 0) scal_sh[0] = __ldcg(S.scal + SC_REDO);
         __syncthreads();
     }
-    if (KIND == K_POWER && (A.flags & FL_REDO) && scal_sh[0] == 0) {   /* no restart pending */
-        if ((A.flags & FL_LAST) && A.xch == NULL) {   /* the power fold left u to this one (see there) */
-            const int64_t jj = (int64_t)lbk * FOLD_COLS + t;
-            if (t < FOLD_COLS && jj < n) {
-                const double sigma = __ldcg(S.scal + SC_SIGMA);
-                M.u[jj] = __ldcg(S.scal + SC_WZERO) != 0 ? __ldcg(S.uv + jj)
-                                                         : u_of(__ldcg(S.wv + jj), sigma, __drcp_rn(sigma));
-            }
-        }
-        return;
-    }
+    if (KIND == K_POWER && (A.flags & FL_REDO) && scal_sh[0] == 0) return;   /* no restart pending (sharded) */
     const int64_t j0 = (int64_t)lbk * FOLD_COLS, jl = j0 + lane;
     const bool unit = (A.flags & FL_UNIT) != 0;
     const float eps = (float)A.o.eps;
@@ -1557,16 +1632,19 @@ __device__ __forceinline__ void fold_pass(const skargs<CAP> *__restrict__ tables
     __syncthreads();
     if (!is_last) return;
     __threadfence();
-    if (restart) {   /* u is the start vector now; the redo pass and fold take it from there */
+    double w2 = 0;
+    if (restart && A.xch != NULL) {   /* sharded: u is the start vector now; the redo passes and folds go on */
         if (t == 0) {
             S.scal[SC_RESTARTED] = 1;
             S.scal[SC_REDO] = 1;
         }
         return;
+    } else if (restart) {
+        w2 = power_redo<false>(A.o, M, S, unit, dred);
+    } else {
+        for (int k = t; k < nf; k += FOLD_THREADS) w2 += __ldcg(S.fsc + k);
+        w2 = block_sum<FOLD_THREADS>(w2, dred);
     }
-    double w2 = 0;
-    for (int k = t; k < nf; k += FOLD_THREADS) w2 += __ldcg(S.fsc + k);
-    w2 = block_sum<FOLD_THREADS>(w2, dred);
     const double nw = sqrt(w2), sigma = clampd(nw, A.o.eps);
     if (power_defers_u(A, S, sigma, nw, t == 0)) return;
     double uu = 0;
@@ -1611,17 +1689,6 @@ __global__ void __launch_bounds__(FOLD_THREADS, FOLD_PACKED)
 ** turns them off (tests and measurements). */
 enum { WARP_FOLD_BANDS = 16 };
 static_assert((int)WARP_FOLD_BANDS <= (int)FOLD_QUAD_BANDS, "a warp fold adds in the band order: fold_pass's for its matrices");
-
-/* block_sum<FOLD_THREADS> of the values v(t) of the threads t = 0..255 of a block, on one warp: lane l holds
-** t = l + 32 w for w = 0..7 (every lane gets the same bits) */
-template <class V>
-__device__ __forceinline__ double sum256(const V &v)
-{
-    double s = 0;
-#pragma unroll 1
-    for (int w = 0; w < FOLD_THREADS / 32; w++) s += warp_sum(v((int)(threadIdx.x & 31) + 32 * w));
-    return s;
-}
 
 /* sum256 of the fold blocks' scalars x[0..nf): thread t's part is x[t], x[t + 256], ..., as fold_pass's last
 ** block adds them */
@@ -1669,13 +1736,7 @@ __global__ void __launch_bounds__(FOLD_THREADS) fold_warp_kernel(const skargs<CA
     const int lbk = blk - M.f0;
     const int64_t j = (int64_t)lbk * FOLD_COLS + lane;
     const bool jv = j < n;
-    if (KIND == K_POWER && (A.flags & FL_REDO) && __ldcg(S.scal + SC_REDO) == 0) {   /* no restart pending */
-        if ((A.flags & FL_LAST) && A.xch == NULL && jv) {   /* the power fold left u to this one (fold_pass) */
-            const double sigma = __ldcg(S.scal + SC_SIGMA);
-            M.u[j] = __ldcg(S.scal + SC_WZERO) != 0 ? __ldcg(S.uv + j) : u_of(__ldcg(S.wv + j), sigma, __drcp_rn(sigma));
-        }
-        return;
-    }
+    if (KIND == K_POWER && (A.flags & FL_REDO) && __ldcg(S.scal + SC_REDO) == 0) return;   /* no restart pending */
     const int nf = (int)nfold_of(n);
     /* sharded: this block's column sums, and the matrix's two scalars after every column (fold_pass) */
     float *const xs = (float *)A.xch;
@@ -1732,12 +1793,14 @@ __global__ void __launch_bounds__(FOLD_THREADS) fold_warp_kernel(const skargs<CA
             if (lane == 0) S.fsc[lbk] = q;
         }
         if (!last_warp(&A.tickets[i], nf)) return;
-        if (lane == 0 && restart) {   /* u is the start vector now; the redo pass and fold take it from there */
-            S.scal[SC_RESTARTED] = 1;
-            S.scal[SC_REDO] = 1;
+        if (restart && A.xch != NULL) {   /* sharded: u is the start vector now; the redo passes and folds go on */
+            if (lane == 0) {
+                S.scal[SC_RESTARTED] = 1;
+                S.scal[SC_REDO] = 1;
+            }
+            return;
         }
-        if (restart) return;
-        const double nw = sqrt(sum256_blocks(S.fsc, nf));
+        const double nw = sqrt(restart ? power_redo<true>(A.o, M, S, unit, NULL) : sum256_blocks(S.fsc, nf));
         const double sigma = clampd(nw, A.o.eps);
         if (power_defers_u(A, S, sigma, nw, lane == 0)) return;
         double uu = 0;
@@ -2150,6 +2213,24 @@ __device__ __forceinline__ coefs coefs_of(const skargs<CAP> &A, const skmat &M, 
     return cf;
 }
 
+/* The persisted u of an unsharded spectral or sphere step, which its last power fold left to the apply
+** (power_defers_u): the apply's CTA of band k of the matrix's nb stores the columns [k n / nb, (k + 1) n / nb),
+** with NT threads -- u = w / sigma, or the kept u when w was 0, the bits fold_pass's walk would store. */
+template <int NT>
+__device__ __forceinline__ void store_deferred_u(const skmat &M, const skscr &S, int band)
+{
+    const int64_t j0 = band * M.n / M.nbands, j1 = (band + 1) * M.n / M.nbands;
+    if (j0 >= j1) return;
+    const double sigma = __ldcg(S.scal + SC_SIGMA), rs = __drcp_rn(sigma);
+    const bool kept = __ldcg(S.scal + SC_WZERO) != 0;
+    for (int64_t j = j0 + threadIdx.x; j < j1; j += NT)
+        M.u[j] = kept ? __ldcg(S.uv + j) : u_of(__ldcg(S.wv + j), sigma, rs);
+}
+template <int CAP> __device__ __forceinline__ bool u_deferred(const skargs<CAP> &A)
+{
+    return A.o.mode != MS_SINKGD_BASE && A.xch == NULL;
+}
+
 template <int CAP, int KIND>
 __global__ void __launch_bounds__(T_SWEEP, 1) elem_kernel(const skargs<CAP> *__restrict__ tables, int flags)
 {
@@ -2211,6 +2292,17 @@ __global__ void __launch_bounds__(T_SWEEP, 1) elem_kernel(const skargs<CAP> *__r
         }
     }
     if (wait) pdl_enter();
+    /* the deferred u's slices, the call's matrices walked again: inside the loop above the store spilled the
+    ** apply's registers */
+    if (KIND == E_APPLY && sub == 0 && u_deferred(A))
+        for (int i = i0; i <= i1; i++) {
+            const skmat &M = A.m[i];
+            int64_t sa, sb;
+            if (!groups_in(A, i, ga, gb, sa, sb)) continue;
+            skscr S;
+            scr_layout(M.scr, M.m, M.n, M.nbands, &S);
+            store_deferred_u<T_SWEEP>(M, S, b - M.band0);
+        }
 }
 
 /* --- the flat apply ---------------------------------------------------------------------------------------
@@ -2263,6 +2355,9 @@ __global__ void __launch_bounds__(FLAT_THREADS, 4) flat_apply_kernel(const __gri
     skscr S;
     scr_layout(M.scr, M.m, M.n, M.nbands, &S);
     const coefs cf = coefs_of(T, M, S, false, NULL);
+    /* the matrix's first row group in this sweep range, part 0, stores the range's slice of the deferred u (here,
+    ** while the chunks' loads are in flight: at the end it lengthened the pass's tail by ~2 us) */
+    if (part == 0 && u_deferred(T) && grp == (ga > M.g0 ? (int64_t)ga : M.g0)) store_deferred_u<FLAT_THREADS>(M, S, (int)b - M.band0);
     const bool unit = (T.flags & FL_UNIT) != 0;
     double none[3] = { 0, 0, 0 };
 #pragma unroll
@@ -3125,9 +3220,9 @@ static ms_status run_chunk(ms_ctx *ctx, cudaStream_t s, const msk_sinkgd *o, int
         else if (st == MS_OK) st = launch(ctx, s, K, grid, threads, smem, what, launches, true, pairs, tables, flags);
     };
     /* With warp folds, a power fold whose last warp walks u in every step (one not the step's last: sn_iters > 1)
-    ** keeps fold_pass's 256 threads for the walk; the restart fold walks only when a restart is pending. */
+    ** keeps fold_pass's 256 threads for the walk (the step's last leaves u to the apply). */
     auto power_fold_go = [&](int flags, const char *what) {
-        if (warp_folds && (flags & (FL_LAST | FL_REDO)))
+        if (warp_folds && (flags & FL_LAST))
             go(fold_warp_kernel<CAP, K_POWER, false>, flags, warp_fold_grid(F), FOLD_THREADS, 0, what);
         else
             go(power_fold, flags, F, FOLD_THREADS, 0, what);
@@ -3164,11 +3259,9 @@ static ms_status run_chunk(ms_ctx *ctx, cudaStream_t s, const msk_sinkgd *o, int
             if (unit) go(prep_kernel<CAP>, unit, (unsigned)cnt, PREP_THREADS, 0, "sinkgd power prep");
             for (int k = 0; k < o->sn_iters; k++) {
                 const int fl = unit | (k == o->sn_iters - 1 ? FL_LAST : 0);
+                /* (a restart is the fold's: power_redo) */
                 sweep(K_POWER, fl | (rev ? FL_REV : 0), "sinkgd power", "sinkgd power wide passes");
                 power_fold_go(fl, "sinkgd power fold");
-                sweep(K_POWER, fl | FL_REDO | (rev ? 0 : FL_REV), "sinkgd power restart",
-                      "sinkgd power restart wide passes");
-                power_fold_go(fl | FL_REDO, "sinkgd power restart fold");
                 rev = !rev;
             }
         }

@@ -341,6 +341,24 @@ describe("cuda ms_sinkgd_step", function()
     assert(good, err)
   end)
 
+  -- G's columns in equal pairs and u = (b, -b) on each pair: X u = 0 (the pair's c are the same bits), a restart
+  -- of a matrix of more than 256 rows and columns (the restart's 256 threads each walk several of both)
+  local function restarting(mb, m, n)
+    local g, u = {}, {}
+    for i = 1, m do
+      for k = 1, n / 2 do
+        local x = math.random() - 0.5
+        g[(i - 1) * n + 2 * k - 1], g[(i - 1) * n + 2 * k] = x, x
+      end
+    end
+    for k = 1, n / 2 do
+      local b = 0.1 + math.random()
+      u[2 * k - 1], u[2 * k] = b, -b
+    end
+    mb.g:copy_(ms.tensor(g):view(m, n):to(mb.g:dtype()))
+    if mb.u then mb.u:copy_(ms.tensor(u)) end
+  end
+
   -- a chunk of many fold blocks (more than 4 an SM) whose matrices have at most 16 bands each folds its plain SINK
   -- iterations a warp a fold block (kernels/sinkgd.cu, fold_warp_kernel): the CPU's results, and the bits of
   -- fold_kernel (MOONSTEP_SINKGD_WARP_FOLD = 0), in every mode, the START fold's walk of u's start included (a
@@ -359,10 +377,15 @@ describe("cuda ms_sinkgd_step", function()
       cm[42].g:copy_(ms.tensor({ { a, a } }))
       gm[42].g:copy_(gpu(cm[42].g))
       if cm[42].u then cm[42].u:copy_(ms.tensor({ b, -b })) end
+      restarting(cm[40], 64, 512)   -- (a restart of 512 columns: the last warp walks 2 a virtual thread)
+      gm[40].g:copy_(gpu(cm[40].g))
+      local u40 = cm[40].u and cm[40].u:clone()
+      if u40 then gm[40].u:copy_(gpu(u40)) end
       local o = step_options(mode)
       step_and_compare(cm, gm, o, nil, mode .. " many matrices")
       for k = 3, #gm, 3 do if gm[k].u then gm[k].u:zero_() end end
       if gm[42].u then gm[42].u:copy_(gpu(ms.tensor({ b, -b }))) end
+      if u40 then gm[40].u:copy_(gpu(u40)) end
       local start, first = {}, {}
       for k, mb in ipairs(gm) do start[k] = { p = mb.p:clone(), u = mb.u and mb.u:clone(), t = mb.t and mb.t:clone() } end
       ok(sinkgd_raw(GPU, gm, o))
@@ -464,7 +487,7 @@ describe("cuda ms_sinkgd_step", function()
     end
   end)
 
-  -- sn_iters 2: a second power step after the restart.  Member 5's 17000 columns make the chunk's fold grid more
+  -- sn_iters 2: a second power step after the restart.  Member 7's 17000 columns make the chunk's fold grid more
   -- than a wave (546 blocks against 4 x 132), so its START and POWER folds are the FOLD_PACKED instances.
   cuda_it("zero gradients, zero rows and columns, a zero u (its first value) and a u orthogonal to X's rows "
           .. "(the restart), one or two power steps, a fold grid of one wave or more: the CPU's results, no NaN",
@@ -473,8 +496,9 @@ describe("cuda ms_sinkgd_step", function()
       for _, mode in ipairs { "base", "spectral", "sphere" } do
         for _, many in ipairs { false, true } do
           local members = { { shape = { 64, 128 }, dt = "bf16" }, { shape = { 40, 256 }, dt = "f32" },
-                            { shape = { 1, 2 }, dt = "f32" }, { shape = { 16, 16 }, dt = "f16" } }
-          if many then members[5] = { shape = { 3, 17000 }, dt = "f32" } end
+                            { shape = { 1, 2 }, dt = "f32" }, { shape = { 16, 16 }, dt = "f16" },
+                            { shape = { 300, 600 }, dt = "f32" }, { shape = { 260, 520 }, dt = "bf16" } }
+          if many then members[7] = { shape = { 3, 17000 }, dt = "f32" } end
           local cm, gm = group(members, mode)
           -- member 1: rows 3..9 and columns 5..20 zero; member 2: all zero; member 3: G = [a, a] and u = [b, -b]
           local g1 = vals(cm[1].g)
@@ -486,6 +510,8 @@ describe("cuda ms_sinkgd_step", function()
           cm[3].g:copy_(ms.tensor({ { a, a } }))
           if cm[3].u then cm[3].u:copy_(ms.tensor({ b, -b })) end
           if cm[4].u then cm[4].u:zero_() end
+          restarting(cm[5], 300, 600)    -- members 5 and 6: u orthogonal to X's rows, larger
+          restarting(cm[6], 260, 520)
           for k, mb in ipairs(cm) do
             gm[k].g:copy_(gpu(mb.g))
             if mb.u then gm[k].u:copy_(gpu(mb.u)) end
@@ -671,14 +697,15 @@ describe("cuda ms_sinkgd_step", function()
   end)
 
   cuda_it("updates a 300-matrix group in two launch sequences (224 matrices a table) with the CPU's results; "
-          .. "2 L + 2 launches a sequence in base mode, 2 L + 6 spectral, 2 L + 7 sphere (one writes the launch tables)",
+          .. "2 L + 2 launches a sequence in base mode, 2 L + 4 spectral, 2 L + 5 sphere (one writes the launch tables; "
+          .. "a restart is the power fold's, no launch of its own)",
           function()
     local CAP = 224
     for _, mode in ipairs { "base", "spectral", "sphere" } do
       local cm, gm = group({ { shape = { 250, 12, 16 }, dt = "bf16" }, { shape = { 50, 8, 8 }, dt = "f32" } }, mode)
       local st, n = sinkgd_raw(GPU, gm, { mode = mode, iters = 4, sn_iters = 1 })
       ok(st)
-      local per = ({ base = 2 * 4 + 2, spectral = 2 * 4 + 6, sphere = 2 * 4 + 7 })[mode]
+      local per = ({ base = 2 * 4 + 2, spectral = 2 * 4 + 4, sphere = 2 * 4 + 5 })[mode]
       assert.equals(2 * per, n, mode .. " launches for 300 matrices")
       cm, gm = group({ { shape = { 5, 12, 16 }, dt = "bf16" } }, mode)
       st, n = sinkgd_raw(GPU, gm, { mode = mode, iters = 4 })
