@@ -56,6 +56,9 @@ Where moonstep differs from DASH on purpose (research/dash.md; the rest follows 
     i.e. its eps is relative to the scale s (moonstep.h, ms_inv_root).
   - evd: with eps_inv_root = 0 a zero eigenvalue contributes 0 (pseudo-inverse) where DASH's root is Inf/NaN;
     a factor block with a NaN/Inf entry gets a NaN root and the other blocks are solved (DASH's eigh raises).
+    A finite block whose EVD fails (LAPACK / cuSOLVER did not converge; rare) gets coupled Newton's root with
+    the CN settings instead of failing the step (DASH raises; DistributedShampoo's use_protected_eigh retries
+    in f64, then keeps the previous root); the step reports their count as "dash.evd_cn_fallbacks".
   - matmul_dtype bf16/f16 in CN keeps M in 16 bits between iterations (DASH keeps M in f32 and casts the
     operand); Frobenius scales are computed in f32 (DASH HEAD: on a bf16 copy).
   - use_nesterov is DashLayerwise's P + mu M (DashGpu computes mu P + M).
@@ -320,16 +323,49 @@ local function root_options(o, method, steps, p, seed)
   }
 end
 
--- ms.inv_root(A, ro), except that EVD's non-finite blocks do not stop the others.  EVD refuses a whole call
--- with a non-finite block (moonstep.h: MS_E_NUMERIC, nothing written), where the iterative solvers give that
--- block a NaN root and the others theirs; a factor once NaN stays NaN (its EMA keeps it), so one NaN gradient
--- (settings.nonfinite = "apply") or an overflowing factor would stop every later refresh of the group.  On
--- that error (rare: no cost otherwise) the finite blocks are solved and the others get NaN roots (residuals),
--- as with the other solvers; any other error goes on up.
-local function inv_root_isolated(A, ro)
-  if ro.method ~= "evd" then return ms.inv_root(A, ro) end
-  local ok, err = pcall(ms.inv_root, A, ro)
+-- EVD's error for a block it could not decompose although its entries are finite (moonstep.h, ms_inv_root:
+-- LAPACK or cuSOLVER did not converge, or the CPU's root came out non-finite after its retry), which names the
+-- block as "ms_inv_root: EVD of block k ..."; a non-finite entry has a message of its own
+local function evd_failed(e) return type(e) == "string" and e:find("ms_inv_root: EVD of block", 1, true) ~= nil end
+
+-- Solves the blocks `list` of ro by EVD; a block that EVD cannot decompose although it is finite gets coupled
+-- Newton's root (the recipe's CN settings: newton_steps, cn_tolerance, matmul_dtype) instead of failing the
+-- step -- as DistributedShampoo's use_protected_eigh keeps training going, but with a fresh root rather than
+-- the previous one (there is none at the first refresh).  The call's error names one block; halving the list
+-- finds every such block in a few calls each (rare: no cost otherwise).  Appends them to `fallen`.
+local function evd_or_cn(A, ro, list, o, fallen)
+  local again = {}
+  for key, v in pairs(ro) do again[key] = v end
+  again.index = list
+  local ok, err = pcall(ms.inv_root, A, again)
   if ok then return end
+  if not evd_failed(err) then error(err, 0) end
+  if #list == 1 then
+    local cn = root_options(o, "cn", o.newton_steps, ro.root, ro.seed)
+    cn.index, cn.out, cn.residual, cn.iters, cn.rng_ids = list, ro.out, ro.residual, ro.iters, ro.rng_ids
+    ms.inv_root(A, cn)
+    fallen[#fallen + 1] = list[1]
+    return
+  end
+  local half = math.floor(#list / 2)
+  evd_or_cn(A, ro, { unpack(list, 1, half) }, o, fallen)
+  evd_or_cn(A, ro, { unpack(list, half + 1) }, o, fallen)
+end
+
+-- ms.inv_root(A, ro), except that EVD's non-finite blocks do not stop the others, nor does a finite block EVD
+-- cannot decompose (evd_or_cn).  EVD refuses a whole call with a non-finite block (moonstep.h: MS_E_NUMERIC,
+-- nothing written), where the iterative solvers give that block a NaN root and the others theirs; a factor once
+-- NaN stays NaN (its EMA keeps it), so one NaN gradient (settings.nonfinite = "apply") or an overflowing factor
+-- would stop every later refresh of the group.  On that error (rare: no cost otherwise) the finite blocks are
+-- solved and the others get NaN roots (residuals), as with the other solvers; any other error goes on up.
+-- Returns how many blocks took CN's root in EVD's place.
+local function inv_root_isolated(A, ro, o)
+  if ro.method ~= "evd" then
+    ms.inv_root(A, ro)
+    return 0
+  end
+  local ok, err = pcall(ms.inv_root, A, ro)
+  if ok then return 0 end
   local n = A:size(0)
   -- max |a| per block: NaN or inf exactly where the block has a non-finite entry (max propagates NaN)
   local read, amax = pcall(function() return A:reshape({ n, A:size(1) * A:size(2) }):amax(1):tolist_flat() end)
@@ -344,18 +380,15 @@ local function inv_root_isolated(A, ro)
     local v = amax[k + 1]
     if v - v == 0 then good[#good + 1] = k else bad[#bad + 1] = k end   -- v - v: NaN for NaN and inf
   end
-  if #bad == 0 then error(err, 0) end
-  if #good > 0 then
-    local again = {}
-    for key, v in pairs(ro) do again[key] = v end
-    again.index = good
-    ms.inv_root(A, again)
-  end
+  if #bad == 0 and not evd_failed(err) then error(err, 0) end
+  local fallen = {}
+  if #good > 0 then evd_or_cn(A, ro, good, o, fallen) end
   for _, k in ipairs(bad) do
     ro.out:select(0, k):fill_(0 / 0)
     if ms.is_tensor(ro.residual) then ro.residual:narrow(0, k, 1):fill_(0 / 0) end
     if ms.is_tensor(ro.iters) then ro.iters:narrow(0, k, 1):fill_(0) end
   end
+  return #fallen
 end
 
 -- the shape DASH works on: the parameter's, squeezed (dims of size 1 dropped; all of them: [1])
@@ -582,11 +615,12 @@ local function auto_refresh(o, st, w, f, seed)
     ms.mul(st.lam_max[f.key], t.mask, t.d)
     ms.addcmul(A, t.eye, t.d:view({ f.n, 1, 1 }), a.damping, t.damped)
   end
+  local fallen = 0
   for _, call in ipairs(a.calls) do
     local ro = root_options(o, call.method, call.steps, f.root, seed)
     ro.index, ro.rng_ids, ro.out, ro.iters = call.index, ids, X, t.iters
     if w.auto_estimate then ro.residual = st.residual[f.key] end
-    inv_root_isolated(call.damped and t.damped or A, ro)
+    fallen = fallen + inv_root_isolated(call.damped and t.damped or A, ro, o)
   end
   if w.auto_estimate then
     pi.x_root, pi.lam_min = X, st.lam_min[f.key]
@@ -596,6 +630,7 @@ local function auto_refresh(o, st, w, f, seed)
       st.fro[f.key]:copy_(A:reshape({ f.n, f.size * f.size }):norm(1)):add_(o.eps_inv_root * math.sqrt(f.size))
     end
   end
+  return fallen
 end
 
 -- auto's decisions at the last refresh of a dash group (see the recipe's auto.report)
@@ -744,16 +779,19 @@ local dash_route = {
     end
     if ctx.plan ~= "apply" then
       local seed = w.refresh_seed or o.seed
+      local fallen = 0
       for _, f in ipairs(w.plan.factors) do
         if o.inv_root_method == "auto" then
-          auto_refresh(o, st, w, f, seed)
+          fallen = fallen + auto_refresh(o, st, w, f, seed)
         else
           local steps = o.inv_root_method == "chebyshev" and o.cbshv_degree or o.newton_steps
           local ro = root_options(o, o.inv_root_method, steps, f.root, seed)
           ro.out, ro.rng_ids = st.root[f.key], w.rng_ids[f.key]
-          inv_root_isolated(st.factor[f.key], ro)
+          fallen = fallen + inv_root_isolated(st.factor[f.key], ro, o)
         end
       end
+      -- (blocks EVD could not decompose, which took CN's root: evd_or_cn)
+      if fallen > 0 then ctx.report("dash.evd_cn_fallbacks", fallen) end
     end
     for _, s in ipairs(w.plan.stacks) do
       local k = s.key

@@ -667,6 +667,68 @@ describe("the dash recipe's plan, policy and state", function()
     end
   end)
 
+  -- A finite block whose EVD fails (LAPACK or cuSOLVER did not converge: rare, so the engine's error is played
+  -- here by a stand-in for ms.inv_root that raises it, as moonstep.h words it, for calls holding the chosen
+  -- blocks) takes coupled Newton's root (the recipe's CN settings) and the other blocks keep EVD's, bit for bit;
+  -- any other error of the call still fails the step.
+  it("a finite block whose EVD fails takes CN's root; the others keep EVD's; other errors go on up", function()
+    local real = ms.inv_root
+    local function failing(blocks, message)
+      return function(A, ro)
+        if ro.method == "evd" then
+          local list = ro.index
+          if list == nil then list = {} for k = 1, A:size(0) do list[k] = k - 1 end
+          elseif ms.is_tensor(list) then list = list:tolist_flat() end
+          for _, k in ipairs(list) do
+            if blocks[k] then error(message or ("ms_inv_root: EVD of block " .. k .. " failed (LAPACK ssyevd info=3); " ..
+                                                "nothing was written"), 0) end
+          end
+        end
+        return real(A, ro)
+      end
+    end
+    local function run(method, blocks, message)
+      local params = square_params(2, 8, 41)
+      local o = { inv_root_method = method, inv_root_freq = 1, block_size = 4 }
+      local opt = ms.optim.new("dash", params, o)
+      local ok, err = pcall(function()
+        for t = 1, 2 do
+          for i, p in ipairs(params) do p.grad:copy_(ms.randn({ 8, 8 }, { seed = 50 + t, offset = i })) end
+          if blocks then ms.inv_root = failing(blocks, message) end
+          local good, e = pcall(opt.step, opt)
+          ms.inv_root = real
+          if not good then error(e, 0) end
+        end
+      end)
+      ms.inv_root = real
+      return ok, err, opt
+    end
+    local function roots(opt)
+      local st = opt.groups[1].state
+      local key = next(st.root)
+      assert.equals(nil, next(st.root, key), "one factor stack")
+      return st.root[key]
+    end
+    local _, _, evd = run("evd")
+    local _, _, cn = run("cn")
+    local ok, err, mixed = run("evd", { [3] = true, [9] = true })
+    assert(ok, err)
+    assert.equals(2, mixed:stats().last.reports["dash.evd_cn_fallbacks"], "blocks that took CN's root")
+    assert.equals(nil, evd:stats().last.reports["dash.evd_cn_fallbacks"])
+    local X, Xe, Xc = roots(mixed), roots(evd), roots(cn)
+    assert.equals(16, X:size(0), "2 parameters x 4 blocks x 2 factors")
+    for k = 0, X:size(0) - 1 do
+      local want = (k == 3 or k == 9) and Xc or Xe
+      assert.same(vals(want:select(0, k):contiguous()), vals(X:select(0, k):contiguous()),
+                  ("block %d: %s's root"):format(k, (k == 3 or k == 9) and "CN" or "EVD"))
+    end
+    assert(finite_all(vals(X)), "roots finite")
+    -- an error that is not EVD's failure to decompose fails the step with it
+    local ok2, err2 = run("evd", { [5] = true }, "ms_inv_root: out of memory")
+    assert.is_false(ok2)
+    assert.truthy(tostring(err2):find("out of memory", 1, true), tostring(err2))
+  end)
+
   -- factors Q diag(l) Q^T in f64 with l log-uniform from 1 down to 1 / kappa (kappa 0: all zero)
   local function controlled(b, kappa, seed)
     local l = {}
