@@ -114,10 +114,12 @@ end
 local function model_path(dir) return dir .. "/model.safetensors" end
 local function optim_path(dir) return dir .. "/optim.safetensors" end
 
-local function mkdir_p(dir)
+--- Creates folder dir and its parents; raises "cannot create <what> 'dir'" when it cannot.
+function E.mkdir(dir, what)
   local ok = os.execute("mkdir -p '" .. dir:gsub("'", "'\\''") .. "' 2>/dev/null")
-  if ok ~= 0 and ok ~= true then error(("cannot create checkpoint folder '%s'"):format(dir), 0) end
+  if ok ~= 0 and ok ~= true then error(("cannot create %s '%s'"):format(what or "folder", dir), 0) end
 end
+local function mkdir_p(dir) E.mkdir(dir, "checkpoint folder") end
 
 -- Frees the engine memory of unreachable tensors: a tensor's handle sits in a weak table keyed by the
 -- tensor object, so its finalizer runs in the cycle after the one that collects the object: two cycles.

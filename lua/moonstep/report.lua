@@ -24,10 +24,7 @@ local function field(s)
   return '"' .. s:gsub('"', '""') .. '"'
 end
 
-local function mkdir_p(dir)
-  local rc = os.execute("mkdir -p '" .. dir:gsub("'", "'\\''") .. "' 2>/dev/null")
-  if rc ~= 0 and rc ~= true then error(("cannot create output folder '%s'"):format(dir), 0) end
-end
+local function mkdir_p(dir) E.mkdir(dir, "output folder") end
 
 --- Creates the output folder (and its parents); raises a clear error when it cannot.  compare calls it
 --- before training, so that an unusable folder does not cost the runs.
