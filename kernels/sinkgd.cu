@@ -1793,13 +1793,7 @@ __global__ void __launch_bounds__(FOLD_THREADS) fold_warp_kernel(const skargs<CA
             if (lane == 0) S.fsc[lbk] = q;
         }
         if (!last_warp(&A.tickets[i], nf)) return;
-        if (restart && A.xch != NULL) {   /* sharded: u is the start vector now; the redo passes and folds go on */
-            if (lane == 0) {
-                S.scal[SC_RESTARTED] = 1;
-                S.scal[SC_REDO] = 1;
-            }
-            return;
-        }
+        /* (a whole POWER fold here is unsharded: a sharded one is PART, above, then fold_pass's FINISH) */
         const double nw = sqrt(restart ? power_redo<true>(A.o, M, S, unit, NULL) : sum256_blocks(S.fsc, nf));
         const double sigma = clampd(nw, A.o.eps);
         if (power_defers_u(A, S, sigma, nw, lane == 0)) return;
