@@ -128,6 +128,35 @@ describe("experiment numbers", function()
     assert.equals(whole.final_loss, rest.final_loss)
     assert.equals(whole.best_loss, rest.best_loss)
     assert.equals(40, #E.checkpoint_info(dir .. "/b").losses)
+    -- the checks before a resumed run (moonstep train's: checkpoint_info, then resume_config, then the run's
+    -- own) read the checkpoint's header; its parameters are read once, by the run (it read them three times)
+    local ms, loads = H.ms, 0
+    local real = ms.load
+    ms.load = function(path, ...)
+      if tostring(path):find("model.safetensors", 1, true) then loads = loads + 1 end
+      return real(path, ...)
+    end
+    local good, err = pcall(function()
+      E.checkpoint_info(dir .. "/a")
+      local cfg = { resume = dir .. "/a", steps = 40 }
+      for k, v in pairs(base) do cfg[k] = cfg[k] or v end
+      E.resume_config(cfg, require("moonstep.problems").get("lsq"))
+      run { resume = dir .. "/a", steps = 40 }
+    end)
+    ms.load = real
+    assert(good, err)
+    assert.equals(1, loads, "reads of model.safetensors")
+    -- a model file whose header reads but whose data is cut short is refused before any step, naming it
+    local f = assert(io.open(dir .. "/a/model.safetensors", "rb"))
+    local bytes = f:read("*a")
+    f:close()
+    f = assert(io.open(dir .. "/a/model.safetensors", "wb"))
+    f:write(bytes:sub(1, #bytes - 4))
+    f:close()
+    local steps = 0
+    H.expect_error(function() run { resume = dir .. "/a", on_step = function() steps = steps + 1 end } end,
+                   dir .. "/a: cannot read model.safetensors")
+    assert.equals(0, steps, "steps taken before the refusal")
     os.execute("rm -r " .. dir)
   end)
 

@@ -137,13 +137,28 @@ local function json_values(t)
   return out
 end
 
---- Reads a checkpoint folder's run description (what model.safetensors records).
+-- the metadata of a safetensors file, read from its header alone (its tensors may be large)
+local function safetensors_meta(path)
+  local f = io.open(path, "rb")
+  if not f then return nil, "cannot be read" end
+  local head = f:read(8)
+  local n = 0
+  for i = #(head or ""), 1, -1 do n = n * 256 + head:byte(i) end
+  local text = #(head or "") == 8 and n < 2 ^ 27 and f:read(n) or nil
+  f:close()
+  local ok, h = pcall(json.decode, text or "")
+  if not ok or type(h) ~= "table" then return nil, "has no readable safetensors header" end
+  return type(h.__metadata__) == "table" and h.__metadata__ or {}
+end
+
+--- Reads a checkpoint folder's run description (what model.safetensors records), from the file's header alone:
+--- the parameters are read once, by the run that resumes (E.run), not by each check before it.
 function E.checkpoint_info(dir)
   local f = io.open(model_path(dir), "rb")
   if not f then error(("%s: not a checkpoint folder (no model.safetensors)"):format(dir), 0) end
   f:close()
-  local ok, tensors, meta = pcall(ms.load, model_path(dir))
-  if not ok then error(("%s: cannot read model.safetensors: %s"):format(dir, tostring(tensors)), 0) end
+  local meta, why = safetensors_meta(model_path(dir))
+  if not meta then error(("%s: cannot read model.safetensors: it %s"):format(dir, why), 0) end
   if not meta.moonstep_train then error(("%s: model.safetensors was not written by moonstep train"):format(dir), 0) end
   -- (a bare json error would name neither the folder nor the file)
   local okj, info = pcall(json.decode, meta.moonstep_train)
@@ -178,31 +193,17 @@ function E.checkpoint_info(dir)
     for i, v in ipairs(ok and info.losses or {}) do ok = ok and type(v) == "number" and i <= 2 ^ 31 end
     if not ok then bad("losses", "a list of numbers") end
   end
-  return info, tensors
-end
-
--- the metadata of a safetensors file, read from its header alone (its tensors may be large)
-local function safetensors_meta(path)
-  local f = io.open(path, "rb")
-  if not f then return nil, "cannot be read" end
-  local head = f:read(8)
-  local n = 0
-  for i = #(head or ""), 1, -1 do n = n * 256 + head:byte(i) end
-  local text = #(head or "") == 8 and n < 2 ^ 27 and f:read(n) or nil
-  f:close()
-  local ok, h = pcall(json.decode, text or "")
-  if not ok or type(h) ~= "table" then return nil, "has no readable safetensors header" end
-  return type(h.__metadata__) == "table" and h.__metadata__ or {}
+  return info
 end
 
 --- The configuration of a run that resumes from cfg.resume, checked against its checkpoint before anything
 --- is built: the problem, its options, the seed, the schedule and clipping, a resolved recipe (name and
 --- content hash; cfg.force allows another), and the step of the checkpoint's two files.  Returns cfg with what
---- it leaves unset taken from the checkpoint, the run description and the checkpoint's parameters.  E.run
---- calls it; `moonstep train` calls it first, so that what it refuses is a usage error, not a failed run.
+--- it leaves unset taken from the checkpoint, and the run description.  E.run calls it; `moonstep train` calls
+--- it first, so that what it refuses is a usage error, not a failed run.
 function E.resume_config(cfg, problem)
   local defaults = problem.defaults or {}
-  local resume_info, resume_tensors = E.checkpoint_info(cfg.resume)
+  local resume_info = E.checkpoint_info(cfg.resume)
   if resume_info.problem ~= problem.name then
     error(("%s: checkpoint of problem '%s', not '%s'"):format(cfg.resume, tostring(resume_info.problem), problem.name), 0)
   end
@@ -265,7 +266,7 @@ function E.resume_config(cfg, problem)
     error(("%s: optim.safetensors is at step %s but model.safetensors at step %s (a save that did not finish?)")
       :format(cfg.resume, tostring(ometa.step), tostring(resume_info.step)), 0)
   end
-  return merged, resume_info, resume_tensors
+  return merged, resume_info
 end
 
 --- Trains one problem with one recipe.  cfg:
@@ -367,7 +368,12 @@ function E.run(cfg)
 
   -- a resumed run takes what it was not told from the checkpoint, and refuses what contradicts it
   local resume_info, resume_tensors
-  if cfg.resume then cfg, resume_info, resume_tensors = E.resume_config(cfg, problem) end
+  if cfg.resume then
+    cfg, resume_info = E.resume_config(cfg, problem)
+    local ok, tensors = pcall(ms.load, model_path(cfg.resume))
+    if not ok then error(("%s: cannot read model.safetensors: %s"):format(cfg.resume, tostring(tensors)), 0) end
+    resume_tensors = tensors
+  end
 
   local steps = cfg.steps or defaults.steps or 100
   if type(steps) ~= "number" or steps < 1 or steps ~= math.floor(steps) or steps == math.huge then
