@@ -258,6 +258,28 @@ describe("the recipe sandbox", function()
     assert.is_true(o:stats().last.reports.ok)
   end)
 
+  it("counts the C work of library calls in a loop: string copies, gsub's scan, sorts, shifts, maxn", function()
+    -- each call is bounded (its sizes by the memory limit) and costs a few VM instructions, so a loop of them ran
+    -- far past the instruction limit's time: each of these took 10-30 s here; the limit stops them in under 1 s
+    local big = "local s = ('x'):rep(2^20) "
+    local array = "local t = {} for i = 1, 2^16 do t[i] = i end "
+    local bombs = {
+      big .. "for i = 1, 2e4 do local u = s:upper() end",
+      big .. "for i = 1, 2e4 do local u = s:lower():reverse() end",
+      big .. "for i = 1, 1e5 do local u = string.format('%s', s) end",
+      big .. "for i = 1, 5000 do local r = s:gsub('y', 'z') end",
+      array .. "for i = 1, 2000 do table.sort(t) end",
+      array .. "for i = 1, 1e5 do table.insert(t, 1, 0) table.remove(t, 1) end",
+      "local t = {} for i = 1, 2^16 do t[i * 2.5] = i end for i = 1, 1e5 do local m = table.maxn(t) end",
+    }
+    for _, b in ipairs(bombs) do fails(function() run { step = b } end, "instruction limit", 3) end
+    -- small strings and tables stay cheap
+    local o = run { step = "local n = 0 for i = 1, 1e4 do n = n + #(('abc'):rep(10):upper()) end " ..
+                          "local t = { 3, 1, 2 } table.sort(t) table.insert(t, 1, 0) table.remove(t, 1) " ..
+                          "ctx.report('ok', n == 3e5 and t[1] == 1 and table.maxn(t) == 3)" }
+    assert.is_true(o:stats().last.reports.ok)
+  end)
+
   it("counts the elements of ops over expanded views, which loop in C and allocate nothing", function()
     -- an expanded view costs no memory and no quota, and an op over it ran out of the hook's reach: the sum of
     -- 2^34 elements took 20 s here under an instruction limit that stops a loop in 0.25 s, and 2^50 would take days

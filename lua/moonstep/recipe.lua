@@ -91,6 +91,12 @@ Limits, enforced while untrusted code runs (M.call):
                 String functions that can build a large result in one C call (rep, gsub, format,
                 table.concat) check its size beforehand, and pattern functions refuse patterns whose
                 backtracking cost on the subject is too large.
+                The copies and walks those library calls make in C count against the instruction limit
+                (lib_work): a string result of n bytes as n / 16 instructions, gsub's scan of its subject
+                as a byte an instruction, a sort of n elements as n log2 n, an insert or remove as the elements
+                it shifts; table.maxn is Lua (the hook counts it).  Each call was bounded, but a loop of them was
+                not.  Not counted: the searches of find, match and gmatch (each call bounded by the pattern cost
+                above) and the `..` operator (a VM instruction that copies both strings).
                 A C primitive whose loop count the recipe passes (ms.sinkgd_step's iters and sn_iters,
                 ms.inv_root's steps and pi_steps, ms.spectrum_estimate's steps) runs out of the hook's reach:
                 each of its iterations counts as HOOK_EVERY instructions, checked before the call.  An op
@@ -129,6 +135,8 @@ local real_tostring, real_pcall, real_xpcall = tostring, pcall, xpcall
 local str_rep, str_gsub, str_format, str_find = string.rep, string.gsub, string.format, string.find
 local str_match, str_gmatch, tbl_concat, tbl_insert = string.match, string.gmatch, table.concat, table.insert
 local str_sub, real_getmetatable, real_getfenv = string.sub, getmetatable, getfenv
+local str_upper, str_lower, str_reverse, tbl_remove, tbl_sort = string.upper, string.lower, string.reverse,
+                                                                 table.remove, table.sort
 
 local function memory_cap() return active and active.memory or M.limits.memory end
 
@@ -183,8 +191,23 @@ local function heap_refused() return heap ~= nil and heap.cap.refused ~= 0 end
 
 local function too_big(what, n)
   if n > memory_cap() then
-    error(("%s: result of %.0f bytes exceeds the recipe's memory limit of %.0f bytes"):format(what, n, memory_cap()), 3)
+    error(str_format("%s: result of %.0f bytes exceeds the recipe's memory limit of %.0f bytes", what, n,
+                     memory_cap()), 3)
   end
+end
+
+-- C work of a library call, out of the hook's reach, counted against the instruction limit of the untrusted
+-- call in progress as moonstep.tensor.charge_work counts a C loop (past the limit it trips like the hook).
+-- The guard's own messages are formatted with the real string.format: through the safe one, a message formatted
+-- past the limit would be charged, trip, and format its own message again.
+local BYTES_PER_INSTRUCTION = 16
+local function lib_work(what, instructions)
+  if active ~= nil and instructions > 0 then active.work(what, instructions / HOOK_EVERY) end
+end
+-- v, after charging the copy that made it (a string of n bytes: n / BYTES_PER_INSTRUCTION)
+local function copied(what, v, ...)
+  if type(v) == "string" then lib_work(what, #v / BYTES_PER_INSTRUCTION) end
+  return v, ...
 end
 
 -- Worst-case backtracking of a Lua pattern grows like n^(k+1) for k quantifiers (*, +, -, ?, %b) on a
@@ -204,7 +227,8 @@ local function check_pattern(what, s, p, init, plain)
   if plain then
     local m = #p
     if m > 1 and m <= len and (len - m + 1) * m > PATTERN_BUDGET then
-      error(("%s: a plain search for %d bytes in %d bytes is too expensive for a sandboxed recipe"):format(what, m, len), 3)
+      error(str_format("%s: a plain search for %d bytes in %d bytes is too expensive for a sandboxed recipe", what,
+                       m, len), 3)
     end
     return
   end
@@ -228,8 +252,8 @@ local function check_pattern(what, s, p, init, plain)
   if len < 1 then len = 1 end
   local cost = len ^ (k + ((p:byte(1) == 94) and 0 or 1)) * math.max(n, 1)
   if cost > PATTERN_BUDGET then
-    error(("%s: pattern of %d bytes with %d repetitions on %d bytes is too expensive for a sandboxed recipe")
-          :format(what, n, k, len), 3)
+    error(str_format("%s: pattern of %d bytes with %d repetitions on %d bytes is too expensive for a sandboxed recipe",
+                     what, n, k, len), 3)
   end
 end
 
@@ -243,12 +267,15 @@ end
 
 local safe_tostring   -- (below: string.format needs it)
 local safe_string = {
-  byte = string.byte, char = string.char, len = string.len, lower = string.lower, upper = string.upper,
-  reverse = string.reverse, sub = string.sub,
+  byte = string.byte, char = string.char, len = string.len,
+  reverse = function(s) return copied("string.reverse", str_reverse(s)) end,
+  sub = function(s, i, j) return copied("string.sub", str_sub(s, i, j)) end,
+  upper = function(s) return copied("string.upper", str_upper(s)) end,
+  lower = function(s) return copied("string.lower", str_lower(s)) end,
   rep = function(s, n, sep)
     local count = tonumber(n)
     if count and count > 0 then too_big("string.rep", (str_len(s) + str_len(sep)) * count) end
-    return str_rep(s, n, sep)
+    return copied("string.rep", str_rep(s, n, sep))
   end,
   find = function(s, p, init, plain) check_pattern("string.find", s, p, init, plain) return str_find(s, p, init, plain) end,
   match = function(s, p, init) check_pattern("string.match", s, p, init) return str_match(s, p, init) end,
@@ -272,7 +299,9 @@ local safe_string = {
         end
       end
     end
-    return str_gsub(s, p, repl, n)
+    -- (it scans the whole subject: a byte an instruction, the pattern matcher's pace; then the copy)
+    if type(s) == "string" then lib_work("string.gsub", #s) end
+    return copied("string.gsub", str_gsub(s, p, repl, n))
   end,
   format = function(fmt, ...)
     -- %s of a table or function prints its heap address, and %p any object's: tostring() hides them, and so
@@ -290,18 +319,41 @@ local safe_string = {
       n = n + (type(v) == "string" and #v or 0) + 128      -- a number or a width/precision pads to < 128
     end
     too_big("string.format", n)
-    return str_format(fmt, unpack(args, 1, select("#", ...)))
+    return copied("string.format", str_format(fmt, unpack(args, 1, select("#", ...))))
   end,
 }
 
+-- the elements a shift of t from pos on moves (table.insert, table.remove): #t - pos + 1, within [0, #t]
+local function shifted(t, pos)
+  if type(t) ~= "table" then return 0 end
+  local n, at = #t, tonumber(pos) or #t
+  return math.max(math.min(n - at + 1, n), 0)
+end
 local safe_table = {
-  remove = table.remove, sort = table.sort, maxn = table.maxn,
+  remove = function(t, ...)
+    if select("#", ...) > 0 then lib_work("table.remove", shifted(t, (...))) end
+    return tbl_remove(t, ...)
+  end,
+  sort = function(t, ...)
+    if type(t) == "table" and #t > 1 then lib_work("table.sort", #t * math.log(#t) / math.log(2)) end
+    return tbl_sort(t, ...)
+  end,
+  -- (in Lua: its walk of the whole table, hash part included, is then the hook's to count)
+  maxn = function(t)
+    if type(t) ~= "table" then error(str_format("bad argument #1 to 'maxn' (table expected, got %s)", type(t)), 2) end
+    local m = 0
+    for k in pairs(t) do
+      if type(k) == "number" and k > m then m = k end
+    end
+    return m
+  end,
   -- insert(t, pos, v) shifts t[pos .. #t] in one C loop: a position below 1 (down to -2^31) makes that loop as
   -- long as the recipe likes, out of the hook's reach.  Positions 1 .. #t + 1 keep it bounded by the table.
   insert = function(t, ...)
     if select("#", ...) == 2 and type(t) == "table" then
       local pos = tonumber((...))
-      if pos and pos < 1 then error(("table.insert: position %.0f out of bounds"):format(pos), 2) end
+      if pos and pos < 1 then error(str_format("table.insert: position %.0f out of bounds", pos), 2) end
+      lib_work("table.insert", shifted(t, pos))
     end
     return tbl_insert(t, ...)
   end,
@@ -319,9 +371,12 @@ local safe_table = {
         too_big("table.concat", n)
       end
     end
-    return tbl_concat(t, sep, i, j)
+    return copied("table.concat", tbl_concat(t, sep, i, j))
   end,
 }
+
+-- (never compiled: LuaJIT runs no hook inside a trace, and this walk's length is the recipe's table's)
+if jit_off then jit_off(safe_table.maxn) end
 
 local safe_math = {}
 for _, k in ipairs { "abs", "acos", "asin", "atan", "atan2", "ceil", "cos", "cosh", "deg", "exp", "floor", "fmod",
@@ -349,7 +404,7 @@ local shared = setmetatable({}, { __mode = "k" })
 local function readonly(t, what)
   local proxy = setmetatable({}, {
     __index = t,
-    __newindex = function(_, k) error(("%s is read-only (tried to set %s)"):format(what, real_tostring(k)), 2) end,
+    __newindex = function(_, k) error(str_format("%s is read-only (tried to set %s)", what, real_tostring(k)), 2) end,
     __metatable = false,
   })
   shared[proxy] = true
@@ -640,16 +695,16 @@ new_guard = function(name, limits, params)
     collectgarbage()
     collectgarbage()
     if account.held + bytes > g.quota then
-      error(("%s: engine allocation quota exceeded (%.0f bytes held, %.0f more asked, quota %.0f)")
-            :format(g.name, account.held, bytes, g.quota), 0)
+      error(str_format("%s: engine allocation quota exceeded (%.0f bytes held, %.0f more asked, quota %.0f)",
+                       g.name, account.held, bytes, g.quota), 0)
     end
   end
   -- host memory one trusted call is about to build for the recipe (tensor data read back into Lua): checked
   -- beforehand against the memory limit, like string.rep's result, since it is built where the hook never runs
   g.host = function(what, bytes)
     if bytes > g.memory then
-      error(("%s: %s of %.0f bytes exceeds the recipe's memory limit of %.0f bytes"):format(g.name, what, bytes,
-            g.memory), 0)
+      error(str_format("%s: %s of %.0f bytes exceeds the recipe's memory limit of %.0f bytes", g.name, what, bytes,
+                       g.memory), 0)
     end
   end
   -- iterations of a C loop the recipe sized (moonstep.tensor.charge_work): each counts as one hook period of
@@ -658,9 +713,9 @@ new_guard = function(name, limits, params)
     -- (the message first: formatting runs code the hook counts, and with the count already past the limit the
     -- hook would trip first, with its own vaguer message)
     if (g.count + iterations) * HOOK_EVERY > g.instructions then
-      g.why = ("instruction limit of %.0f exceeded: %s asks for %.0f iterations (each counts as %d instructions)")
-              :format(g.instructions, what, iterations, HOOK_EVERY)
-      g.tripped = ("%s: %s"):format(g.name, g.why)
+      g.why = str_format("instruction limit of %.0f exceeded: %s asks for %.0f iterations (each counts as %d "
+                         .. "instructions)", g.instructions, what, iterations, HOOK_EVERY)
+      g.tripped = str_format("%s: %s", g.name, g.why)
       g.count = g.count + iterations
       error(g.tripped, 0)
     end
@@ -681,15 +736,15 @@ local call, leave
 -- error could be caught by the recipe); true when tripped
 refused = function(g)
   if g.tripped == nil and heap_refused() then
-    g.why = ("Lua memory limit of %.0f bytes exceeded (an allocation past %d times it was refused)")
-            :format(g.memory, HEAP_CAP_FACTOR)
-    g.tripped = ("%s: %s"):format(g.name, g.why)
+    g.why = str_format("Lua memory limit of %.0f bytes exceeded (an allocation past %d times it was refused)",
+                       g.memory, HEAP_CAP_FACTOR)
+    g.tripped = str_format("%s: %s", g.name, g.why)
   end
   return g.tripped ~= nil
 end
 
 local function trip(g, why)
-  g.tripped = ("%s: %s"):format(g.name, why)
+  g.tripped = str_format("%s: %s", g.name, why)
   -- never raise inside M.call's own bookkeeping (outside its pcall): the pcall's result carries it instead
   local f = debug.getinfo(3, "f")
   if f and (f.func == call or f.func == leave) then return end
@@ -702,14 +757,14 @@ local function hook()
   if g.tripped or refused(g) then trip(g, g.why) return end
   g.count = g.count + 1
   if g.count * HOOK_EVERY > g.instructions then
-    g.why = ("instruction limit of %.0f exceeded (an endless loop?)"):format(g.instructions)
+    g.why = str_format("instruction limit of %.0f exceeded (an endless loop?)", g.instructions)
     trip(g, g.why)
     return
   end
   if (collectgarbage("count") - g.mem0) * 1024 > g.memory then
     collectgarbage()
     if (collectgarbage("count") - g.mem0) * 1024 > g.memory then
-      g.why = ("Lua memory limit of %.0f bytes exceeded"):format(g.memory)
+      g.why = str_format("Lua memory limit of %.0f bytes exceeded", g.memory)
       trip(g, g.why)
       return
     end
