@@ -744,6 +744,52 @@ describe("the dash recipe's plan, policy and state", function()
     return f64_root(A, c * lmax, p or 4, false)
   end
 
+  -- auto's EVD class (every block at the first refresh with auto_unresolved = "evd") falls back the same way:
+  -- the failing block gets the CN root a plain "cn" run gives it, the others EVD's, and the step reports it
+  it("auto: a finite block whose EVD fails takes CN's root there too", function()
+    local b, kappas = 16, { 1, 100, 1e4, 1e8 }
+    local function refreshed(o, fail)
+      local params = square_params(#kappas, b, 5)
+      for k, v in pairs { inv_root_freq = 1, beta_LR = 1, block_size = b, eps_inv_root = 0 } do o[k] = v end
+      local opt = ms.optim.new("dash", params, o)
+      local F = opt.groups[1].state.factor["16p4"]
+      for k, kappa in ipairs(kappas) do
+        F:select(0, k - 1):copy_(controlled(b, kappa, 900 + k))
+        F:select(0, #kappas + k - 1):copy_(ms.eye(b))
+      end
+      local real = ms.inv_root
+      if fail then
+        ms.inv_root = function(A, ro)
+          if ro.method == "evd" then
+            local list = ro.index
+            if list == nil then list = {} for k = 1, A:size(0) do list[k] = k - 1 end
+            elseif ms.is_tensor(list) then list = list:tolist_flat() end
+            for _, k in ipairs(list) do
+              if k == fail then error("ms_inv_root: EVD of block " .. k .. " did not converge (cuSOLVER syevd info=2); "
+                                      .. "nothing was written", 0) end
+            end
+          end
+          return real(A, ro)
+        end
+      end
+      local ok, err = pcall(opt.step, opt)
+      ms.inv_root = real
+      assert(ok, err)
+      return opt, vals(opt.groups[1].state.root["16p4"])
+    end
+    local opt, mixed = refreshed({ inv_root_method = "auto", auto_unresolved = "evd" }, 2)
+    local _, evd = refreshed({ inv_root_method = "auto", auto_unresolved = "evd" })
+    local _, cn = refreshed({ inv_root_method = "cn" })
+    assert.equals(1, opt:stats().last.reports["dash.evd_cn_fallbacks"])
+    local bb = b * b
+    for k = 0, 2 * #kappas - 1 do
+      local want = k == 2 and cn or evd
+      for e = 1, bb do
+        assert.equals(want[k * bb + e], mixed[k * bb + e], ("block %d element %d: %s's root"):format(k, e, k == 2 and "CN" or "EVD"))
+      end
+    end
+  end)
+
   it("auto: cheap CN for well-conditioned blocks, damping past NDB-10's floor (EVD when asked), zero blocks free", function()
     local b = 16
     local kappas = { 1, 10, 100, 1e4, 1e8, 0 }
