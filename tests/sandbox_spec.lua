@@ -273,6 +273,31 @@ describe("the recipe sandbox", function()
       "local t = {} for i = 1, 2^16 do t[i * 2.5] = i end for i = 1, 1e5 do local m = table.maxn(t) end",
     }
     for _, b in ipairs(bombs) do fails(function() run { step = b } end, "instruction limit", 3) end
+    -- an input built against the quicksort (McIlroy's adversary: the comparisons of a sort of indices decide
+    -- the values as late as they can) takes n^2 / 4 comparisons where n log2 n was charged: 100 sorts of 8000
+    -- took ~10 s; every comparison now counts
+    local n, gas, val, solid, candidate, idx = 8000, 8001, {}, 0, nil, {}
+    for i = 1, n do val[i], idx[i] = gas, i end
+    local function freeze(x) val[x], solid = solid, solid + 1 end
+    table.sort(idx, function(x, y)
+      if val[x] == gas and val[y] == gas then freeze(x == candidate and x or y) end
+      if val[x] == gas then candidate = x elseif val[y] == gas then candidate = y end
+      return val[x] < val[y]
+    end)
+    for i = 1, n do if val[i] == gas then freeze(i) end end
+    local killer = "local K = {" .. table.concat(val, ",") .. "}"
+    fails(function()
+      run({ top = killer, step = "for r = 1, 100 do local c = {} for i = 1, #K do c[i] = K[i] end table.sort(c) end" },
+          { sandbox = { memory = 2 ^ 26 } })
+    end, "instruction limit", 5)
+    -- table.insert reads its position as an int32: NaN or 2^31 and past became -2^31, a shift of 2^31 elements
+    for _, pos in ipairs { "2^40", "0/0", "2^31" } do
+      fails(function() run { step = "local t = {1, 2, 3} table.insert(t, " .. pos .. ", 0)" } end, "out of bounds")
+    end
+    -- the wrappers' argument errors name the function and the recipe's line, as the C functions' did
+    local err = fails(function() run { step = "local x = string.reverse()" } end, "bad argument #1 to 'reverse'")
+    assert.truthy(err:find("evil:", 1, true), err)
+    fails(function() run { step = "local x = ('abc'):sub({})" } end, "bad argument #2 to 'sub' (number expected, got table)")
     -- small strings and tables stay cheap
     local o = run { step = "local n = 0 for i = 1, 1e4 do n = n + #(('abc'):rep(10):upper()) end " ..
                           "local t = { 3, 1, 2 } table.sort(t) table.insert(t, 1, 0) table.remove(t, 1) " ..
