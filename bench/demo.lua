@@ -10,10 +10,7 @@ local ctx = ms.device(device)
 print(("moonstep %s on %s  [%s]"):format(ms.version, ctx:name(), ms.build_info))
 
 -- a monotonic wall clock (os.clock counts CPU time of every thread)
-local ffi = require("ffi")
-pcall(ffi.cdef, "typedef struct { long tv_sec; long tv_nsec; } ms_demo_timespec; int clock_gettime(int, ms_demo_timespec *);")
-local ts = ffi.new("ms_demo_timespec")
-local function now() ffi.C.clock_gettime(1, ts) return tonumber(ts.tv_sec) + tonumber(ts.tv_nsec) * 1e-9 end
+local now = require("moonstep.core").clock
 
 local function time(fn, reps)
   fn() ctx:sync()                      -- warm-up

@@ -58,15 +58,7 @@ assert(ms.device_count("cuda") > 0, "overhead: no CUDA device")
 local ctx = ms.context { device = "cuda" }
 local h = tensor.handle_ctx(ctx)
 
-pcall(ffi.cdef, [[
-struct ms_bench_timespec { long tv_sec; long tv_nsec; };
-int clock_gettime(int clk, struct ms_bench_timespec *ts);
-]])
-local ts = ffi.new("struct ms_bench_timespec")
-local function now_us()
-  ffi.C.clock_gettime(1, ts)   -- CLOCK_MONOTONIC
-  return tonumber(ts.tv_sec) * 1e6 + tonumber(ts.tv_nsec) * 1e-3
-end
+local function now_us() return core.clock() * 1e6 end
 
 local ev = ffi.new("ms_event *[2]")
 core.check(C.ms_event_new(h, ev))

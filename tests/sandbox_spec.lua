@@ -305,6 +305,73 @@ describe("the recipe sandbox", function()
     assert.is_true(o:stats().last.reports.ok)
   end)
 
+  it("counts the heap a loop allocates (`..` included) and the time of its searches", function()
+    -- `..` is one VM instruction however long its strings, and a search runs in C for as long as its pattern
+    -- makes it (each call within check_pattern's budget): these loops took 60-700 s here under the default
+    -- limit; the heap allocated and the searches' time now count, and they stop in about a second
+    local s1, s5 = "local s = ('x'):rep(2^20) ", "local s = ('a'):rep(5000) "
+    local bombs = {
+      { s1 .. "for i = 1, 1e5 do local t = s .. i end", "bytes of Lua heap the call allocated" },
+      { s1 .. "for i = 1, 1e5 do local t = { s .. i, i } end", "bytes of Lua heap the call allocated" },
+      { s5 .. "for i = 1, 1e4 do local a = s:find('.-b') end", "string.find's work in C" },
+      { s5 .. "for i = 1, 1e4 do local a = s:match('.-b') end", "string.match's work in C" },
+      { s5 .. "for i = 1, 1e4 do for w in s:gmatch('.-b') do end end", "string.gmatch's work in C" },
+      { s5 .. "for i = 1, 1e4 do local a = s:gsub('.-b', '') end", "string.gsub's work in C" },
+      -- (the search's time less the replacement's, which never runs here: nothing matches)
+      { s5 .. "for i = 1, 1e4 do local a = s:gsub('.-b', function() end) end", "string.gsub's work in C" },
+      { s5 .. "for i = 1, 1e4 do local a = s:gsub('.-b', {}) end", "string.gsub's work in C" },
+      { "local s = ('a'):rep(2^20) for i = 1, 1e7 do local a = s:find('b', 1, true) end", "string.find's work in C" },
+    }
+    for _, b in ipairs(bombs) do fails(function() run { step = b[1] } end, b[2], 5) end
+    -- the recipe's pcall does not keep it going
+    fails(function() run { step = s5 .. "for i = 1, 1e4 do pcall(string.find, s, '.-b') end" } end, "instruction limit", 5)
+    -- what a recipe does with names and small strings stays well below the limit: 2e4 matches, finds, gmatch
+    -- loops and concatenations (~7e6 instructions here) under a limit of 2e7, a fifth of the default
+    local o = run({ step = [[
+      local n = 0
+      for k = 1, 100 do
+        for i = 1, 200 do
+          local name = 'model.layers.' .. i .. '.mlp.gate_proj.weight'
+          local layer, rest = name:match('^model%.layers%.(%d+)%.(.-)%.weight$')
+          if tonumber(layer) == i and name:find('gate', 1, true) then n = n + 1 end
+          for part in rest:gmatch('[^.]+') do n = n + 0 end
+        end
+      end
+      ctx.report('n', n)]] }, { sandbox = { instructions = 2e7 } })
+    assert.equals(2e4, o:stats().last.reports.n)
+    -- the searches' own errors still name the function and the recipe's line (they run under a pcall now)
+    for _, c in ipairs {
+      { "local x = string.find()", "evil:%d+: bad argument #1 to 'find' %(string expected" },
+      { "local x = ('abc'):find('[')", "evil:%d+: malformed pattern %(missing ']'%)" },
+      { "local x = ('abc'):match()", "evil:%d+: bad argument #2 to 'match'" },
+      { "local x = string.gmatch('a')", "evil:%d+: bad argument #2 to 'gmatch'" },
+      { "for w in ('abc'):gmatch('[') do end", "evil:%d+: malformed pattern %(missing ']'%)" },
+      { "local x = ('abc'):gsub('[', '')", "evil:%d+: malformed pattern %(missing ']'%)" },
+      { "local x = ('abc'):gsub('b', function() error('mine') end)", "evil:%d+: mine" },
+    } do
+      local ok, err = pcall(run, { step = c[1] })
+      assert.is_false(ok)
+      assert.truthy(tostring(err):find(c[2]), c[1] .. ": " .. tostring(err))
+    end
+    -- what the searches return is what the C functions return
+    o = run { step = [[
+      local s = 'key=val, k2=v2'
+      local a, b, c, d = s:find('(%w+)=(%w+)')
+      local e, f = s:match('()k2=(%w+)')
+      local ws = {}
+      for k, v in s:gmatch('(%w+)=(%w+)') do ws[#ws + 1] = k .. v end
+      local r, count = s:gsub('%w+', { key = 'K' })
+      ctx.report('ok', a == 1 and b == 7 and c == 'key' and d == 'val' and e == 10 and f == 'v2'
+                       and table.concat(ws, ',') == 'keyval,k2v2' and r == 'K=val, k2=v2' and count == 4
+                       and select('#', s:find('zz')) == 1 and s:match('zz') == nil)]] }
+    assert.is_true(o:stats().last.reports.ok)
+    -- a gmatch iterator the recipe keeps holds its subject: the retained limit sees it
+    fails(function()
+      run({ top = "local keep = {}", step = "for i = 1, 16 do keep[#keep + 1] = (('x'):rep(2^20) .. i):gmatch('y') end" },
+          { sandbox = { retained = 2 ^ 23 } })
+    end, "retained memory limit")
+  end)
+
   it("counts the elements of ops over expanded views, which loop in C and allocate nothing", function()
     -- an expanded view costs no memory and no quota, and an op over it ran out of the hook's reach: the sum of
     -- 2^34 elements took 20 s here under an instruction limit that stops a loop in 0.25 s, and 2^50 would take days
@@ -362,9 +429,14 @@ describe("the recipe sandbox", function()
       { "return string.rep('x', 2^30)", "string.rep" },
       { "return ('x'):rep(2^30)", "string.rep" },
       { "return ('x'):rep(2^20, ('y'):rep(2^10))", "string.rep" },
-      { "local t = {} for i = 1, 1e9 do t[i] = i end", "memory limit" },
-      { "local t = {} for i = 1, 1e9 do t[i] = {} end", "memory limit" },
-      { "local t = {} for i = 1, 1e9 do t[#t + 1] = ('x'):rep(1e5) .. i end", "memory limit" },
+      -- (the heap these allocate counts as instructions too, and under the default limits the instruction limit
+      -- can come first; under a smaller memory limit it is the memory's)
+      { "local t = {} for i = 1, 1e9 do t[i] = i end", "limit of" },
+      { "local t = {} for i = 1, 1e9 do t[i] = {} end", "limit of" },
+      { "local t = {} for i = 1, 1e9 do t[#t + 1] = ('x'):rep(1e5) .. i end", "limit of" },
+      { "local t = {} for i = 1, 1e9 do t[i] = i end", "Lua memory limit of 16777216", 2 ^ 24 },
+      { "local t = {} for i = 1, 1e9 do t[i] = {} end", "Lua memory limit of 16777216", 2 ^ 24 },
+      { "local t = {} for i = 1, 1e9 do t[#t + 1] = ('x'):rep(1e5) .. i end", "Lua memory limit of 16777216", 2 ^ 24 },
       { "local s = ('x'):rep(2^20); return s:gsub('', s)", "string.gsub" },
       -- (a table or function replacement is counted as gsub produces it, and the C buffer's intermediate
       -- copies can reach the heap cap first: which of the two limits names it depends on the heap's state)
@@ -391,7 +463,10 @@ describe("the recipe sandbox", function()
     -- (the bound only tells a stopped bomb from a hung one: filling the memory limit takes 1-3 s of CPU on a
     -- 2-core CI machine, more under a sanitizer)
     for _, b in ipairs(bombs) do
-      fails(function() run { step = b[1] } end, b[2], 10)
+      -- (the memory limit is on the heap's net growth: the garbage the bomb before left, freed during the call,
+      -- would give this one that much more room)
+      collectgarbage()
+      fails(function() run({ step = b[1] }, b[3] and { sandbox = { memory = b[3] } }) end, b[2], 10)
     end
     -- cheap patterns on long strings, anchored scans and plain finds stay allowed
     local o = run { step = [[

@@ -1,7 +1,9 @@
 /*
-** Version, ABI number, build description, and the generated LuaJIT cdef of moonstep.h.
+** Version, ABI number, build description, the generated LuaJIT cdef of moonstep.h, and the host clock.
 */
 #include "internal.h"
+
+#include <time.h>
 
 MS_API int ms_abi_version(void) { return MS_ABI_VERSION; }
 MS_API const char *ms_version(void) { return MS_VERSION_STRING; }
@@ -12,6 +14,13 @@ MS_API const char *ms_cdef(void)
     return
 #include "cdef.inc"
         ;
+}
+
+MS_API double ms_clock(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
 }
 
 MS_API const char *ms_build_info(void)

@@ -93,6 +93,9 @@ MS_API const char *ms_version(void);        /* "0.1.0" */
 MS_API const char *ms_cdef(void);
 /* A short description of the build: backends compiled in, BLAS, compiler.  Never NULL. */
 MS_API const char *ms_build_info(void);
+/* Seconds on the host's monotonic clock, from an arbitrary start: the Lua side's timer (a double, so that a
+** call from LuaJIT allocates nothing, and no libc declaration of its own that a user's script could clash with). */
+MS_API double ms_clock(void);
 
 /* ---------------------------------------------------------------------------------------------------
 ** Data types

@@ -104,6 +104,10 @@ function M.check_alloc(fn, ...)
   if st ~= 0 then M.raise(st, 3) end
 end
 
+--- Seconds on a monotonic wall clock (os.clock would count the CPU time of every OpenMP thread, spinning ones
+--- included): ms_clock, which allocates nothing.
+M.clock = C.ms_clock
+
 --- Owning pointers get their finalizer here, the single place they are received.
 function M.own_tensor(p) return ffi.gc(p, C.ms_tensor_free) end
 function M.own_ctx(p) return ffi.gc(p, C.ms_ctx_free) end

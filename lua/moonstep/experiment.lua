@@ -25,14 +25,8 @@ local ffi = require("ffi")
 
 local E = {}
 
--- a monotonic wall clock (os.clock would count the CPU time of every OpenMP thread)
-pcall(ffi.cdef, "typedef struct { long tv_sec; long tv_nsec; } ms_experiment_timespec;" ..
-  "int clock_gettime(int, ms_experiment_timespec *);")
-local ts = ffi.new("ms_experiment_timespec")
-function E.clock()
-  ffi.C.clock_gettime(1, ts)   -- CLOCK_MONOTONIC
-  return tonumber(ts.tv_sec) + tonumber(ts.tv_nsec) * 1e-9
-end
+-- a monotonic wall clock (moonstep.core's)
+E.clock = require("moonstep.core").clock
 
 --- A recipe table from a name or path; files outside the built-in folders are sandboxed unless trusted.
 function E.recipe(spec, trusted)

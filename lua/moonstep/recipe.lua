@@ -95,8 +95,14 @@ Limits, enforced while untrusted code runs (M.call):
                 (lib_work): a string result of n bytes as n / 16 instructions, gsub's scan of its subject
                 as a byte an instruction, an insert or remove as the elements it shifts; table.sort compares
                 with a Lua function (the recipe's, or a default never compiled) and table.maxn is Lua, so the
-                hook counts them.  Each call was bounded, but a loop of them was not.  Not counted: the searches of find, match and gmatch (each call bounded by the pattern cost
-                above) and the `..` operator (a VM instruction that copies both strings).
+                hook counts them.  Each call was bounded, but a loop of them was not.  The heap the call
+                allocates counts too, an instruction per 4 bytes, read by the hook off the heap cap (the work
+                of `..`, one VM instruction however long its strings, and of any C function that builds a
+                string or a table; where the Lua API is not exported, no cap and no such count).  The
+                searches of find, match, gmatch and gsub count as the time they took, an instruction per 4
+                ns, less a function replacement's time (searched: how much a match backtracked is not
+                visible from outside the C matcher).  Not counted: a `..` whose result is a string that exists already
+                (LuaJIT finds it and allocates nothing, after copying and comparing both strings).
                 A C primitive whose loop count the recipe passes (ms.sinkgd_step's iters and sn_iters,
                 ms.inv_root's steps and pi_steps, ms.spectrum_estimate's steps) runs out of the hook's reach:
                 each of its iterations counts as HOOK_EVERY instructions, checked before the call.  An op
@@ -201,9 +207,57 @@ end
 -- The guard's own messages are formatted with the real string.format: through the safe one, a message formatted
 -- past the limit would be charged, trip, and format its own message again.
 local BYTES_PER_INSTRUCTION = 16
+-- Lua heap allocated during an untrusted call counts in the hook, an instruction per this many bytes: about the
+-- time an allocation takes against the VM's pace under the hook (~2.5 ns an instruction here): a 64-byte table
+-- ~40 ns, a 1 MiB string built by `..` ~0.6 ms with its page faults and its collection
+local ALLOC_BYTES_PER_INSTRUCTION = 4
 local function lib_work(what, instructions)
-  if active ~= nil and instructions > 0 then active.work(what, instructions / HOOK_EVERY) end
+  if active ~= nil and instructions > 0 then active.work(what, instructions / HOOK_EVERY, true) end
 end
+-- The searches of find, match, gmatch and gsub run in C, out of the hook's reach, for as long as their pattern
+-- makes them (check_pattern bounds one call, not a loop of them), and how much backtracking a match did is not
+-- visible from outside the matcher: each search counts as the instructions the VM runs in the time it took,
+-- one per NS_PER_INSTRUCTION ns (the interpreter under the hook runs ~2.5 ns an instruction here).  The only
+-- charge read off a clock, so a loop of searches trips after about the same time as any other loop, not after
+-- the same count.
+local NS_PER_INSTRUCTION = 4
+local clock = core.clock
+local PERIODS_PER_SECOND = 1e9 / NS_PER_INSTRUCTION / HOOK_EVERY
+-- what the clock and the pcall cost around a search that does no work, taken off every search's time, so that a
+-- name's match is charged its matching, not the timing (the VM instructions of the wrappers are the hook's to
+-- count): the shortest of a few empty searches timed here, lowered by any shorter search timed later
+local search_floor = math.huge
+for _ = 1, 32 do
+  local t0 = clock()
+  real_pcall(str_find, "", "", 1, true)
+  search_floor = math.min(search_floor, clock() - t0)
+end
+local function search_work(what, seconds)
+  local g = active
+  if g == nil then return end
+  if seconds < search_floor then search_floor = seconds end
+  local periods = (seconds - search_floor) * PERIODS_PER_SECOND
+  -- (g.work's check inline: a search is often a name's, shorter than the calls)
+  if (g.count + periods) * HOOK_EVERY > g.instructions then g.work(what, periods, true) end
+  g.count = g.count + periods
+end
+-- The C function runs under pcall so that its time is charged whatever it does; its own error (a bad argument,
+-- a malformed pattern) is raised again at the recipe's call, as a tail call of it named the recipe's line and
+-- the function (through pcall the name is '?').  (Tail-called from the wrappers: level 2 is the recipe.)
+local function searched(what, name, t0, ok, ...)
+  if not ok and heap_refused() then error((...), 0) end   -- (the guard names the memory limit)
+  search_work(what, clock() - t0)
+  if not ok then
+    local e = ...
+    if type(e) == "string" then e = str_gsub(e, "^(bad argument #%d+ to )'%?'", "%1'" .. name .. "'") end
+    error(e, 2)
+  end
+  return ...
+end
+-- gmatch's iterators (trusted closures) -> their subject: the retained-memory walk counts it, as it counts a
+-- string the recipe keeps itself
+local iterator_subject = setmetatable({}, { __mode = "k" })
+
 -- v, after charging the copy that made it (a string of n bytes: n / BYTES_PER_INSTRUCTION)
 local function copied(what, v, ...)
   if type(v) == "string" then lib_work(what, #v / BYTES_PER_INSTRUCTION) end
@@ -293,11 +347,31 @@ local safe_string = {
     if count and count > 0 then too_big("string.rep", (str_len(s) + str_len(sep)) * count) end
     return copied("string.rep", str_rep(s, n, sep))
   end,
-  find = function(s, p, init, plain) check_pattern("string.find", s, p, init, plain) return str_find(s, p, init, plain) end,
-  match = function(s, p, init) check_pattern("string.match", s, p, init) return str_match(s, p, init) end,
-  gmatch = function(s, p) check_pattern("string.gmatch", s, p) return str_gmatch(s, p) end,
+  find = function(s, p, init, plain)
+    check_pattern("string.find", s, p, init, plain)
+    local t0 = clock()
+    return searched("string.find", "find", t0, real_pcall(str_find, s, p, init, plain))
+  end,
+  match = function(s, p, init)
+    check_pattern("string.match", s, p, init)
+    local t0 = clock()
+    return searched("string.match", "match", t0, real_pcall(str_match, s, p, init))
+  end,
+  gmatch = function(s, p)
+    check_pattern("string.gmatch", s, p)
+    local t0 = clock()
+    local ok, next_match = real_pcall(str_gmatch, s, p)
+    if not ok then return searched("string.gmatch", "gmatch", t0, ok, next_match) end   -- (raises, at the recipe's line)
+    local function iterate()
+      local t1 = clock()
+      return searched("string.gmatch", "gmatch", t1, real_pcall(next_match))
+    end
+    iterator_subject[iterate] = s
+    return iterate
+  end,
   gsub = function(s, p, repl, n)
     check_pattern("string.gsub", s, p)
+    local inside, replacing = false, 0   -- in the replacement when an error comes; its seconds
     if type(s) == "string" or type(s) == "number" then
       if type(repl) == "string" or type(repl) == "number" then
         too_big("string.gsub", str_len(s) + (str_len(s) + 1) * str_len(repl))
@@ -305,8 +379,12 @@ local safe_string = {
         -- each replacement comes from recipe data: count the bytes as they are produced
         local total, lookup = str_len(s), repl
         repl = function(...)
+          local t1 = clock()
+          inside = true
           local v
           if type(lookup) == "table" then v = lookup[(...)] else v = lookup(...) end
+          inside = false
+          replacing = replacing + (clock() - t1)
           if type(v) == "string" or type(v) == "number" then
             total = total + str_len(v)
             too_big("string.gsub", total)
@@ -315,9 +393,22 @@ local safe_string = {
         end
       end
     end
-    -- (it scans the whole subject: a byte an instruction, the pattern matcher's pace; then the copy)
+    -- (it scans the whole subject: a byte an instruction, the pattern matcher's pace; then the copy.  Its
+    -- search time counts too, as find's, less the time in the replacement function or table lookup, which
+    -- the hook counts)
     if type(s) == "string" then lib_work("string.gsub", #s) end
-    return copied("string.gsub", str_gsub(s, p, repl, n))
+    local t0 = clock()
+    local ok, r, count = real_pcall(str_gsub, s, p, repl, n)
+    -- an error of the replacement (the recipe's, or a limit) goes on as it was raised, and so does a request the
+    -- heap cap refused (the guard names the memory limit)
+    if not ok and (inside or heap_refused()) then error(r, 0) end
+    search_work("string.gsub", clock() - t0 - replacing)
+    if not ok then
+      -- gsub's own: the recipe's call's, as the others' (searched)
+      if type(r) == "string" then r = str_gsub(r, "^(bad argument #%d+ to )'%?'", "%1'gsub'") end
+      error(r, 2)
+    end
+    return copied("string.gsub", r, count)
   end,
   format = function(fmt, ...)
     -- %s of a table or function prints its heap address, and %p any object's: tostring() hides them, and so
@@ -610,6 +701,9 @@ local function retained_bytes(g)
           push(x)
         end
       end
+    elseif iterator_subject[v] ~= nil then   -- a gmatch iterator the recipe keeps: its subject
+      total = total + CLOSURE_BYTES
+      push(iterator_subject[v])
     elseif real_getfenv(v) == env then       -- a function the recipe made: a closure and its upvalues
       local ups = debug.getinfo(v, "u").nups
       total = total + CLOSURE_BYTES + ups * UPREF_BYTES
@@ -737,13 +831,19 @@ new_guard = function(name, limits, params)
     end
   end
   -- iterations of a C loop the recipe sized (moonstep.tensor.charge_work): each counts as one hook period of
-  -- instructions, since no hook runs inside the call; past the limit it trips like the hook (no pcall keeps it)
-  g.work = function(what, iterations)
+  -- instructions, since no hook runs inside the call; past the limit it trips like the hook (no pcall keeps it).
+  -- A library call's C work (lib_work) comes as such periods too, and its message counts instructions.
+  g.work = function(what, iterations, library)
     -- (the message first: formatting runs code the hook counts, and with the count already past the limit the
     -- hook would trip first, with its own vaguer message)
     if (g.count + iterations) * HOOK_EVERY > g.instructions then
-      g.why = str_format("instruction limit of %.0f exceeded: %s asks for %.0f iterations (each counts as %d "
-                         .. "instructions)", g.instructions, what, iterations, HOOK_EVERY)
+      if library then
+        g.why = str_format("instruction limit of %.0f exceeded: %s's work in C counts as %.0f instructions, after "
+                           .. "%.0f", g.instructions, what, iterations * HOOK_EVERY, g.count * HOOK_EVERY)
+      else
+        g.why = str_format("instruction limit of %.0f exceeded: %s asks for %.0f iterations (each counts as %d "
+                           .. "instructions)", g.instructions, what, iterations, HOOK_EVERY)
+      end
       g.tripped = str_format("%s: %s", g.name, g.why)
       g.count = g.count + iterations
       error(g.tripped, 0)
@@ -785,8 +885,21 @@ local function hook()
   if g == nil then return end
   if g.tripped or refused(g) then trip(g, g.why) return end
   g.count = g.count + 1
+  -- the Lua heap the call allocated since the last look: the work of `..` and of any C function that builds a
+  -- string or a table, an instruction per ALLOC_BYTES_PER_INSTRUCTION bytes (garbage included: building it was
+  -- work)
+  if heap ~= nil and heap.armed then
+    local a = tonumber(heap.cap.allocated)
+    local counts = (a - g.alloc_seen) / (ALLOC_BYTES_PER_INSTRUCTION * HOOK_EVERY)
+    g.count, g.alloc_counts, g.alloc_seen = g.count + counts, g.alloc_counts + counts, a
+  end
   if g.count * HOOK_EVERY > g.instructions then
     g.why = str_format("instruction limit of %.0f exceeded (an endless loop?)", g.instructions)
+    if g.alloc_counts > 0.1 * g.count then
+      g.why = str_format("instruction limit of %.0f exceeded (%.0f of them for the %.0f bytes of Lua heap the call "
+                         .. "allocated, an instruction per %d bytes)", g.instructions, g.alloc_counts * HOOK_EVERY,
+                         g.alloc_seen, ALLOC_BYTES_PER_INSTRUCTION)
+    end
     trip(g, g.why)
     return
   end
@@ -847,7 +960,7 @@ call = function(g, fn, ...)
   if type(fn) ~= "function" then error(("recipe.call: fn must be a function (got %s)"):format(core.show(fn)), 2) end
   local h, mask, count = debug.gethook()
   local prev = { h, mask, count, tensor.set_alloc_guard(g) }
-  g.count, g.mem0, g.calls = 0, collectgarbage("count"), g.calls + 1
+  g.count, g.mem0, g.calls, g.alloc_seen, g.alloc_counts = 0, collectgarbage("count"), g.calls + 1, 0, 0
   string_mt.__index = safe_string_ro
   active = g
   debug.sethook(hook, "", HOOK_EVERY)
