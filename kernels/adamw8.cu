@@ -130,7 +130,8 @@ __global__ void __launch_bounds__(A8_THREADS) adamw8_kernel(const __grid_constan
             const float pn = __fsub_rn(__fmul_rn(p, dec),
                                        __fmul_rn(ss, __fdiv_rn(m, __fadd_rn(__fdiv_rn(__fsqrt_rn(v), k.bc2s), k.eps))));
             if (stochastic && t.xdt != MS_DTYPE_F32)
-                ((uint16_t *)t.x)[e] = msk_sr_16(pn, t.xdt == MS_DTYPE_BF16, (uint64_t)e, sw, (uint32_t)t.index, k0, k1);
+                ((uint16_t *)t.x)[e] = msk_sr_16(pn, t.xdt == MS_DTYPE_BF16, msk_rng_number(mb.rng, e), sw, (uint32_t)t.index,
+                                                 k0, k1);
             else
                 msk_store<float>(t.x, e, t.xdt, pn);
             am = a8_amax(am, fabsf(m));

@@ -128,6 +128,13 @@ __device__ __forceinline__ double msk_sqrt(double a) { return __dsqrt_rn(a); }
 
 /* --- counter-based random bits -------------------------------------------------------------------- */
 
+/* Element e's number in the stochastic rounding's Philox counter: a slice's in its whole (msk_rng, as
+** ms_rng_element of engine/core/internal.h numbers it on the CPU). */
+__device__ __forceinline__ uint64_t msk_rng_number(const msk_rng &r, int64_t e)
+{
+    return (uint64_t)(e + r.base + (r.div > 0 ? e / r.div * r.gap : 0));
+}
+
 /* Philox4x32-10 (Salmon et al., "Parallel random numbers: as easy as 1, 2, 3", SC'11; the constants of
 ** Random123): w <- the bijection of counter (c0..c3) under key (k0, k1), exactly as engine/cpu/random.c's
 ** ms_cpu_philox, so the CPU and the GPU draw the same bits. */

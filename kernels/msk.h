@@ -115,7 +115,7 @@ typedef struct msk_member {
     int64_t     numel;
     int64_t     cols, rs, cs;
     double      scale;        /* learning-rate multiplier (steps) */
-    int32_t     index;        /* position in the call: Philox counter word (steps), dst element (sumsq) */
+    int32_t     index;        /* the Philox counter's member word (steps: ms_rng_map's), dst element (sumsq) */
     int8_t      xdt, gdt;     /* dtypes of x and g */
     uint8_t     dense;        /* the strided operand is dense */
     uint8_t     vec;          /* MSK_VEC_X: x and the states 16-byte aligned; MSK_VEC_G: g (dense) 16-byte aligned */
@@ -142,9 +142,19 @@ typedef struct msk_sgd {
     uint64_t   seed;
 } msk_sgd;
 
-/* Every member's numel >= 1. */
-ms_status msk_adamw_run(ms_ctx *ctx, cudaStream_t s, const msk_adamw *o, int n, const msk_member *m, int *launches);
-ms_status msk_sgd_run(ms_ctx *ctx, cudaStream_t s, const msk_sgd *o, int n, const msk_member *m, int *launches);
+/* Stochastic rounding's element numbers of a param that is a slice of a whole (ms_rng_map, engine/core/internal.h):
+** element e is numbered e + base + (e / div) gap (div 0: e + base). */
+typedef struct msk_rng {
+    int64_t base, div, gap;
+} msk_rng;
+
+/* Every member's numel >= 1.  rng (NULL: every element numbered as it is) has n entries; a call with one
+** launches kernels whose tables carry them (MSK_OPTIM_RNG_CAP members a launch). */
+enum { MSK_OPTIM_RNG_CAP = 256 };
+ms_status msk_adamw_run(ms_ctx *ctx, cudaStream_t s, const msk_adamw *o, int n, const msk_member *m,
+                        const msk_rng *rng, int *launches);
+ms_status msk_sgd_run(ms_ctx *ctx, cudaStream_t s, const msk_sgd *o, int n, const msk_member *m, const msk_rng *rng,
+                      int *launches);
 /* Each member's x <- x * v, in place (f32 arithmetic, f64 for f64 members). */
 ms_status msk_scale_run(ms_ctx *ctx, cudaStream_t s, msk_scalar v, int n, const msk_member *m, int *launches);
 
@@ -178,7 +188,8 @@ typedef struct msk_sinkgd_mat {
     int64_t     e0;           /* index of p[0] in the member's param (the stochastic rounding's counter) */
     int64_t     b;            /* index of the matrix among the member's leading dims (u's first value) */
     double      scale;        /* learning-rate multiplier of the member */
-    int32_t     member;       /* the member's index in the call */
+    int32_t     member;       /* the stochastic rounding's member word: the member's index in the call, or its param's
+                              ** origin's (ms_rng_map_of) */
     int8_t      gdt, pdt;
     /* sharded runs (msk_sinkgd_run_sharded; 0 otherwise): the global matrix's dims, and the first row (rows) or
     ** column (cols) of this slice in it.  e0 is then the slice's first element's index in the global member, and
@@ -227,6 +238,7 @@ enum { MSK_ADAMW8_CAP = 224 };
 typedef struct msk_adamw8_member {
     msk_member t;
     float     *m_scale, *v_scale;
+    msk_rng    rng;            /* the stochastic rounding's element numbers */
 } msk_adamw8_member;
 
 typedef struct msk_adamw8 {

@@ -30,8 +30,16 @@ template <int CAP> struct table {
     msk_member m[CAP];
 };
 
-template <int CAP> struct adamw_args { msk_adamw o; table<CAP> t; };
-template <int CAP> struct sgd_args { msk_sgd o; table<CAP> t; };
+/* the members' stochastic-rounding element numbers (msk_rng), in the tables of calls that give them */
+template <int CAP, bool RNG> struct rng_table { msk_rng r[CAP]; };
+template <int CAP> struct rng_table<CAP, false> {};
+
+template <int CAP, bool RNG = false> struct adamw_args { msk_adamw o; table<CAP> t; rng_table<CAP, RNG> g; };
+template <int CAP, bool RNG = false> struct sgd_args { msk_sgd o; table<CAP> t; rng_table<CAP, RNG> g; };
+template <int CAP> using adamw_plain_args = adamw_args<CAP, false>;
+template <int CAP> using sgd_plain_args = sgd_args<CAP, false>;
+template <int CAP> using adamw_rng_args = adamw_args<CAP, true>;
+template <int CAP> using sgd_rng_args = sgd_args<CAP, true>;
 template <int CAP> struct scale_args { msk_scalar v; table<CAP> t; };
 template <int CAP> struct sumsq_args {
     void     *dst;
@@ -42,9 +50,11 @@ template <int CAP> struct sumsq_args {
     table<CAP> t;
 };
 
-static_assert(sizeof(adamw_args<MSK_OPTIM_CAP>) <= PARAM_LIMIT, "the AdamW table exceeds the parameter space");
-static_assert(sizeof(sgd_args<MSK_OPTIM_CAP>) <= PARAM_LIMIT, "the SGD table exceeds the parameter space");
+static_assert(sizeof(adamw_plain_args<MSK_OPTIM_CAP>) <= PARAM_LIMIT, "the AdamW table exceeds the parameter space");
+static_assert(sizeof(sgd_plain_args<MSK_OPTIM_CAP>) <= PARAM_LIMIT, "the SGD table exceeds the parameter space");
 static_assert(sizeof(sumsq_args<MSK_OPTIM_CAP>) <= PARAM_LIMIT, "the sumsq table exceeds the parameter space");
+static_assert(sizeof(adamw_rng_args<MSK_OPTIM_RNG_CAP>) <= PARAM_LIMIT, "the AdamW table exceeds the parameter space");
+static_assert(sizeof(sgd_rng_args<MSK_OPTIM_RNG_CAP>) <= PARAM_LIMIT, "the SGD table exceeds the parameter space");
 
 /* The member of tile t: the last k with tile0[k] <= t, searched from `from` (a block's tiles only grow). */
 template <int CAP>
@@ -222,9 +232,10 @@ struct rounding {
     uint32_t k0, k1, step;
 };
 
-/* A run of f32 results into the member's param: bf16/f16 stochastically when asked, else as a store does. */
-__device__ __forceinline__ void store_param(const msk_member &m, const rounding &r, int64_t e, int cnt, bool vec,
-                                            const float *x)
+/* A run of f32 results into the member's param: bf16/f16 stochastically when asked, else as a store does; rg
+** (NULL: none) numbers the elements for the rounding. */
+__device__ __forceinline__ void store_param(const msk_member &m, const rounding &r, const msk_rng *rg, int64_t e,
+                                            int cnt, bool vec, const float *x)
 {
     if (!r.stochastic || (m.xdt != MS_DTYPE_BF16 && m.xdt != MS_DTYPE_F16)) {
         store_dense<GROUP>(m.x, m.xdt, e, cnt, vec, x);
@@ -234,7 +245,7 @@ __device__ __forceinline__ void store_param(const msk_member &m, const rounding 
     msk_pack<uint16_t, GROUP> h;
 #pragma unroll
     for (int j = 0; j < GROUP; j++) {
-        const uint64_t el = (uint64_t)(e + j);
+        const uint64_t el = rg == nullptr ? (uint64_t)(e + j) : msk_rng_number(*rg, e + j);
         uint32_t w[4];
         msk_philox((uint32_t)el, (uint32_t)(el >> 32), r.step, (uint32_t)m.index, r.k0, r.k1, w);
         h.v[j] = bf16 ? sr_bf16(x[j], w[0] >> 8) : sr_f16(x[j], w[0] >> 8);
@@ -250,8 +261,8 @@ __device__ __forceinline__ void store_param(const msk_member &m, const rounding 
 }
 
 /* f64 results: only f64 params take the f64 path */
-__device__ __forceinline__ void store_param(const msk_member &m, const rounding &, int64_t e, int cnt, bool vec,
-                                            const double *x)
+__device__ __forceinline__ void store_param(const msk_member &m, const rounding &, const msk_rng *, int64_t e,
+                                            int cnt, bool vec, const double *x)
 {
     store_dense<GROUP / 2>(m.x, MS_DTYPE_F64, e, cnt, vec, x);
 }
@@ -262,8 +273,9 @@ __device__ __forceinline__ void store_param(const msk_member &m, const rounding 
 **   p' = p * (1 - lr_i * wd) - (lr_i / bc1) * (m' / (sqrt(v') / sqrt(bc2) + eps)) */
 
 template <class C>
-__device__ __forceinline__ void adamw_run(const msk_adamw &o, const msk_member &m, const rounding &r, int64_t e,
-                                          int cnt, double decay, double step_size, double bc2_sqrt)
+__device__ __forceinline__ void adamw_run(const msk_adamw &o, const msk_member &m, const rounding &r,
+                                          const msk_rng *rg, int64_t e, int cnt, double decay, double step_size,
+                                          double bc2_sqrt)
 {
     constexpr int NE = run_of<C>::n;
     const bool vec = (m.vec & MSK_VEC_X) && cnt == NE;
@@ -284,11 +296,19 @@ __device__ __forceinline__ void adamw_run(const msk_adamw &o, const msk_member &
     }
     store_dense<NE>(m.s0, o.state_dtype, e, cnt, vec, a);
     store_dense<NE>(m.s1, o.state_dtype, e, cnt, vec, v);
-    store_param(m, r, e, cnt, vec, p);
+    store_param(m, r, rg, e, cnt, vec, p);
 }
 
-template <int CAP>
-__global__ void __launch_bounds__(MSK_THREADS) adamw_kernel(const __grid_constant__ adamw_args<CAP> A)
+/* the element numbers of member m of table A (NULL without them) */
+template <int CAP, bool RNG, class Args>
+__device__ __forceinline__ const msk_rng *rng_of(const Args &A, const msk_member &m)
+{
+    if constexpr (RNG) return &A.g.r[&m - A.t.m];
+    else return nullptr;
+}
+
+template <int CAP, bool RNG>
+__global__ void __launch_bounds__(MSK_THREADS) adamw_kernel(const __grid_constant__ adamw_args<CAP, RNG> A)
 {
     const msk_adamw &o = A.o;
     if (o.skip.ptr && msk_scalar_value(o.skip) != 0) return;   /* NaN skips too, as on the CPU */
@@ -307,12 +327,13 @@ __global__ void __launch_bounds__(MSK_THREADS) adamw_kernel(const __grid_constan
     for_tiles(A.t, [&](const msk_member &m, int64_t e, int cnt) {
         const double lr_i = __dmul_rn(lr, m.scale);
         const double decay = __dsub_rn(1.0, __dmul_rn(lr_i, o.weight_decay)), step_size = __ddiv_rn(lr_i, bc1);
+        const msk_rng *rg = rng_of<CAP, RNG>(A, m);
         if (m.xdt == MS_DTYPE_F64)
             in_runs<double>(e, cnt, [&](int64_t e1, int c1) {
-                adamw_run<double>(o, m, r, e1, c1, decay, step_size, bc2_sqrt);
+                adamw_run<double>(o, m, r, rg, e1, c1, decay, step_size, bc2_sqrt);
             });
         else
-            adamw_run<float>(o, m, r, e, cnt, decay, step_size, bc2_sqrt);
+            adamw_run<float>(o, m, r, rg, e, cnt, decay, step_size, bc2_sqrt);
     });
 }
 
@@ -324,8 +345,8 @@ __global__ void __launch_bounds__(MSK_THREADS) adamw_kernel(const __grid_constan
 **   p' = p - lr_i * d */
 
 template <class C>
-__device__ __forceinline__ void sgd_run(const msk_sgd &o, const msk_member &m, const rounding &r, int64_t e, int cnt,
-                                        double lr_i, bool first)
+__device__ __forceinline__ void sgd_run(const msk_sgd &o, const msk_member &m, const rounding &r, const msk_rng *rg,
+                                        int64_t e, int cnt, double lr_i, bool first)
 {
     constexpr int NE = run_of<C>::n;
     const bool vec = (m.vec & MSK_VEC_X) && cnt == NE;
@@ -346,11 +367,11 @@ __device__ __forceinline__ void sgd_run(const msk_sgd &o, const msk_member &m, c
         p[j] = msk_sub(p[j], msk_mul(lr, d));
     }
     if (o.has_buf) store_dense<NE>(m.s0, o.state_dtype, e, cnt, vec, b);
-    store_param(m, r, e, cnt, vec, p);
+    store_param(m, r, rg, e, cnt, vec, p);
 }
 
-template <int CAP>
-__global__ void __launch_bounds__(MSK_THREADS) sgd_kernel(const __grid_constant__ sgd_args<CAP> A)
+template <int CAP, bool RNG>
+__global__ void __launch_bounds__(MSK_THREADS) sgd_kernel(const __grid_constant__ sgd_args<CAP, RNG> A)
 {
     const msk_sgd &o = A.o;
     if (o.skip.ptr && msk_scalar_value(o.skip) != 0) return;
@@ -359,10 +380,11 @@ __global__ void __launch_bounds__(MSK_THREADS) sgd_kernel(const __grid_constant_
     const rounding r = { o.stochastic != 0, (uint32_t)o.seed, (uint32_t)(o.seed >> 32), step_word(step) };
     for_tiles(A.t, [&](const msk_member &m, int64_t e, int cnt) {
         const double lr_i = __dmul_rn(lr, m.scale);
+        const msk_rng *rg = rng_of<CAP, RNG>(A, m);
         if (m.xdt == MS_DTYPE_F64)
-            in_runs<double>(e, cnt, [&](int64_t e1, int c1) { sgd_run<double>(o, m, r, e1, c1, lr_i, first); });
+            in_runs<double>(e, cnt, [&](int64_t e1, int c1) { sgd_run<double>(o, m, r, rg, e1, c1, lr_i, first); });
         else
-            sgd_run<float>(o, m, r, e, cnt, lr_i, first);
+            sgd_run<float>(o, m, r, rg, e, cnt, lr_i, first);
     });
 }
 
@@ -531,59 +553,79 @@ static void fill_table(table<CAP> &tb, int n, const msk_member *m, int64_t (*til
 /* One launch of kernel `K` over members [0, n): the arguments (up to ~32 KB) are built on the heap, since the
 ** calling thread's stack may be small; the launch copies them, so they are freed right after. */
 template <class Args, class Setup>
-static ms_status launch_one(ms_ctx *ctx, cudaStream_t s, void (*K)(const Args), int n, const msk_member *m,
+static ms_status launch_one(ms_ctx *ctx, cudaStream_t s, void (*K)(const Args), int first, int n, const msk_member *m,
                             int64_t (*tiles)(const msk_member &), Setup setup, const char *what)
 {
     Args *a = new (std::nothrow) Args;
     if (a == NULL)
         return ms_error_at(ctx, MS_E_OOM, __FILE__, __LINE__, "cuda %s: no host memory for the launch table", what);
-    fill_table(a->t, n, m, tiles);
-    setup(*a);
+    fill_table(a->t, n, m + first, tiles);
+    setup(*a, first);
     if (a->t.ntiles > 0) K<<<msk_blocks(a->t.ntiles * MSK_THREADS), MSK_THREADS, 0, s>>>(*a);
     delete a;
     MSK_CHECK_LAUNCH(ctx, what);
     return MS_OK;
 }
 
-/* Members [0, n) in launches of at most MSK_OPTIM_CAP (the small table when they fit it). */
-template <template <int> class Args, class Setup>
+/* Members [0, n) in launches of at most BIG (the small table when they fit it); setup(args, first) fills the
+** rest of a launch's arguments for its members [first, first + args.t.n). */
+template <int BIG, template <int> class Args, class Setup>
 static ms_status launch_all(ms_ctx *ctx, cudaStream_t s, void (*Ksmall)(const Args<SMALL_CAP>),
-                            void (*Kbig)(const Args<MSK_OPTIM_CAP>), int n, const msk_member *m,
+                            void (*Kbig)(const Args<BIG>), int n, const msk_member *m,
                             int64_t (*tiles)(const msk_member &), Setup setup, const char *what, int *launches)
 {
     *launches = 0;
-    for (int first = 0; first < n; first += MSK_OPTIM_CAP) {
-        const int cnt = n - first < MSK_OPTIM_CAP ? n - first : MSK_OPTIM_CAP;
+    for (int first = 0; first < n; first += BIG) {
+        const int cnt = n - first < BIG ? n - first : BIG;
         ms_status st = cnt <= SMALL_CAP
-            ? launch_one(ctx, s, Ksmall, cnt, m + first, tiles, setup, what)
-            : launch_one(ctx, s, Kbig, cnt, m + first, tiles, setup, what);
+            ? launch_one(ctx, s, Ksmall, first, cnt, m, tiles, setup, what)
+            : launch_one(ctx, s, Kbig, first, cnt, m, tiles, setup, what);
         if (st != MS_OK) return st;
         ++*launches;
     }
     return MS_OK;
 }
 
-extern "C" ms_status msk_adamw_run(ms_ctx *ctx, cudaStream_t s, const msk_adamw *o, int n, const msk_member *m,
-                                   int *launches)
+/* a step's launches: the plain tables, or with rng those that carry the element numbers */
+template <template <int> class Plain, template <int> class WithRng, class Opts>
+static ms_status step_launches(ms_ctx *ctx, cudaStream_t s, void (*Ksmall)(const Plain<SMALL_CAP>),
+                               void (*Kbig)(const Plain<MSK_OPTIM_CAP>), void (*Rsmall)(const WithRng<SMALL_CAP>),
+                               void (*Rbig)(const WithRng<MSK_OPTIM_RNG_CAP>), const Opts &opts, int n,
+                               const msk_member *m, const msk_rng *rng, const char *what, int *launches)
 {
-    const msk_adamw opts = *o;
-    return launch_all<adamw_args>(ctx, s, adamw_kernel<SMALL_CAP>, adamw_kernel<MSK_OPTIM_CAP>, n, m, step_tiles,
-                                  [&](auto &a) { a.o = opts; }, "adamw step", launches);
+    if (rng == NULL)
+        return launch_all<MSK_OPTIM_CAP, Plain>(ctx, s, Ksmall, Kbig, n, m, step_tiles,
+                                                [&](auto &a, int) { a.o = opts; }, what, launches);
+    return launch_all<MSK_OPTIM_RNG_CAP, WithRng>(ctx, s, Rsmall, Rbig, n, m, step_tiles,
+                                                  [&](auto &a, int first) {
+                                                      a.o = opts;
+                                                      for (int k = 0; k < a.t.n; k++) a.g.r[k] = rng[first + k];
+                                                  },
+                                                  what, launches);
+}
+
+extern "C" ms_status msk_adamw_run(ms_ctx *ctx, cudaStream_t s, const msk_adamw *o, int n, const msk_member *m,
+                                   const msk_rng *rng, int *launches)
+{
+    return step_launches<adamw_plain_args, adamw_rng_args>(ctx, s, adamw_kernel<SMALL_CAP, false>,
+                                                     adamw_kernel<MSK_OPTIM_CAP, false>, adamw_kernel<SMALL_CAP, true>,
+                                                     adamw_kernel<MSK_OPTIM_RNG_CAP, true>, *o, n, m, rng, "adamw step",
+                                                     launches);
 }
 
 extern "C" ms_status msk_sgd_run(ms_ctx *ctx, cudaStream_t s, const msk_sgd *o, int n, const msk_member *m,
-                                 int *launches)
+                                 const msk_rng *rng, int *launches)
 {
-    const msk_sgd opts = *o;
-    return launch_all<sgd_args>(ctx, s, sgd_kernel<SMALL_CAP>, sgd_kernel<MSK_OPTIM_CAP>, n, m, step_tiles,
-                                [&](auto &a) { a.o = opts; }, "sgd step", launches);
+    return step_launches<sgd_plain_args, sgd_rng_args>(ctx, s, sgd_kernel<SMALL_CAP, false>, sgd_kernel<MSK_OPTIM_CAP, false>,
+                                                 sgd_kernel<SMALL_CAP, true>, sgd_kernel<MSK_OPTIM_RNG_CAP, true>, *o, n,
+                                                 m, rng, "sgd step", launches);
 }
 
 extern "C" ms_status msk_scale_run(ms_ctx *ctx, cudaStream_t s, msk_scalar v, int n, const msk_member *m,
                                    int *launches)
 {
-    return launch_all<scale_args>(ctx, s, scale_kernel<SMALL_CAP>, scale_kernel<MSK_OPTIM_CAP>, n, m, step_tiles,
-                                  [&](auto &a) { a.v = v; }, "foreach scale", launches);
+    return launch_all<MSK_OPTIM_CAP, scale_args>(ctx, s, scale_kernel<SMALL_CAP>, scale_kernel<MSK_OPTIM_CAP>, n, m,
+                                                 step_tiles, [&](auto &a, int) { a.v = v; }, "foreach scale", launches);
 }
 
 extern "C" size_t msk_sumsq_scratch(int n, const msk_member *m)
@@ -597,8 +639,8 @@ extern "C" ms_status msk_sumsq_run(ms_ctx *ctx, cudaStream_t s, void *dst, int d
                                    double *partials, unsigned *tickets, int *launches)
 {
     int64_t base = 0;   /* the partials of launch after launch follow each other in `partials` */
-    return launch_all<sumsq_args>(ctx, s, sumsq_kernel<SMALL_CAP>, sumsq_kernel<MSK_OPTIM_CAP>, n, m, sumsq_tiles,
-                                  [&](auto &a) {
+    return launch_all<MSK_OPTIM_CAP, sumsq_args>(ctx, s, sumsq_kernel<SMALL_CAP>, sumsq_kernel<MSK_OPTIM_CAP>, n, m,
+                                  sumsq_tiles, [&](auto &a, int) {
                                       a.dst = dst;
                                       a.dst_dtype = dst_dtype;
                                       a.partials = partials;

@@ -218,6 +218,39 @@ scenario("replicate", function()
   for _, m in ipairs(opt2.members) do assert(m.owner == nil and next(m.state) ~= nil, m.name .. ": not stepped here") end
 end)
 
+-- (3b) stochastic rounding: every parameter numbered in its route, a slice's elements in its whole parameter
+-- (moonstep.tensor.set_rng_origin), so owners and slices round bf16 parameters as one rank does, bit for bit
+local sr_spec = {
+  { "w", { 6, 5 } }, { "v", { 4, 8 } }, { "b", { 5 } }, { "u", { 3, 7 } },
+  { "rows", { 9, 6 }, shard = { "rows", { 0, 5 } } }, { "cols", { 6, 10 }, shard = { "cols", { 0, 4 } } },
+  { "stack", { 2, 4, 6 }, shard = { "cols", { 0, 2 } } }, { "stack_rows", { 3, 5, 4 }, shard = { "rows", { 0, 3 } } },
+}
+-- (SinkGD's sharded matrices match one rank to f32 rounding only: here its owned matrices, and its AdamW on
+-- owned vectors and on 8-bit row slices)
+local sr_sink_spec = { { "w", { 6, 5 } }, { "v", { 4, 8 } }, { "b", { 5 } }, { "u", { 3, 7 } },
+                       { "embed_tokens", { 32, 256 }, shard = { "rows", { 0, 16 } } } }
+scenario("stochastic_rounding", function()
+  for _, c in ipairs {
+    { "adamw", sr_spec, { lr = 0.01, weight_decay = 0.1, stochastic_round = true, seed = 5 } },
+    { "sgd", sr_spec, { lr = 0.01, momentum = 0.9, stochastic_round = true, seed = 5 } },
+    { "sinkgd", sr_sink_spec, { lr = 0.01, weight_decay = 0.1, bf16_stochastic_round = true, seed = 5 } },
+  } do
+    local recipe, spec, o = c[1], c[2], c[3]
+    local whole, slices, cuts = model(spec, 27, "bf16")
+    local ones = whole_entries(spec, whole)
+    local opt1 = ms.optim.new(recipe, ones, o)
+    local opt2 = ms.optim.new(recipe, slices, o, { comm = comm })
+    for t = 1, 3 do
+      fill(spec, t, ones, slices, cuts)
+      opt1:step() opt2:step()
+    end
+    for i, e in ipairs(slices) do check_same(e.param, slice_of(ones[i].param, cuts[i]), recipe .. " " .. e.name) end
+    if recipe == "sinkgd" then
+      assert(opt2.by_name.embed_tokens.member.state.exp_avg:dtype() == "u8", "8-bit moments on the rows slice")
+    end
+  end
+end)
+
 -- (4) a NaN gradient on one rank only: every rank skips (host and device checks)
 scenario("skip", function()
   for _, settings in ipairs { {}, { device_checks = true } } do
@@ -718,6 +751,9 @@ describe("several ranks (settings.comm) on the CPU, through `moonstep launch -n 
   end)
   it("stats: a sharded parameter's update norm is the whole parameter's", function() passes("stats_sharded") end)
   it("distribute = 'replicate': every rank steps every parameter, as one rank does", function() passes("replicate") end)
+  it("stochastic rounding: owners and slices (rows, columns, stacks) round as one rank does, bit for bit", function()
+    passes("stochastic_rounding")
+  end)
   it("a NaN gradient on one rank makes every rank skip (host and device checks); 'raise' raises on both", function()
     passes("skip")
   end)

@@ -47,6 +47,8 @@ struct ms_tensor {
     int64_t     shape[MS_MAX_DIMS];
     int64_t     strides[MS_MAX_DIMS];
     int64_t     offset;    /* in elements from storage->data */
+    bool        has_rng;   /* ms_tensor_set_rng_origin */
+    ms_rng_origin rng;
 };
 
 struct ms_ctx {
@@ -273,6 +275,40 @@ bool ms_tensor_contiguous_p(const ms_tensor *t);
 /* MS_E_LAYOUT when t cannot be written element by element: two of its elements may share an address (stride
 ** 0 or strides that do not nest); who names t in the message ("dst"). */
 ms_status ms_check_writable(ms_ctx *ctx, const char *fn, const char *who, const ms_tensor *t);
+/* Stochastic rounding's numbering of param p at position `index` of a call (ms_tensor_set_rng_origin),
+** resolved against p's shape.  The param is its whole's matrices sliced along one dim (rows = m or cols = n,
+** checked by the setter), so element e = (b, i, j) is numbered (b rows + row0 + i) cols + col0 + j =
+** e + base + (e / div) gap: div = n and gap = cols - n for a slice of columns, div = m n and gap = (rows - m)
+** cols for a slice of rows (div = 0: e itself). */
+typedef struct ms_rng_map {
+    uint32_t member;
+    int64_t  base, div, gap;
+} ms_rng_map;
+
+static inline ms_rng_map ms_rng_map_of(const ms_tensor *p, int index)
+{
+    ms_rng_map r = { (uint32_t)index, 0, 0, 0 };
+    if (p == NULL || !p->has_rng) return r;
+    r.member = p->rng.member;
+    if ((p->rng.rows != 0 || p->rng.cols != 0) && p->ndim >= 2) {
+        const int64_t m = p->shape[p->ndim - 2], n = p->shape[p->ndim - 1];
+        r.base = p->rng.row0 * p->rng.cols + p->rng.col0;
+        if (p->rng.cols != n) {
+            r.div = n;
+            r.gap = p->rng.cols - n;
+        } else if (p->rng.rows != m) {
+            r.div = m * n;
+            r.gap = (p->rng.rows - m) * p->rng.cols;
+        }
+    }
+    return r;
+}
+
+static inline uint64_t ms_rng_element(const ms_rng_map *r, int64_t e)
+{
+    return (uint64_t)(e + r->base + (r->div > 0 ? e / r->div * r->gap : 0));
+}
+
 static inline bool ms_dtype_is_float(ms_dtype dt)
 {
     return dt == MS_DTYPE_F32 || dt == MS_DTYPE_F64 || dt == MS_DTYPE_BF16 || dt == MS_DTYPE_F16;

@@ -266,6 +266,45 @@ MS_API int ms_tensor_is_writable(const ms_tensor *t)
     return t ? write_fault(t, &d) == 0 : 0;
 }
 
+MS_API ms_status ms_tensor_set_rng_origin(ms_tensor *t, const ms_rng_origin *o)
+{
+    const char *FN = "ms_tensor_set_rng_origin";
+    if (t == NULL) return MS_FAIL(NULL, MS_E_ARG, "%s: t is NULL", FN);
+    if (o == NULL) {
+        t->has_rng = false;
+        return MS_OK;
+    }
+    if (o->rows != 0 || o->cols != 0) {
+        if (t->ndim < 2)
+            return MS_FAIL(t->ctx, MS_E_ARG, "%s: rows and cols number a matrix's elements, and the tensor has %d dims",
+                           FN, t->ndim);
+        const int64_t m = t->shape[t->ndim - 2], n = t->shape[t->ndim - 1];
+        /* (each bound written so that no sum can overflow) */
+        if (o->rows < 0 || o->cols < 0 || o->row0 < 0 || o->col0 < 0 || o->row0 > o->rows - m || o->col0 > o->cols - n)
+            return MS_FAIL(t->ctx, MS_E_ARG,
+                           "%s: a [%lld, %lld] matrix at row %lld, column %lld does not fit in [%lld, %lld]", FN,
+                           (long long)m, (long long)n, (long long)o->row0, (long long)o->col0, (long long)o->rows,
+                           (long long)o->cols);
+        if (o->rows != m && o->cols != n)
+            return MS_FAIL(t->ctx, MS_E_ARG,
+                           "%s: a [%lld, %lld] matrix is a slice of [%lld, %lld] along one dim (rows %lld or cols %lld)",
+                           FN, (long long)m, (long long)n, (long long)o->rows, (long long)o->cols, (long long)m,
+                           (long long)n);
+        /* the numbers of the whole: (leading dims) x rows x cols within int64 */
+        int64_t whole = o->rows, lead = 1;
+        for (int d = 0; d < t->ndim - 2; d++) lead = t->shape[d] > 0 && lead > INT64_MAX / t->shape[d] ? -1 : lead * t->shape[d];
+        if (lead < 0 || (o->cols > 0 && whole > INT64_MAX / o->cols) ||
+            (whole * o->cols > 0 && lead > INT64_MAX / (whole * o->cols)))
+            return MS_FAIL(t->ctx, MS_E_ARG, "%s: the whole's elements (%lld x %lld a matrix) overflow int64", FN,
+                           (long long)o->rows, (long long)o->cols);
+    } else if (o->row0 != 0 || o->col0 != 0) {
+        return MS_FAIL(t->ctx, MS_E_ARG, "%s: row0 and col0 need the whole's rows and cols", FN);
+    }
+    t->rng = *o;
+    t->has_rng = true;
+    return MS_OK;
+}
+
 MS_API int ms_tensor_is_contiguous(const ms_tensor *t) { return t ? ms_tensor_contiguous_p(t) : 0; }
 MS_API int ms_tensor_owns_memory(const ms_tensor *t) { return t ? t->storage->owned : 0; }
 MS_API ms_ctx *ms_tensor_ctx(const ms_tensor *t) { return t ? t->ctx : NULL; }

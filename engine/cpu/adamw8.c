@@ -66,6 +66,7 @@ static void adamw8_blocks(const adamw8_call *c, int i, int64_t b0, int64_t nb)
     ms_cpu_view_of(&gv, c->grads[i]);
     uint8_t *cm = ms_tensor_ptr(c->codes[0][i]), *cv = ms_tensor_ptr(c->codes[1][i]);
     float *sm = ms_tensor_ptr(c->scale[0][i]), *sv = ms_tensor_ptr(c->scale[1][i]);
+    const ms_rng_map map = ms_rng_map_of(c->params[i], i);
     float gb[MS_ADAMW8_BLOCK_MAX], pb[MS_ADAMW8_BLOCK_MAX], m[MS_ADAMW8_BLOCK_MAX], v[MS_ADAMW8_BLOCK_MAX];
     for (int64_t b = b0; b < b0 + nb; b++) {
         int64_t e0 = b * B;
@@ -82,7 +83,7 @@ static void adamw8_blocks(const adamw8_call *c, int i, int64_t b0, int64_t nb)
             v[j] = vj;
             p[j] = p[j] * dec - ss * (mj / (sqrtf(vj) / bc2s + eps));
         }
-        if (p == pb) ms_cpu_store_param_f32(&pv, &c->round, i, e0, B, pb);
+        if (p == pb) ms_cpu_store_param_f32(&pv, &c->round, &map, e0, B, pb);
         encode_block(m, B, qs, cm + e0, &sm[b]);
         encode_block(v, B, qu, cv + e0, &sv[b]);
     }

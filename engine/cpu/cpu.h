@@ -87,9 +87,10 @@ typedef struct ms_cpu_rounding {
     uint32_t step;       /* lo32 of the step number */
 } ms_cpu_rounding;
 ms_cpu_rounding ms_cpu_rounding_of(bool stochastic, uint64_t seed, double step);
-/* Elements [e0, e0 + n) of member `member`'s contiguous param <- x (f32 params: stored as they are). */
-void ms_cpu_store_param_f32(const ms_cpu_view *pv, const ms_cpu_rounding *r, int member, int64_t e0, int64_t n,
-                            const float *x);
+/* Elements [e0, e0 + n) of a contiguous param <- x, numbered for stochastic rounding as `map` says
+** (ms_rng_map_of; f32 params: stored as they are). */
+void ms_cpu_store_param_f32(const ms_cpu_view *pv, const ms_cpu_rounding *r, const ms_rng_map *map, int64_t e0,
+                            int64_t n, const float *x);
 /* engine/cpu/sinkgd.c and engine/cpu/adamw8.c */
 ms_status ms_cpu_sinkgd_step(ms_ctx *ctx, int n, ms_tensor *const *params, const ms_tensor *const *grads,
                              ms_tensor *const *specnorm_u, ms_tensor *const *md_target_norm,

@@ -204,7 +204,7 @@ ms_status ms_cpu_blocks_apply(ms_ctx *ctx, int n, const ms_block *blocks, const 
                 const float f = (float)sk;
                 for (int64_t j = 0; j < c; j++) buf[j] = f * s[j];
             }
-            ms_cpu_store_param_f32(&v, &round, ids ? ids[k] : k, e0, c, buf);
+            ms_cpu_store_param_f32(&v, &round, &(ms_rng_map){ .member = (uint32_t)(ids ? ids[k] : k) }, e0, c, buf);
         }
         free(buf);
     }

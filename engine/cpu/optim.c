@@ -119,7 +119,8 @@ static double *inplace_f64(const ms_cpu_view *v, int64_t e0, int64_t n, double *
 **                                              f in [0, 1), exact; 0 when x is representable)
 **   w0..w3 = Philox4x32-10(counter = {lo32(e), hi32(e), lo32(step), member}, key = {lo32(seed), hi32(seed)})
 ** where e is the element's row-major index in its member, step the rounded step number (0 if negative or not
-** finite, as a step_t may hold) and member the index in the call, the stored value is hi iff
+** finite, as a step_t may hold) and member the index in the call (or the numbers of the param's origin:
+** ms_tensor_set_rng_origin), the stored value is hi iff
 ** (w0 >> 8) < f * 2^24 (compared exactly), else lo.  So P(hi) = f
 ** (up to 2^-24 for f16 subnormals) and the expected stored value is x.  In integers: bf16 drops 16 bits,
 ** f * 2^24 = dropped << 8; f16 normals drop 13, f * 2^24 = dropped << 11; f16 subnormals (|x| < 2^-14) have
@@ -166,9 +167,10 @@ static rounding rounding_of(bool stochastic, uint64_t seed, double step)
     return (rounding){ stochastic, { (uint32_t)seed, (uint32_t)(seed >> 32) }, step_word(step) };
 }
 
-/* Elements [e0, e0 + n) of a contiguous bf16/f16 param (member `member`) <- x: round to nearest even, or
-** stochastically as defined above.  Other dtypes are stored as ms_cpu_store_f32 stores them. */
-static void store_param_f32(const ms_cpu_view *pv, const rounding *r, int member, int64_t e0, int64_t n,
+/* Elements [e0, e0 + n) of a contiguous bf16/f16 param <- x: round to nearest even, or stochastically as
+** defined above, with the element and member numbers of `map` (ms_rng_map_of: the param's origin, else its
+** own).  Other dtypes are stored as ms_cpu_store_f32 stores them. */
+static void store_param_f32(const ms_cpu_view *pv, const rounding *r, const ms_rng_map *map, int64_t e0, int64_t n,
                             const float *x)
 {
     if (!r->stochastic || (pv->dtype != MS_DTYPE_BF16 && pv->dtype != MS_DTYPE_F16)) {
@@ -178,8 +180,8 @@ static void store_param_f32(const ms_cpu_view *pv, const rounding *r, int member
     uint16_t *dst = (uint16_t *)pv->base + e0;
     bool bf16 = pv->dtype == MS_DTYPE_BF16;
     for (int64_t j = 0; j < n; j++) {
-        uint64_t e = (uint64_t)(e0 + j);
-        uint32_t ctr[4] = { (uint32_t)e, (uint32_t)(e >> 32), r->step, (uint32_t)member }, w[4];
+        uint64_t e = ms_rng_element(map, e0 + j);
+        uint32_t ctr[4] = { (uint32_t)e, (uint32_t)(e >> 32), r->step, map->member }, w[4];
         ms_cpu_philox(ctr, r->key, w);
         dst[j] = bf16 ? sr_bf16(x[j], w[0] >> 8) : sr_f16(x[j], w[0] >> 8);
     }
@@ -252,7 +254,10 @@ static void adamw_block(const void *call, int i, int64_t e0, int64_t len)
         float *p = inplace_f32(&pv, e0, len, pb), *m = inplace_f32(&mv, e0, len, mb);
         float *v = inplace_f32(&vv, e0, len, vb);
         ADAMW_ELEMENTS(float);
-        if (p == pb) store_param_f32(&pv, &c->round, i, e0, len, pb);
+        if (p == pb) {
+            const ms_rng_map map = ms_rng_map_of(c->params[i], i);
+            store_param_f32(&pv, &c->round, &map, e0, len, pb);
+        }
         if (m == mb) ms_cpu_store_f32(&mv, e0, len, mb);
         if (v == vb) ms_cpu_store_f32(&vv, e0, len, vb);
     }
@@ -329,7 +334,10 @@ static void sgd_block(const void *call, int i, int64_t e0, int64_t len)
         const float *g = ms_cpu_load_f32(&gv, e0, len, gb);
         float *p = inplace_f32(&pv, e0, len, pb), *b = c->buf ? inplace_f32(&bv, e0, len, bb) : NULL;
         SGD_ELEMENTS(float);
-        if (p == pb) store_param_f32(&pv, &c->round, i, e0, len, pb);
+        if (p == pb) {
+            const ms_rng_map map = ms_rng_map_of(c->params[i], i);
+            store_param_f32(&pv, &c->round, &map, e0, len, pb);
+        }
         if (b == bb) ms_cpu_store_f32(&bv, e0, len, bb);
     }
 }
@@ -450,8 +458,8 @@ ms_cpu_rounding ms_cpu_rounding_of(bool stochastic, uint64_t seed, double step)
     return rounding_of(stochastic, seed, step);
 }
 
-void ms_cpu_store_param_f32(const ms_cpu_view *pv, const ms_cpu_rounding *r, int member, int64_t e0, int64_t n,
-                            const float *x)
+void ms_cpu_store_param_f32(const ms_cpu_view *pv, const ms_cpu_rounding *r, const ms_rng_map *map, int64_t e0,
+                            int64_t n, const float *x)
 {
-    store_param_f32(pv, r, member, e0, n, x);
+    store_param_f32(pv, r, map, e0, n, x);
 }

@@ -23,6 +23,7 @@
 /* One matrix of a member: G is a 2-D strided view of the grad; p and its state are contiguous. */
 typedef struct mat {
     int         member;
+    uint32_t    rng_member; /* the stochastic rounding's member word: the param's origin's, else `member` */
     int64_t     b;          /* index among the member's leading dims */
     int64_t     m, n;
     ms_cpu_view g;          /* [m, n] */
@@ -256,7 +257,7 @@ static void apply(const call *cl, const mat *x, const work *k, double dec, doubl
             const double *g = ms_cpu_load_f64(&x->g, i * x->n + j0, len, gb);
             const double *w = ms_cpu_load_f64(&x->p, e, len, pb);
             for (int64_t j = 0; j < len; j++) out[j] = (float)((w[j] * dec - coef * (ri * g[j] * k->c[j0 + j])) * fac);
-            ms_cpu_store_param_f32(&x->p, &cl->round, x->member, e, len, out);
+            ms_cpu_store_param_f32(&x->p, &cl->round, &(ms_rng_map){ .member = x->rng_member }, e, len, out);
         }
     }
 }
@@ -336,6 +337,7 @@ ms_status ms_cpu_sinkgd_step(ms_ctx *ctx, int n, ms_tensor *const *params, const
             for (int64_t b = 0; b < B; b++) {
                 mat *x = &mats[big ? nbig++ : nbig + nsmall++];   /* every big one is placed before */
                 x->member = i;
+                x->rng_member = ms_rng_map_of(p, i).member;
                 x->b = b;
                 x->m = m;
                 x->n = nn;
@@ -583,13 +585,13 @@ static void ph_sphere_send(const sharded *S, smat *s, int nt)
 static void store_global(const call *cl, const mat *x, int64_t e, int64_t ge, int64_t len, const float *out)
 {
     if (e == ge || !cl->round.stochastic) {
-        ms_cpu_store_param_f32(&x->p, &cl->round, x->member, e, len, out);
+        ms_cpu_store_param_f32(&x->p, &cl->round, &(ms_rng_map){ .member = x->rng_member }, e, len, out);
         return;
     }
     int64_t esz = (int64_t)ms_dtype_size(x->p.dtype);
     ms_cpu_view v = { .ndim = 1, .shape = { ge + len }, .strides = { 1 }, .dtype = x->p.dtype,
                       .base = (char *)((uintptr_t)x->p.base + (uintptr_t)(e * esz) - (uintptr_t)(ge * esz)) };
-    ms_cpu_store_param_f32(&v, &cl->round, x->member, ge, len, out);
+    ms_cpu_store_param_f32(&v, &cl->round, &(ms_rng_map){ .member = x->rng_member }, ge, len, out);
 }
 
 /* p <- (p * dec - coef * X) * fac on the slice, as apply() */
@@ -767,8 +769,8 @@ ms_status ms_cpu_sinkgd_step_sharded(ms_ctx *ctx, int n, ms_tensor *const *param
                 if (dim != MS_SHARD_NONE) at_s += 3;
                 if (big != (pass == 0)) continue;
 
-                mat x = { .member = i, .b = b, .m = m, .n = nn, .eta = lr * (scales ? scales[i] : 1.0),
-                          .e0 = b * m * nn };
+                mat x = { .member = i, .rng_member = ms_rng_map_of(p, i).member, .b = b, .m = m, .n = nn,
+                          .eta = lr * (scales ? scales[i] : 1.0), .e0 = b * m * nn };
                 int64_t goff = 0, rest = b;   /* the grad's element offset of matrix b (row-major lead index) */
                 for (int d = nd - 3; d >= 0 && m * nn > 0; d--) {
                     goff += (rest % g->shape[d]) * g->strides[d];

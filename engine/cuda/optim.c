@@ -58,6 +58,9 @@ typedef struct call {
     msk_member *m;
     int         n;
     ms_tensor **tmp;        /* [n], NULL entries for members without a temporary */
+    int        *pos;        /* [n]: member k's position in the call (steps) */
+    msk_rng    *rng;        /* [n] or NULL: the stochastic rounding's element numbers (steps; NULL when none is
+                            ** a slice of a whole) */
     int         extra;      /* launches beyond the kernels (copies) */
 } call;
 
@@ -67,9 +70,11 @@ static ms_status call_new(ms_ctx *ctx, int n, call *c)
     c->ctx = ctx;
     c->m = calloc((size_t)(n > 0 ? n : 1), sizeof *c->m);
     c->tmp = calloc((size_t)(n > 0 ? n : 1), sizeof *c->tmp);
-    if (c->m == NULL || c->tmp == NULL) {
+    c->pos = calloc((size_t)(n > 0 ? n : 1), sizeof *c->pos);
+    if (c->m == NULL || c->tmp == NULL || c->pos == NULL) {
         free(c->m);
         free(c->tmp);
+        free(c->pos);
         return MS_FAIL(ctx, MS_E_OOM, "cuda: no host memory for the table of %d members", n);
     }
     return MS_OK;
@@ -80,6 +85,8 @@ static void call_free(call *c)
     for (int i = 0; c->tmp && i < c->n; i++) ms_tensor_free(c->tmp[i]);
     free(c->m);
     free(c->tmp);
+    free(c->pos);
+    free(c->rng);
 }
 
 /* The strided operand of member k: t itself when its layout fits two dims, else a contiguous copy (slot k's
@@ -103,7 +110,9 @@ static ms_status strided_operand(call *c, int k, const ms_tensor *t, const void 
     return MS_OK;
 }
 
-/* Members of a step: param, grad, up to two states; members of 0 elements are left out (nothing to do). */
+/* Members of a step: param, grad, up to two states; members of 0 elements are left out (nothing to do).  The
+** member word of the stochastic rounding and its element numbers come from each param's origin
+** (ms_rng_map_of). */
 static ms_status step_members(call *c, int n, ms_tensor *const *params, const ms_tensor *const *grads,
                               ms_tensor *const *s0, ms_tensor *const *s1, const double *scales)
 {
@@ -111,12 +120,19 @@ static ms_status step_members(call *c, int n, ms_tensor *const *params, const ms
         if (ms_tensor_numel(params[i]) == 0) continue;
         int k = c->n++;
         msk_member *m = &c->m[k];
+        const ms_rng_map map = ms_rng_map_of(params[i], i);
+        if (map.base != 0 || map.div != 0) {
+            if (c->rng == NULL && (c->rng = calloc((size_t)n, sizeof *c->rng)) == NULL)
+                return MS_FAIL(c->ctx, MS_E_OOM, "cuda: no host memory for the table of %d members", n);
+            c->rng[k] = (msk_rng){ map.base, map.div, map.gap };
+        }
+        c->pos[k] = i;
         m->x = ms_tensor_ptr(params[i]);
         m->s0 = s0 ? ms_tensor_ptr(s0[i]) : NULL;
         m->s1 = s1 ? ms_tensor_ptr(s1[i]) : NULL;
         m->numel = ms_tensor_numel(params[i]);
         m->scale = scales ? scales[i] : 1.0;
-        m->index = i;
+        m->index = (int32_t)map.member;
         m->xdt = (int8_t)params[i]->dtype;
         m->gdt = (int8_t)grads[i]->dtype;
         MS_TRY(strided_operand(c, k, grads[i], &m->g));
@@ -169,7 +185,8 @@ ms_status ms_cuda_adamw_step(ms_ctx *ctx, int n, ms_tensor *const *params, const
         k.bc2_sqrt = sqrt(1.0 - pow(o->beta2, step));
     }
     int launches = 0;
-    if (st == MS_OK) st = ms_cuda_note_failure(ctx, msk_adamw_run(ctx, STREAM(ctx), &k, c.n, c.m, &launches));
+    const msk_rng *rng = o->stochastic_round ? c.rng : NULL;
+    if (st == MS_OK) st = ms_cuda_note_failure(ctx, msk_adamw_run(ctx, STREAM(ctx), &k, c.n, c.m, rng, &launches));
     if (st == MS_OK) {
         track_all(ctx, n, (const ms_tensor *const *)params, grads, exp_avg, exp_avg_sq);
         ms_cuda_track_tensor(ctx, o->lr_t);
@@ -194,7 +211,8 @@ ms_status ms_cuda_sgd_step(ms_ctx *ctx, int n, ms_tensor *const *params, const m
         .state_dtype = momentum_buf && n > 0 ? momentum_buf[0]->dtype : MS_DTYPE_F32, .seed = o->seed,
     };
     int launches = 0;
-    if (st == MS_OK) st = ms_cuda_note_failure(ctx, msk_sgd_run(ctx, STREAM(ctx), &k, c.n, c.m, &launches));
+    const msk_rng *rng = o->stochastic_round ? c.rng : NULL;
+    if (st == MS_OK) st = ms_cuda_note_failure(ctx, msk_sgd_run(ctx, STREAM(ctx), &k, c.n, c.m, rng, &launches));
     if (st == MS_OK) {
         track_all(ctx, n, (const ms_tensor *const *)params, grads, momentum_buf, NULL);
         ms_cuda_track_tensor(ctx, o->lr_t);
@@ -324,10 +342,11 @@ ms_status ms_cuda_adamw8_step(ms_ctx *ctx, int n, ms_tensor *const *params, cons
     }
     if (st == MS_OK) {
         for (int j = 0; j < c.n; j++) {
-            int i = c.m[j].index;
+            int i = c.pos[j];
             mm[j].t = c.m[j];
             mm[j].m_scale = ms_tensor_ptr(exp_avg_scale[i]);
             mm[j].v_scale = ms_tensor_ptr(exp_avg_sq_scale[i]);
+            if (c.rng) mm[j].rng = c.rng[j];
         }
         k->a = (msk_adamw){
             .lr = ms_cuda_scalar(o->lr, o->lr_t), .step = ms_cuda_scalar(o->step, o->step_t), .skip = ms_cuda_scalar(0, o->skip_t),

@@ -84,7 +84,7 @@ static ms_status make_mats(ms_ctx *ctx, const char *fn, int n, ms_tensor *const 
             x->e0 = dim == MS_SHARD_ROWS ? (b * mg + off) * nn : dim == MS_SHARD_COLS ? b * m * ng + off : b * m * nn;
             x->b = b;
             x->scale = scales ? scales[i] : 1.0;
-            x->member = i;
+            x->member = (int32_t)ms_rng_map_of(p, i).member;
             x->gdt = (int8_t)g->dtype;
             x->pdt = (int8_t)p->dtype;
             if (dim != MS_SHARD_NONE) {

@@ -555,6 +555,30 @@ MS_API void ms_tensor_set_free(ms_tensor_set *set);
 ** `scales` (optional, n entries) multiplies the learning rate per member (e.g. width transfer).
 ** ------------------------------------------------------------------------------------------------- */
 
+/* Stochastic rounding's numbering of a param.  The fused steps that round bf16/f16 params stochastically
+** (ms_adamw_step, ms_sgd_step, ms_adamw8_step, ms_sinkgd_step) draw element e's random number from the Philox
+** counter (element, step, member), by default element = e (row-major in the param) and member = the param's
+** index in the call.  A param that is a part of a larger whole -- one parameter of a list a rank steps only
+** some of (owner mode), a slice of a matrix split across ranks -- can be given the numbers it has in that whole,
+** so that every split of the whole rounds as one call over it does, bit for bit.  With an origin set on a
+** param [..., m, n]:
+**   member  = origin.member
+**   element = (b * rows + row0 + i) * cols + col0 + j     for element e = (b, i, j) of the param's matrices
+** (b the index over the leading dims; the param is a slice along one dim: rows = m or cols = n); rows = cols =
+** 0 numbers the elements as they are (e).  ms_sinkgd_step takes the member only: its sharded slices number
+** their elements in their whole matrix already. */
+typedef struct ms_rng_origin {
+    uint32_t member;
+    int64_t  rows, cols;   /* the whole's matrix dims (both 0: the param's own numbering) */
+    int64_t  row0, col0;   /* where the param's [m, n] lies in each [rows, cols] */
+} ms_rng_origin;
+
+/* Sets (origin NULL: clears) the numbering of t's stochastic rounding.  It belongs to the handle t, not to its
+** views or its storage.  MS_E_ARG: rows or cols given (either nonzero) for a tensor of fewer than 2 dims, a
+** [row0, row0 + m) x [col0, col0 + n) that does not fit in [0, rows) x [0, cols) or is not a slice along one
+** dim, row0 or col0 without rows and cols, or a whole whose elements overflow int64. */
+MS_API ms_status ms_tensor_set_rng_origin(ms_tensor *t, const ms_rng_origin *origin);
+
 /* dst [n] (f32 or f64) <- sum of squares of each src, accumulated in f32 (f64 for f64 sources) in a fixed
 ** order; a NaN or Inf anywhere in src i makes dst[i] non-finite.  Sources: any float dtype and layout. */
 MS_API ms_status ms_foreach_sumsq(ms_ctx *ctx, ms_tensor *dst, int n, const ms_tensor *const *srcs);
@@ -581,7 +605,8 @@ typedef struct ms_adamw_options {
 ** Computed in f32 (f64 for f64 params).  params: f32, f64, bf16 or f16, contiguous; grads: any float dtype,
 ** same shape, any layout; exp_avg / exp_avg_sq: f32 or bf16 (the same dtype for all), same shape,
 ** contiguous.  With stochastic_round, a bf16/f16 param is stored rounded up with probability equal to the
-** position between its two neighbours, from Philox keyed by seed with counter (element, step, member).
+** position between its two neighbours, from Philox keyed by seed with counter (element, step, member)
+** (ms_tensor_set_rng_origin: by default the element's index and the member's position in the call).
 ** Errors: MS_E_SHAPE, MS_E_DTYPE, MS_E_LAYOUT, MS_E_ARG (NULL arrays or members, lr/betas out of range). */
 MS_API ms_status ms_adamw_step(ms_ctx *ctx, int n, ms_tensor *const *params, const ms_tensor *const *grads,
                                ms_tensor *const *exp_avg, ms_tensor *const *exp_avg_sq, const double *scales,

@@ -26,7 +26,7 @@ ms.json = json
 -- the tensor surface
 for _, name in ipairs {
   "context", "device", "set_default_device", "get_default_device", "empty", "full", "zeros", "ones",
-  "tensor", "rand", "randn", "manual_seed", "rng_state", "set_rng_state", "is_tensor", "broadcast_shapes",
+  "tensor", "rand", "randn", "manual_seed", "rng_state", "set_rng_state", "is_tensor", "broadcast_shapes", "set_rng_origin",
   "lerp", "addcmul", "addcdiv", "dot", "matmul", "eye", "diag", "eigh",
 } do ms[name] = tensor[name] end
 for _, name in ipairs {

@@ -547,6 +547,22 @@ local function assign_owners(entries, world)
   for k, x in ipairs(small) do x.e.owner = (k - 1) % world end
 end
 
+-- The numbers member m's stochastic rounding draws (moonstep.tensor.set_rng_origin): its place among the
+-- parameters of its route in entry order (each route's calls are keyed apart: ctx.rng_key), and a slice's
+-- elements numbered in the whole parameter.  A route with one group steps them in that order, so a recipe that
+-- steps its group in one call rounds as it did by position; any split over ranks (owners stepping some of the
+-- members, slices, whose groups are apart) rounds as one rank does, bit for bit, and no two members of a route
+-- draw the same numbers.
+local function rng_origin(m, member, shard)
+  local o = { member = member }
+  if shard then
+    local shape = shard.shape
+    o.rows, o.cols = shape[#shape - 1], shape[#shape]
+    if shard.dim == "rows" then o.row0 = shard.offset else o.col0 = shard.offset end
+  end
+  tensor.set_rng_origin(m.param, o)
+end
+
 -- a member's part in the world: sharded (every rank steps its slice), owned (stepped = false elsewhere) or
 -- replicated; `counted`: its sum of squares goes into the global norm from this rank
 local function dist_member(self, e, m)
@@ -783,6 +799,7 @@ function build(recipe, params, options, settings, progress)
   -- first appearance
   local group_of = {}
   local route_count = {}
+  local rng_count = {}   -- members so far of each route (rng_origin)
   for _, e in ipairs(entries) do
     local info = param_info(e)
     -- (every table the runtime keeps and hands an untrusted recipe is kept before the recipe sees it: what the
@@ -817,6 +834,8 @@ function build(recipe, params, options, settings, progress)
     g[#g + 1] = m
     e.member, e.group = m, g
     self.members[#self.members + 1] = m
+    rng_count[route] = (rng_count[route] or 0) + 1
+    rng_origin(m, rng_count[route] - 1, e.shard)
   end
 
   -- a group whose options give another lr (a per-parameter or route override) steps with that multiple of

@@ -426,6 +426,35 @@ function Tensor:context() return M.ctx_object(self) end
 
 function M.is_tensor(x) return type(x) == "table" and handle[x] ~= nil end
 
+--- set_rng_origin(t, {member =, rows =, cols =, row0 =, col0 =}) numbers t's stochastic rounding as a part of a
+--- larger whole (moonstep.h, ms_tensor_set_rng_origin): the member word, and for a slice of a matrix (or of a
+--- stack of them) along one dim, the whole matrix's dims and where the slice starts (rows, cols, row0, col0:
+--- 0 when left out).  nil clears it.  The optimizer runtime sets it on every parameter it steps.
+local ORIGIN_KEYS = { member = true, rows = true, cols = true, row0 = true, col0 = true }
+function M.set_rng_origin(t, origin)
+  M.need_tensor("set_rng_origin", "t", t, 2)
+  if origin == nil then
+    core.check(C.ms_tensor_set_rng_origin(HM(t), nil), 2)
+    return t
+  end
+  if type(origin) ~= "table" then
+    error("set_rng_origin: origin must be a table {member =, rows =, cols =, row0 =, col0 =} or nil (got " ..
+          core.show(origin) .. ")", 2)
+  end
+  core.check_keys("set_rng_origin", origin, ORIGIN_KEYS, 2, "key")
+  local o = ffi.new("ms_rng_origin")
+  for k in pairs(ORIGIN_KEYS) do
+    local v, top = origin[k] or 0, k == "member" and 2 ^ 32 or 2 ^ 53
+    if type(v) ~= "number" or v ~= math.floor(v) or v < 0 or v >= top then
+      error(("set_rng_origin: %s must be an integer in [0, 2^%d) (got %s)"):format(k, top == 2 ^ 32 and 32 or 53,
+            core.show(origin[k])), 2)
+    end
+    o[k] = v
+  end
+  core.check(C.ms_tensor_set_rng_origin(HM(t), o), 2)
+  return t
+end
+
 --- Raises "<what>: <name> must be a tensor (got ...)" at `level` of the caller unless v is a tensor: the
 --- module-level forms (ms.abs(x), ms.matmul(a, b), ...) otherwise failed inside, as "attempt to index a number".
 function M.need_tensor(what, name, v, level)
