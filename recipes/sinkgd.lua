@@ -294,7 +294,8 @@ return {
           if #set.params > 0 then
             set.lr, set.skip = ctx.lr_t, ctx.skip_t
             set.beta1, set.beta2, set.eps, set.weight_decay = o.betas[1], o.betas[2], o.eps, 0
-            -- two calls, two random streams (each numbers its members from 0)
+            -- two calls, two random streams (a direct engine call numbers its members from 0; the runtime's
+            -- members carry their place in the route: ms.set_rng_origin)
             set.seed = ctx.rng_key(o.seed, set == q and 0 or 1)
             set.stochastic_round, set.block_size = o.bf16_stochastic_round, o.block_size
             if set == q then ms.adamw8_step(set) else set.block_size = nil ms.adamw_step(set) end

@@ -122,6 +122,7 @@ describe("ms.set_rng_origin", function()
       { t, { member = 2 ^ 32 }, "member must be an integer in [0, 2^32)" },
       { t, { member = -1 }, "member must be an integer in [0, 2^32)" },
       { t, { rows = 1.5, cols = 6 }, "rows must be an integer in [0, 2^53)" },
+      { t, { rows = false, cols = 6 }, "rows must be an integer in [0, 2^53) (got false)" },
       { t, { member = 0, colz = 1 }, "colz" },
       { t, 3, "origin must be a table" },
       { 3, {}, "t must be a tensor" },
@@ -131,6 +132,37 @@ describe("ms.set_rng_origin", function()
     -- a refused origin changes nothing: t keeps the one it had
     ms.set_rng_origin(t, { member = 3, rows = 8, cols = 6, row0 = 4 })
     H.expect_error(function() ms.set_rng_origin(t, { rows = 8, cols = 12 }) end, "along one dim")
+  end)
+
+  it("the runtime numbers its own handles: the caller's tensors, and other optimizers over them, keep theirs", function()
+    local seed = H.seed()
+    local w0 = ms.randn({ 64, 64 }, { seed = seed, offset = 1 }):to("bf16")
+    local g0 = ms.randn({ 64, 64 }, { seed = seed, offset = 2 }):to("bf16")
+    local o = { lr = 0.01, stochastic_round = true, seed = 5 }
+    local function entry(name, p)
+      return { name = name, param = p, grad = p:numel() == g0:numel() and g0:clone() or ms.ones(p:shape(), { dtype = "bf16" }) }
+    end
+    -- w and v: the same values and gradients, members 1 and 2 of one route
+    local function run(second)
+      local a, w, v = ms.randn({ 8 }, { seed = seed, offset = 3 }):to("bf16"), w0:clone(), w0:clone()
+      local opt1 = ms.optim.new("adamw", { entry("a", a), entry("w", w), entry("v", v) }, o)
+      if second then ms.optim.new("adamw", { entry("v", v) }, o) end   -- v alone: member 0 of this one
+      opt1:step()
+      return vals(w), vals(v)
+    end
+    local w1, v1 = run(false)
+    local w2, v2 = run(true)
+    assert.is_false(H.same_bits(w1, v1), "two members of a route drew the same numbers")
+    H.assert_same(v2, v1, "v in the first optimizer, with a second optimizer over it")
+    H.assert_same(w2, w1, "w in the first optimizer, with a second optimizer over v")
+    -- a direct call on a tensor an optimizer holds numbers it by its place in that call, as any tensor
+    local held, fresh = w0:clone(), w0:clone()
+    ms.optim.new("adamw", { entry("a", ms.zeros({ 8 }, { dtype = "bf16" })), entry("held", held) }, o)
+    for _, p in ipairs { held, fresh } do
+      ms.adamw_step { params = { p }, grads = { g0 }, exp_avg = { ms.zeros(p:shape()) }, exp_avg_sq = { ms.zeros(p:shape()) },
+                      lr = 0.01, step = 1, stochastic_round = true, seed = 5 }
+    end
+    H.assert_same(vals(held), vals(fresh), "a direct step of a tensor an optimizer holds")
   end)
 
   H.cuda_it("adamw: a call of 300 members, two of them slices, takes the tables with element numbers (past one launch)", function()

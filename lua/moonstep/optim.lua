@@ -53,10 +53,14 @@ Checkpoints keep these counts.
 
 ctx.rng_key(seed, k) is the Philox key of the k-th random stream (k = 0..7) of the route being stepped: the
 32-bit seed in the key's low word, the route's place among the recipe's routes (by name, sorted) and k in its
-high word.  An engine call numbers its members from 0, so two calls keyed by the same seed (two routes, a
-route's 8-bit and f32 AdamW calls) would round member 0's elements with the same uniforms; keyed by rng_key, no
-two routes share a stream.  The groups of one route share theirs: what a matrix draws from the key alone (SinkGD's
-first power vector) is then the same whether it is sharded or whole, alone in its group or not.
+high word.  An engine call numbers its members from 0 by their place in it, unless a member's param carries an
+origin (ms.set_rng_origin): the runtime gives every parameter its place among its route's parameters (entry
+order) and a slice its elements' numbers in the whole parameter, on its own handle of the tensor (m.param, an
+alias: the caller's handle is left as it was), so a route's members never draw the same numbers, and a split
+over ranks or calls (owners, slices, a route's 8-bit and f32 AdamW calls) rounds as one call over the whole
+does.  Keyed by rng_key, no two routes share a stream.  The groups of one route share theirs: what a matrix draws
+from the key alone (SinkGD's first power vector) is then the same whether it is sharded or whole, alone in its
+group or not.
 
 Several ranks (settings.comm of N > 1 ranks).  Every rank makes its optimizer with the same recipe, options,
 settings and parameters (same names, same order); the checks at creation (two all-gathers) name what differs
@@ -823,8 +827,9 @@ function build(recipe, params, options, settings, progress)
       group_of[gkey] = g
       self.groups[#self.groups + 1] = g
     end
-    local m = { name = e.name, param = e.param, grad = e.grad, tags = info.tags, info = info, state = {}, route = route,
-                lag = 0, absent_from = e.grad == nil and 0 or nil }
+    -- (m.param: the optimizer's own handle on the caller's tensor, which carries the rounding's origin)
+    local m = { name = e.name, param = tensor.alias(e.param), grad = e.grad, tags = info.tags, info = info, state = {},
+                route = route, lag = 0, absent_from = e.grad == nil and 0 or nil }
     if self.dist then dist_member(self, e, m) end
     if settings.master_weights and m.stepped ~= false and (e.param:dtype() == "bf16" or e.param:dtype() == "f16") then
       m.model_param = e.param

@@ -426,11 +426,17 @@ function Tensor:context() return M.ctx_object(self) end
 
 function M.is_tensor(x) return type(x) == "table" and handle[x] ~= nil end
 
+--- A new handle on t's elements (same storage, shape and strides): what a holder that sets properties of a
+--- handle (set_rng_origin) keeps, so that the caller's own handle stays as it was.
+function M.alias(t) return t:expand(t:shape()) end
+
 --- set_rng_origin(t, {member =, rows =, cols =, row0 =, col0 =}) numbers t's stochastic rounding as a part of a
 --- larger whole (moonstep.h, ms_tensor_set_rng_origin): the member word, and for a slice of a matrix (or of a
 --- stack of them) along one dim, the whole matrix's dims and where the slice starts (rows, cols, row0, col0:
---- 0 when left out).  nil clears it.  The optimizer runtime sets it on every parameter it steps.
+--- 0 when left out).  nil clears it.  The optimizer runtime sets it on its own handles of the parameters it
+--- steps (M.alias), never on the caller's.
 local ORIGIN_KEYS = { member = true, rows = true, cols = true, row0 = true, col0 = true }
+local ORIGIN_ORDER = { "member", "rows", "cols", "row0", "col0" }   -- (the first bad one named: always the same)
 function M.set_rng_origin(t, origin)
   M.need_tensor("set_rng_origin", "t", t, 2)
   if origin == nil then
@@ -443,8 +449,9 @@ function M.set_rng_origin(t, origin)
   end
   core.check_keys("set_rng_origin", origin, ORIGIN_KEYS, 2, "key")
   local o = ffi.new("ms_rng_origin")
-  for k in pairs(ORIGIN_KEYS) do
-    local v, top = origin[k] or 0, k == "member" and 2 ^ 32 or 2 ^ 53
+  for _, k in ipairs(ORIGIN_ORDER) do
+    local v, top = origin[k], k == "member" and 2 ^ 32 or 2 ^ 53
+    if v == nil then v = 0 end
     if type(v) ~= "number" or v ~= math.floor(v) or v < 0 or v >= top then
       error(("set_rng_origin: %s must be an integer in [0, 2^%d) (got %s)"):format(k, top == 2 ^ 32 and 32 or 53,
             core.show(origin[k])), 2)
