@@ -242,16 +242,17 @@ local function search_work(what, seconds)
   g.count = g.count + periods
 end
 -- The C function runs under pcall so that its time is charged whatever it does; its own error (a bad argument,
--- a malformed pattern) is raised again at the recipe's call, as a tail call of it named the recipe's line and
--- the function (through pcall the name is '?').  (Tail-called from the wrappers: level 2 is the recipe.)
+-- a malformed pattern) is raised again at the recipe's call (`level` of the caller), as a tail call of it named
+-- the recipe's line and the function (through pcall the name is '?').
+local function raise_as(name, e, level)
+  if type(e) == "string" then e = str_gsub(e, "^(bad argument #%d+ to )'%?'", "%1'" .. name .. "'") end
+  error(e, level + 1)
+end
+-- (tail-called from the wrappers: level 2 is the recipe)
 local function searched(what, name, t0, ok, ...)
   if not ok and heap_refused() then error((...), 0) end   -- (the guard names the memory limit)
   search_work(what, clock() - t0)
-  if not ok then
-    local e = ...
-    if type(e) == "string" then e = str_gsub(e, "^(bad argument #%d+ to )'%?'", "%1'" .. name .. "'") end
-    error(e, 2)
-  end
+  if not ok then raise_as(name, (...), 2) end
   return ...
 end
 -- gmatch's iterators (trusted closures) -> their subject: the retained-memory walk counts it, as it counts a
@@ -403,11 +404,7 @@ local safe_string = {
     -- heap cap refused (the guard names the memory limit)
     if not ok and (inside or heap_refused()) then error(r, 0) end
     search_work("string.gsub", clock() - t0 - replacing)
-    if not ok then
-      -- gsub's own: the recipe's call's, as the others' (searched)
-      if type(r) == "string" then r = str_gsub(r, "^(bad argument #%d+ to )'%?'", "%1'gsub'") end
-      error(r, 2)
-    end
+    if not ok then raise_as("gsub", r, 2) end   -- (gsub's own: the recipe's call's, as the others')
     return copied("string.gsub", r, count)
   end,
   format = function(fmt, ...)
