@@ -372,6 +372,16 @@ describe("the recipe sandbox", function()
     end, "retained memory limit")
   end)
 
+  it("bounds a call's wall-clock time when asked (seconds): a loop of `..` that rebuilds an existing string", function()
+    -- each `s .. s` copies and compares 2 MiB and allocates nothing (the result exists): ~0.1 ms an iteration
+    -- for 4 instructions, days under the default instruction limit
+    local bomb = "local s = ('x'):rep(2^20) local keep = s .. s for i = 1, 1e9 do local t = s .. s end"
+    fails(function() run({ step = bomb }, { sandbox = { seconds = 1 } }) end, "time limit of 1 s exceeded", 4)
+    -- a call within it runs, and every call gets the whole time
+    local o = run({ step = "local n = 0 for i = 1, 1e5 do n = n + i end ctx.report('n', n)" }, { sandbox = { seconds = 1 } }, 3)
+    assert.equals(5000050000, o:stats().last.reports.n)
+  end)
+
   it("counts the elements of ops over expanded views, which loop in C and allocate nothing", function()
     -- an expanded view costs no memory and no quota, and an op over it ran out of the hook's reach: the sum of
     -- 2^34 elements took 20 s here under an instruction limit that stops a loop in 0.25 s, and 2^50 would take days
@@ -658,6 +668,7 @@ describe("the recipe sandbox", function()
   it("checks its settings", function()
     H.expect_error(function() run({}, { sandbox = { instructions = -1 } }) end, "sandbox limit instructions")
     H.expect_error(function() run({}, { sandbox = { cpu = 1 } }) end, "unknown sandbox limit 'cpu'")
+    H.expect_error(function() run({}, { sandbox = { seconds = -1 } }) end, "sandbox limit seconds must be a positive number")
     H.expect_error(function() run({}, { sandbox = { retained = 0 } }) end, "sandbox limit retained must be a positive")
     H.expect_error(function() run({}, { sandbox = 5 }) end, "sandbox limits must be a table")
     -- a tighter memory limit trips earlier

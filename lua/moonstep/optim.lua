@@ -17,7 +17,8 @@ Settings (the runtime's, kept apart from the recipe's options):
                   "raise" (an error naming the parameters), or "apply"
   master_weights  keep f32 master copies of bf16/f16 parameters (the recipe updates the masters)
   trusted         run a recipe loaded from a file with the full Lua environment
-  sandbox         limits of an untrusted recipe: {instructions =, memory =, retained =, quota =} (moonstep.recipe)
+  sandbox         limits of an untrusted recipe: {instructions =, memory =, retained =, quota =, seconds =}
+                  (moonstep.recipe)
   ctx / device    the context or device the optimizer runs on (default: the first parameter's)
   stats           true: opt:stats() also reports each parameter's update norm (costs a copy per step; a
                   sharded parameter's is the whole parameter's, one all-reduce more)
@@ -200,8 +201,8 @@ local function check_settings(s)
     error(("setting device must be a device name such as \"cuda:0\" (got %s)"):format(core.show(out.device)), 3)
   end
   if out.sandbox ~= nil and type(out.sandbox) ~= "table" then
-    error(("setting sandbox: the sandbox limits must be a table {instructions =, memory =, retained =, quota =} "
-           .. "(got %s)")
+    error(("setting sandbox: the sandbox limits must be a table {instructions =, memory =, retained =, quota =, "
+           .. "seconds =} (got %s)")
           :format(core.show(out.sandbox)), 3)
   end
   if out.distribute ~= nil and out.distribute ~= "owner" and out.distribute ~= "replicate" then

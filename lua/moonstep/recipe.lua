@@ -121,6 +121,10 @@ Limits, enforced while untrusted code runs (M.call):
                 adds to what the recipe keeps fails too.
   quota         bytes of engine memory held by tensors the recipe allocated (live, per optimizer: a
                 charge is released when the tensor and all its views are collected).
+  seconds       (none by default) wall-clock seconds a call may run, checked by the hook (so an engine
+                call in progress finishes first): the bound for what the instruction count cannot see (a
+                `..` rebuilding a string that exists), left to the caller because it counts the engine's
+                work too, which on a CPU can legitimately take minutes (a large DASH refresh).
 Once a limit trips, the sandbox's pcall/xpcall re-raise the error, so a recipe cannot swallow it.
 Trusted recipes never pass through any of this: M.call(nil, fn, ...) is a plain tail call.
 ]]
@@ -754,14 +758,15 @@ end
 -- a guard: the limits of one optimizer's (or one load's) untrusted calls and its engine-memory account
 local function check_limits(limits)
   local out = { instructions = M.limits.instructions, memory = M.limits.memory, retained = M.limits.retained,
-                quota = nil }
+                quota = nil, seconds = nil }
   if limits == nil then return out end
   if type(limits) ~= "table" then
-    error("sandbox limits must be a table {instructions=, memory=, retained=, quota=}", 4)
+    error("sandbox limits must be a table {instructions=, memory=, retained=, quota=, seconds=}", 4)
   end
   for k, v in pairs(limits) do
-    if out[k] == nil and k ~= "quota" then
-      error(("unknown sandbox limit '%s' (limits: instructions, memory, retained, quota)"):format(real_tostring(k)), 4)
+    if out[k] == nil and k ~= "quota" and k ~= "seconds" then
+      error(("unknown sandbox limit '%s' (limits: instructions, memory, retained, quota, seconds)")
+            :format(real_tostring(k)), 4)
     end
     local x = M.types.number(v)
     if not x or x <= 0 then error(("sandbox limit %s must be a positive number (got %s)"):format(k, real_tostring(v)), 4) end
@@ -772,8 +777,9 @@ end
 
 --- The guard for running `recipe` untrusted, or nil when it is trusted (its calls then run unguarded).
 --- limits = {instructions =, memory = (bytes of Lua heap growth per call), retained = (bytes of Lua data kept
---- across calls), quota = (engine bytes)}; params (optional, the optimizer's parameter list) sets the default
---- quota from their size.  guard.walks counts the walks of the retained check, guard.found is the last one's bytes.
+--- across calls), quota = (engine bytes), seconds = (wall-clock time per call)}; params (optional, the
+--- optimizer's parameter list) sets the default quota from their size.  guard.walks counts the walks of the
+--- retained check, guard.found is the last one's bytes.
 local new_guard
 function M.guard(recipe, limits, params)
   local meta = M.meta[recipe]
@@ -805,7 +811,7 @@ new_guard = function(name, limits, params)
   -- guard, the recipe and its optimizer alive for good
   local account = { held = 0 }
   local g = { name = name, instructions = l.instructions, memory = l.memory, retained = l.retained, quota = l.quota,
-              account = account, calls = 0, since = 0, walks = 0,
+              seconds = l.seconds, account = account, calls = 0, since = 0, walks = 0,
               kept = setmetatable({}, { __mode = "k" }) }      -- (tables the runtime keeps: M.keep)
   guards[g] = true
   -- the engine-memory account: a token per allocation, released by its finalizer (two collections after
@@ -900,6 +906,11 @@ local function hook()
     trip(g, g.why)
     return
   end
+  if g.deadline and clock() > g.deadline then
+    g.why = str_format("time limit of %g s exceeded", g.seconds)
+    trip(g, g.why)
+    return
+  end
   if (collectgarbage("count") - g.mem0) * 1024 > g.memory then
     collectgarbage()
     if (collectgarbage("count") - g.mem0) * 1024 > g.memory then
@@ -958,6 +969,7 @@ call = function(g, fn, ...)
   local h, mask, count = debug.gethook()
   local prev = { h, mask, count, tensor.set_alloc_guard(g) }
   g.count, g.mem0, g.calls, g.alloc_seen, g.alloc_counts = 0, collectgarbage("count"), g.calls + 1, 0, 0
+  g.deadline = g.seconds and clock() + g.seconds
   string_mt.__index = safe_string_ro
   active = g
   debug.sethook(hook, "", HOOK_EVERY)
