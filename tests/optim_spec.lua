@@ -499,6 +499,48 @@ describe("the step guard", function()
     a.grad:fill_(1 / 0)
     assert.is_false(opt:step { grad_scale = 1024 })
     H.expect_error(function() opt:step { grad_scale = 0 } end, "grad_scale")
+    H.expect_error(function() opt:step { grad_scale = 1e-320 } end, "grad_scale 9.9998886718268301e-321 is too small")
+  end)
+
+  it("counts a gradient that a grad_scale below 1 could take past its dtype's largest value as non-finite", function()
+    -- unscaling works in the gradient's own dtype: f16 40000 / 0.5 and f32 1 / 1e-40 are infinite there, and
+    -- the step was taken on them (NaN parameters, under "skip" and "raise")
+    for _, dev in ipairs(H.has_cuda and { "cpu", "cuda" } or { "cpu" }) do
+      local ctx = ms.device(dev)
+      for _, c in ipairs { { "f16", 40000, 0.5 }, { "f32", 1, 1e-40 }, { "bf16", 1e38, 0.25 } } do
+        local dt, v, scale = c[1], c[2], c[3]
+        for _, checks in ipairs { "host", "device" } do
+          for _, nonfinite in ipairs(checks == "host" and { "skip", "raise" } or { "skip" }) do
+            local w = { name = "w", param = ms.ones({ 4 }, { dtype = dt, ctx = ctx }),
+                        grad = ms.full({ 4 }, v, { dtype = dt, ctx = ctx }) }
+            local b = { name = "b", param = ms.ones({ 3 }, { ctx = ctx }), grad = ms.ones({ 3 }, { ctx = ctx }) }
+            local opt = ms.optim.new("adamw", { w, b }, { lr = 0.1 },
+                                     { nonfinite = nonfinite, device_checks = checks == "device" or nil })
+            local what = ("%s: %s %s, %s checks, %s"):format(dev, dt, tostring(v), checks, nonfinite)
+            if nonfinite == "raise" and checks == "host" then
+              H.expect_error(function() opt:step { grad_scale = scale } end,
+                             ("non-finite gradients in w (%s, which 1 / grad_scale"):format(dt))
+            else
+              opt:step { grad_scale = scale }
+              if checks == "host" then
+                assert.is_true(opt:stats().last.skipped, what)
+                assert.truthy(opt:stats().last.nonfinite[1]:find("could take past its largest value", 1, true), what)
+              end
+            end
+            assert.same({ 1, 1, 1, 1 }, w.param:to("f32"):tolist_flat(), what .. ": w unchanged")
+            assert.same({ 1, 1, 1 }, b.param:tolist_flat(), what .. ": b unchanged")
+          end
+        end
+      end
+    end
+    -- a grad_scale of 1 or more never enlarges: the same gradients step (an f16 norm past 65504 included)
+    for _, checks in ipairs { "host", "device" } do
+      local w = { name = "w", param = ms.ones({ 4 }, { dtype = "f16" }), grad = ms.full({ 4 }, 40000, { dtype = "f16" }) }
+      local opt = ms.optim.new("adamw", { w }, { lr = 0.1 }, { device_checks = checks == "device" or nil })
+      opt:step { grad_scale = 1 }
+      assert.is_false(opt:stats().last.skipped == true, checks)
+      for _, x in ipairs(w.param:to("f32"):tolist_flat()) do assert.is_true(x > 0.85 and x < 0.95, checks .. ": " .. x) end
+    end
   end)
 end)
 

@@ -548,6 +548,9 @@ static ms_status grad_scale_of(ms_optimizer *opt, const char *fn, const ms_step_
     *scale = opts ? opts->grad_scale : 0;
     if (!(*scale >= 0) || isinf(*scale))
         return MS_FAIL(opt->ctx, MS_E_ARG, "%s: grad_scale must be a positive finite number or 0 (got %g)", fn, *scale);
+    if (*scale > 0 && isinf(1.0 / *scale))   /* a subnormal scale: the gradients would be multiplied by Inf */
+        return MS_FAIL(opt->ctx, MS_E_ARG, "%s: grad_scale %g is too small: its inverse, which unscales the gradients, is "
+                       "infinite", fn, *scale);
     return MS_OK;
 }
 

@@ -51,13 +51,19 @@ end
 local TRACEBACK_LINES = 12
 local traceback = false       -- whether the current call runs recipe code, where a traceback helps
 
+-- the folder of the runtime's own files: an error raised there names its problem itself, and the position in
+-- them ("/.../lua/moonstep/optim.lua:1286: ") and a traceback through them tell a trainer nothing
+local RUNTIME_DIR = (debug.getinfo(1, "S").source:match("^@(.*[/\\])") or "")
+
 --- The message handler of every call from C.
 function M.handler(e)
   if type(e) == "table" and getmetatable(e) == Failure then return e end
   local msg = type(e) == "string" and e or ("(a Lua error that is a " .. type(e) .. ", not a message)")
   local status = nil
   if engine_status and engine_message ~= "" and msg:find(engine_message, 1, true) then status = engine_status end
-  if not traceback then return { status = status, message = msg } end
+  local own = RUNTIME_DIR ~= "" and msg:sub(1, #RUNTIME_DIR) == RUNTIME_DIR
+  if own then msg = msg:gsub("^[^\n]-%.lua:%d+: ", "", 1) end
+  if own or not traceback then return { status = status, message = msg } end
   local lines = {}
   for line in debug.traceback(msg, 2):gmatch("[^\n]+") do
     if #lines == TRACEBACK_LINES then lines[#lines + 1] = "\t..." break end
@@ -219,6 +225,8 @@ function methods:add_param(name, param_p, grad_p, tags, shard_dim, shard_offset,
     local why = ms.optim._tie_conflict({ name = e.name, tags = tie[1].tags, grad = e.grad }, entry)
     if why then fail(C.MS_E_ARG, "%s", why) end
   end
+  local why = ms.optim._shared_memory(entry, self.params, function(o) return self.tie_of[o.name] == tie end)
+  if why then fail(C.MS_E_ARG, "%s", why) end
   self.tie_of[name] = tie   -- (not in the entry: ms.optim.new refuses keys it does not know)
   tie[#tie + 1] = entry
   self.ties[key] = tie
@@ -247,6 +255,12 @@ function methods:set_grad(name, grad_p)
     -- as add_param (engine/core/embed.c): ms.optim would refuse it only when the optimizer starts
     if C.ms_tensor_overlaps(tensor.handle(entry.param), tensor.handle(grad)) ~= 0 then
       fail(C.MS_E_ARG, "parameter '%s': grad shares memory with the param (it is updated in place)", name)
+    end
+    if not self.opt then   -- (once started, the optimizer's own check runs at the next step, which it fails)
+      local tie = self.tie_of[name]
+      local why = ms.optim._shared_memory({ name = name, grad = grad }, self.params,
+                                          function(o) return self.tie_of[o.name] == tie end)
+      if why then fail(C.MS_E_ARG, "%s", why) end
     end
   end
   local old = entry.grad

@@ -252,6 +252,30 @@ local function check_disjoint(list, level)
   end
 end
 
+-- check_disjoint for one entry e against the others of `list` (skip(o) true: o is e's tie, which shares its
+-- param): the message naming the first memory shared, or nil.  A registration at a time (the C and Python
+-- optimizers' add_param), so that a parameter is refused when it is given, not at every step after.
+local function shared_memory(e, list, skip)
+  for _, what in ipairs { "param", "grad" } do
+    local lo, hi
+    if e[what] ~= nil then lo, hi = byte_span(e[what]) end
+    if lo then
+      for _, o in ipairs(list) do
+        if o ~= e and not skip(o) then
+          for _, other in ipairs { "param", "grad" } do
+            local lo2, hi2
+            if o[other] ~= nil then lo2, hi2 = byte_span(o[other]) end
+            if lo2 and lo < hi2 and lo2 < hi then
+              return ("parameter '%s': its %s shares memory with parameter '%s''s %s"):format(e.name, what, o.name, other)
+            end
+          end
+        end
+      end
+    end
+  end
+  return nil
+end
+
 -- the key of a (contiguous) parameter's memory: parameters with the same key are tied
 local function data_key(t)
   return tostring(core.ffi.cast("uintptr_t", core.C.ms_tensor_data_ptr(tensor.handle(t)))) .. ":" ..
@@ -301,7 +325,7 @@ local function tie_conflict(tie, p)
   return ("parameters '%s' and '%s' are tied (one tensor) but were given different %s"):format(tie.name, p.name, what)
 end
 -- (moonstep.embed finds tied parameters and checks them as they are added, before the optimizer is built)
-M._tie_key, M._tie_conflict = data_key, tie_conflict
+M._tie_key, M._tie_conflict, M._shared_memory = data_key, tie_conflict, shared_memory
 
 -- A parameter entry's tags: nil or an array of non-empty strings (a set {no_decay = true} would route as if untagged).
 local function check_tags(name, tags, level)
@@ -1168,6 +1192,11 @@ local function check_grad_scale(grad_scale, level)
   if grad_scale ~= nil and (type(grad_scale) ~= "number" or not (grad_scale > 0) or grad_scale == math.huge) then
     error("step: grad_scale must be a positive finite number (got " .. tostring(grad_scale) .. ")", level + 1)
   end
+  -- (the gradients are multiplied by 1 / grad_scale: a subnormal scale's inverse is infinite)
+  if grad_scale ~= nil and 1 / grad_scale == math.huge then
+    error(("step: grad_scale %.17g is too small: its inverse, which unscales the gradients, is infinite"):format(grad_scale),
+          level + 1)
+  end
 end
 
 --- One optimizer step.  args (optional): grad_scale = s (gradients are s times too large: unscaled here),
@@ -1246,6 +1275,19 @@ function Optimizer:_give_grads(grads, level)
   return before
 end
 
+-- Unscaling by inv > 1 (grad_scale < 1) enlarges the gradients, in their own dtypes: a gradient whose norm times
+-- inv passes its dtype's largest value could overflow (no element is larger than the norm), and its step would
+-- be taken on infinities.  Its sum of squares is made infinite, so that the step counts it as non-finite (skip,
+-- raise; on every rank) before anything is written.  Conservative: such a norm with every element small enough
+-- is refused too (grad_scale < 1 on gradients that large).  The device path does the same on the device.
+local DTYPE_MAX = { f32 = 3.4028234663852886e38, f64 = math.huge, bf16 = 3.3895313892515355e38, f16 = 65504 }
+local function unscale_overflow(sums, active, inv)
+  for i, m in ipairs(active) do
+    m.overflow = inv > 1 and math.sqrt(sums[i]) * inv > DTYPE_MAX[m.grad:dtype()] or nil
+    if m.overflow then sums[i] = math.huge end
+  end
+end
+
 -- the step after its arguments were taken: on the device (device_checks, captures) or on the host
 function Optimizer:_step_now(grad_scale)
   if self.graphs or self.settings.device_checks then return self:_step_device(grad_scale) end
@@ -1271,6 +1313,7 @@ function Optimizer:_step_now(grad_scale)
     if rec then self:_timing_mark(rec, "checks") end
     for i, m in ipairs(active) do grads[i] = m.grad end
     sums = ms.foreach_sumsq(grads):tolist_flat()
+    unscale_overflow(sums, active, inv)
     for _, v in ipairs(sums) do total = total + v end
   end
   -- several ranks: every one reduces, one without gradients too (nonfinite = "apply" without clipping or loss
@@ -1280,7 +1323,13 @@ function Optimizer:_step_now(grad_scale)
     if total ~= total or total == math.huge then
       if self.settings.nonfinite ~= "apply" then
         local bad = {}
-        for i, v in ipairs(sums) do if v ~= v or v == math.huge then bad[#bad + 1] = active[i].name end end
+        for i, v in ipairs(sums) do
+          if v ~= v or v == math.huge then
+            local m = active[i]
+            bad[#bad + 1] = m.overflow and ("%s (%s, which 1 / grad_scale = %.17g could take past its largest value)")
+                                           :format(m.name, m.grad:dtype(), inv) or m.name
+          end
+        end
         if #bad == 0 then bad[1] = "the gradients of another rank" end
         if self.settings.nonfinite == "raise" then
           error(("step %d: non-finite gradients in %s"):format(step, table.concat(bad, ", ")), 2)
@@ -1352,6 +1401,8 @@ function Optimizer:_checks(n)
   local function f64(v) return ms.full({ 1 }, v, { dtype = "f64", ctx = self.ctx }) end
   d = {
     sums = ms.zeros({ n }, { dtype = "f32", ctx = self.ctx }), sums64 = ms.zeros({ n }, { dtype = "f64", ctx = self.ctx }),
+    maxes = ms.zeros({ n }, { dtype = "f64", ctx = self.ctx }), over = ms.zeros({ n }, { dtype = "f64", ctx = self.ctx }),
+    enlarges = f64(0),
     total = f64(0), nan = f64(0), skip = ms.zeros({ 1 }, { dtype = "f32", ctx = self.ctx }), norm = f64(0),
     inv = f64(1), f = f64(1), gt = f64(0), keep = f64(1), scale = f64(1),
   }
@@ -1372,12 +1423,32 @@ function Optimizer:_device_body(runs, active, plans, c, scaled, rec, verify)
     d = self:_checks(#active)
     local grads = d.grads_of == active and d.grads or {}
     if d.grads_of ~= active then
-      for i, m in ipairs(active) do grads[i] = m.grad end
+      local dtypes = {}
+      for i, m in ipairs(active) do grads[i], dtypes[i] = m.grad, m.grad:dtype() end
       d.grads, d.grads_of = grads, active
+      -- each gradient's dtype's largest value, written on the device when the dtypes change (fills: no host
+      -- buffer to copy from, so a capture may hold them)
+      local key = table.concat(dtypes, ",")
+      if d.maxes_of ~= key then
+        for i, dt in ipairs(dtypes) do d.maxes:slice(0, i - 1, i):fill_(DTYPE_MAX[dt]) end
+        d.maxes_of = key
+      end
     end
     fused.foreach_sumsq(grads, d.sums)
     d.sums64:copy_(d.sums)
     if self.dist then tensor.mul(d.sums64, self:_dist_mask(d), d.sums64) end   -- each parameter counted once
+    if scaled then
+      -- unscale_overflow's check with this step's inv: a sum of squares divided by 0 where sqrt(sum) inv could
+      -- pass the gradient's dtype's largest value and inv > 1 (Inf, or NaN for 0 / 0: non-finite either way),
+      -- by 1 elsewhere (exact)
+      core.check(C.ms_unary(h, tensor.handle(d.over), tensor.handle(d.sums64), C.MS_UNARY_SQRT))
+      tensor.mul(d.over, d.inv, d.over)
+      tensor.gt(d.over, d.maxes, d.over)
+      tensor.gt(d.inv, 1, d.enlarges)
+      tensor.mul(d.over, d.enlarges, d.over)
+      tensor.sub(1, d.over, d.over)
+      tensor.div(d.sums64, d.over, d.sums64)
+    end
     core.check(C.ms_reduce(h, tensor.handle(d.total), tensor.handle(d.sums64), C.MS_REDUCE_SUM, C.MS_DIM_ALL))
     if self.dist then self.comm:all_reduce(d.total) end
     if s.nonfinite ~= "apply" then

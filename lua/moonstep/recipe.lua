@@ -1219,7 +1219,7 @@ local function describe(v)
     for i = 1, math.min(#v, 8) do items[i] = type(v[i]) == "table" and "{...}" or describe(v[i]) end
     return "{" .. table.concat(items, ", ") .. (#v > 8 and ", ..." or "") .. "}"
   end
-  return tostring(v)
+  return core.show(v)   -- ("a table", not its address)
 end
 
 --- Checks one option value against its spec; returns the converted value or raises naming the option.
