@@ -23,13 +23,16 @@ Optimizer(..., comm=) and TorchOptimizer(..., comm=, shards=, distribute=) then 
 The library: MOONSTEP_LIBRARY (or MOONSTEP_LIB), else build/libmoonstep.so of the source tree this file
 is in (MOONSTEP_BUILD names another build folder), else the system's libmoonstep.
 """
+import contextlib
 import ctypes
 import ctypes.util
+import functools
 import gc
 import json
 import math
 import os
 import tempfile
+import threading
 import warnings
 import weakref
 
@@ -229,11 +232,19 @@ def _as_list(v):
     return list(v) if isinstance(v, (list, tuple)) else [v]
 
 
+def _no_nul(text, what, shown):
+    """text (bytes for the library, which reads up to the first NUL: "a\\0b" would reach it as "a") unless it
+    holds a NUL character; shown: the caller's value, for the message."""
+    if b"\0" in text:
+        raise ValueError("%s must not hold a NUL character (got %r)" % (what, shown))
+    return text
+
+
 def _path(p, what):
     """A filesystem path (str, bytes or os.PathLike) as the bytes the OS takes: os.fsencode, so names that are
     not UTF-8 (str with surrogate escapes, raw bytes) reach the file they name."""
     try:
-        return os.fsencode(p)
+        return _no_nul(os.fsencode(p), what, p)
     except TypeError:
         raise TypeError("%s must be a path (str, bytes or os.PathLike; got %s)" % (what, type(p).__name__)) from None
 
@@ -241,7 +252,23 @@ def _path(p, what):
 def _utf8(s, what):
     if not isinstance(s, str):
         raise TypeError("%s must be a string (got %s)" % (what, type(s).__name__))
-    return s.encode()
+    return _no_nul(s.encode(), what, s)
+
+
+def _locked(fn):
+    """fn(self, ...) holding self._lock, an RLock: close() (also run from another thread, or by the garbage
+    collector's __del__) cannot free the handle between a method's reading it and the library's using it."""
+    @functools.wraps(fn)
+    def call(self, *args, **kwargs):
+        with self._lock:
+            return fn(self, *args, **kwargs)
+    return call
+
+
+def _lock_of(obj):
+    """obj's lock; none where __init__ did not get to make it (__del__ of a half-made object, no one's to share)."""
+    lock = getattr(obj, "_lock", None)
+    return lock if lock is not None else contextlib.nullcontext()
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -265,38 +292,47 @@ class Context:
     hold allocated at once (0: no limit)."""
 
     def __init__(self, device="cpu", stream=None, num_threads=0, mem_limit=0):
+        self._lock = threading.RLock()    # held by every call on the handle, and by close (see _locked)
         self._h = None
         self._users = weakref.WeakSet()   # the Optimizers on it, which wrap their gradients through its handle
-        opts = _CtxOptions(mem_limit, stream or None, num_threads)
+        opts = _CtxOptions(_integer(mem_limit, "mem_limit"), _integer(stream, "stream") if stream else None,
+                           _integer(num_threads, "num_threads"))
         handle = ctypes.c_void_p()
         _check(_lib.ms_ctx_new(_utf8(device, "device"), ctypes.byref(opts), ctypes.byref(handle)))
         self._h = handle
 
     def _handle(self):
+        """The handle, for a call made holding self._lock."""
         if not self._h:
             raise ValueError("the context is closed")
         return self._h
 
     @property
+    @_locked
     def device(self):
         return _lib.ms_ctx_device_name(self._handle()).decode()
 
     @property
+    @_locked
     def is_cuda(self):
         return _lib.ms_ctx_device_type(self._handle()) == 1
 
     @property
+    @_locked
     def index(self):
         return _lib.ms_ctx_device_index(self._handle())
 
     @property
+    @_locked
     def stream(self):
         """The cudaStream_t (an int) this context's work runs on; None on the CPU."""
         return _lib.ms_ctx_stream(self._handle())
 
+    @_locked
     def sync(self):
         _check(_lib.ms_ctx_sync(self._handle()))
 
+    @_locked
     def close(self):
         """Frees the context, after the optimizers on it: refused while one of them is open (its set_grad and
         add_param would find no context to wrap the tensors on).  Afterwards its properties and sync() raise
@@ -305,12 +341,14 @@ class Context:
         self._free()
 
     def _free(self):
-        if getattr(self, "_h", None) and _lib is not None:
-            _lib.ms_ctx_free(self._h)
-        self._h = None
+        with _lock_of(self):
+            h, self._h = getattr(self, "_h", None), None     # detached first: no call finds it freed
+            if h and _lib is not None:
+                _lib.ms_ctx_free(h)
 
     __del__ = _free   # garbage: an optimizer that still held it is garbage too
 
+    @_locked
     def __repr__(self):
         return "moonstep.Context(%s)" % (self.device if self._h else "closed")
 
@@ -365,6 +403,7 @@ class Comm:
 
     def __init__(self, rank, world_size, unique_id=None, device=None, stream=None, context=None, addr=None, port=None,
                  timeout=None):
+        self._lock = threading.RLock()    # held by every call on the handle, and by close (see _locked)
         self._h = None
         self._users = weakref.WeakSet()   # the Optimizers made with it, which hold its pointer
         rank, world_size = _integer(rank, "rank"), _integer(world_size, "world_size")
@@ -378,7 +417,8 @@ class Comm:
                             _integer(port, "port") if port is not None else 0, _timeout_ms(timeout))
         self.context = self._context(device, stream, context)
         handle = ctypes.c_void_p()
-        _check(_lib.ms_comm_new(self.context._handle(), ctypes.byref(opts), ctypes.byref(handle)))
+        with self.context._lock:
+            _check(_lib.ms_comm_new(self.context._handle(), ctypes.byref(opts), ctypes.byref(handle)))
         self._h = handle
 
     @classmethod
@@ -386,12 +426,14 @@ class Comm:
         """A Comm from the launcher's environment: RANK, WORLD_SIZE, and MASTER_ADDR, MASTER_PORT for the
         rendezvous (moonstep launch, torchrun before torch.distributed takes the port)."""
         self = cls.__new__(cls)
+        self._lock = threading.RLock()
         self._h = None
         self._users = weakref.WeakSet()
         ms_timeout = _timeout_ms(timeout)
         self.context = cls._context(device, stream, context)
         handle = ctypes.c_void_p()
-        _check(_lib.ms_comm_new_from_env(self.context._handle(), ms_timeout, ctypes.byref(handle)))
+        with self.context._lock:
+            _check(_lib.ms_comm_new_from_env(self.context._handle(), ms_timeout, ctypes.byref(handle)))
         self._h = handle
         return self
 
@@ -406,18 +448,22 @@ class Comm:
         return Context(device or _default_device(), stream=stream)
 
     def _handle(self):
+        """The handle, for a call made holding self._lock."""
         if not self._h:
             raise ValueError("the communicator is closed")
         return self._h
 
     @property
+    @_locked
     def rank(self):
         return _lib.ms_comm_rank(self._handle())
 
     @property
+    @_locked
     def world_size(self):
         return _lib.ms_comm_size(self._handle())
 
+    @_locked
     def close(self):
         """Destroys the communicator (on every rank), after the optimizers that use it: refused while one of
         them is open (its next step would use the freed communicator)."""
@@ -425,12 +471,14 @@ class Comm:
         self._free()
 
     def _free(self):
-        if getattr(self, "_h", None) and _lib is not None:
-            _lib.ms_comm_free(self._h)
-        self._h = None
+        with _lock_of(self):
+            h, self._h = getattr(self, "_h", None), None     # detached first: no call finds it freed
+            if h and _lib is not None:
+                _lib.ms_comm_free(h)
 
     __del__ = _free   # garbage: an optimizer that still held it is garbage too, and steps no more
 
+    @_locked
     def __repr__(self):
         if not self._h:
             return "moonstep.Comm(closed)"
@@ -468,6 +516,7 @@ def _tags(tags, where):
             raise TypeError("%s: tags[%d] must be a string (got %s)" % (where, i, type(t).__name__))
         if "," in t:     # the engine splits at commas: one tag would become two
             raise ValueError("%s: tags[%d] %r holds a comma, which separates tags" % (where, i, t))
+        _utf8(t, "%s: tags[%d]" % (where, i))     # (a NUL would end the text there)
     return _utf8(",".join(tags), where + ": tags") if tags else None
 
 
@@ -528,7 +577,7 @@ def _import(ctx, x, what, writable):
                              if writable else "rescales gradients in place (clipping, grad_scale)"))
         code = _DTYPE_CODES.get(x.dtype.name)
         if code is None or not x.dtype.isnative:
-            raise TypeError("%s: dtype %s is not one of float32, float64, bfloat16, float16, int32, uint8 (native byte order)"
+            raise TypeError("%s: dtype %s is not one of float32, float64, bfloat16, float16 (native byte order)"
                             % (what, x.dtype))
         item = x.dtype.itemsize
         if any(s % item for s in x.strides):
@@ -536,8 +585,9 @@ def _import(ctx, x, what, writable):
         n = max(x.ndim, 1)
         shape = (ctypes.c_int64 * n)(*x.shape)
         strides = (ctypes.c_int64 * n)(*[s // item for s in x.strides])
-        _check_named(_lib.ms_tensor_wrap(ctx._h, x.ctypes.data if x.size else None, code, x.ndim, shape, strides,
-                                         ctypes.byref(handle)), what)
+        with ctx._lock:
+            _check_named(_lib.ms_tensor_wrap(ctx._handle(), x.ctypes.data if x.size else None, code, x.ndim, shape,
+                                             strides, ctypes.byref(handle)), what)
         return handle
     if not hasattr(x, "__dlpack__"):
         raise TypeError("%s: expected a NumPy array or a tensor with __dlpack__ (PyTorch, CuPy, ...), got %s"
@@ -551,7 +601,8 @@ def _import(ctx, x, what, writable):
     except (ValueError, TypeError):
         raise TypeError("%s: __dlpack__() gave %s, not an unused capsule named 'dltensor' (DLPack 0.6 to 0.8)"
                         % (what, type(capsule).__name__)) from None
-    _check_named(_lib.ms_tensor_from_dlpack(ctx._h, managed, ctypes.byref(handle)), what)
+    with ctx._lock:
+        _check_named(_lib.ms_tensor_from_dlpack(ctx._handle(), managed, ctypes.byref(handle)), what)
     _capsule_set_name(capsule, _USED_DLTENSOR)     # moonstep owns it now: the capsule must not delete it
     return handle
 
@@ -682,10 +733,14 @@ def _entries(params):
 
 
 def _number(value, what):
-    """value as a float, refusing what float() would take silently ("1e-3", True), naming it as `what`."""
+    """value as a float, refusing what float() would take silently ("1e-3", True), naming it as `what`; what
+    float() refuses (an array of one element) is named too."""
     if isinstance(value, (str, bytes, bool)) or not hasattr(value, "__float__"):
         raise TypeError("%s must be a number (got %r)" % (what, value))
-    return float(value)
+    try:
+        return float(value)
+    except (TypeError, ValueError) as e:
+        raise TypeError("%s must be a number (got %r: %s)" % (what, value, e)) from None
 
 
 def _grad_scale(value, what):
@@ -712,12 +767,15 @@ class Optimizer:
     """
 
     def __init__(self, params, recipe="adamw", options=None, settings=None, context=None, comm=None):
+        self._lock = threading.RLock()    # held by every call on the handle, and by close (see _locked)
         entries = _entries(params)
         self._opt = None
         self._comm = None
         self._framework = _framework(entries[0][1]) if entries else "numpy"
         if comm is not None and not isinstance(comm, Comm):
             raise TypeError("comm must be a moonstep.Comm (got %s)" % type(comm).__name__)
+        if context is not None and not isinstance(context, Context):
+            raise TypeError("context must be a moonstep.Context (got %s)" % type(context).__name__)
         if context is None and comm is not None:
             context = comm.context
         if context is None:
@@ -731,10 +789,11 @@ class Optimizer:
         self.context = context
         self._order = _StreamOrder(self._framework, context) if context.is_cuda else None
         handle = ctypes.c_void_p()
-        _check(_lib.ms_optimizer_new(context._handle(), _path(recipe, "recipe"), _json(options, "option"), _json(settings, "setting"),
-                                     ctypes.byref(handle)))
-        self._opt = handle
-        context._users.add(self)   # context.close() is refused while this optimizer is open
+        recipe, options, settings = _path(recipe, "recipe"), _json(options, "option"), _json(settings, "setting")
+        with context._lock:        # (context.close() checks its users and frees holding it)
+            _check(_lib.ms_optimizer_new(context._handle(), recipe, options, settings, ctypes.byref(handle)))
+            self._opt = handle
+            context._users.add(self)   # context.close() is refused while this optimizer is open
         self.names = []
         self._keep = {}            # name -> [param, grad]: wrapped NumPy memory must outlive the optimizer's use
         self._tie = {}             # name -> its tensor's (address, dtype, shape): names sharing one are tied
@@ -742,9 +801,10 @@ class Optimizer:
         self._grad_handles = {}    # that key -> the registered gradient's handle (step(grads=) restores it)
         try:
             if comm is not None:
-                _check(_lib.ms_optimizer_set_comm(handle, comm._handle()))
-                self._comm = comm      # kept: the optimizer holds the communicator's pointer
-                comm._users.add(self)  # comm.close() is refused while this optimizer is open
+                with comm._lock:
+                    _check(_lib.ms_optimizer_set_comm(handle, comm._handle()))
+                    self._comm = comm      # kept: the optimizer holds the communicator's pointer
+                    comm._users.add(self)  # comm.close() is refused while this optimizer is open
             for name, param, grad, tags, shard in entries:
                 self.add_param(name, param, grad, tags, shard)
         except BaseException:
@@ -752,6 +812,7 @@ class Optimizer:
             raise
 
     def _handle(self):
+        """The handle, for a call made holding self._lock (the methods calling the library are _locked)."""
         if not self._opt:
             raise ValueError("the optimizer is closed")
         return self._opt
@@ -767,12 +828,15 @@ class Optimizer:
             if self._order:
                 self._order.after()
 
+    @_locked
     def add_param(self, name, param, grad=None, tags=None, shard=None):
         """Registers a parameter (before the first step, save, load, info or stats); shard: this rank's slice,
         ("rows" | "cols", offset, global size of that dim), None for the whole parameter."""
         if not isinstance(name, str) or not name:
             raise TypeError("a parameter's name must be a non-empty string (got %r)" % (name,))
+        self._handle()                   # (closed: said before anything is imported)
         where = "parameter %r" % (name,)
+        cname = _utf8(name, "a parameter's name")
         text = _tags(tags, where)
         sh = _shard(shard, where)
         p = _import(self.context, param, where, True)
@@ -782,7 +846,7 @@ class Optimizer:
             _lib.ms_tensor_free(p)
             raise
         try:
-            _check(_lib.ms_optimizer_add_param_sharded(self._handle(), _utf8(name, "name"), p, g, text,
+            _check(_lib.ms_optimizer_add_param_sharded(self._handle(), cname, p, g, text,
                                                        ctypes.byref(sh) if sh is not None else None))
             tie = _view(p)[:3]           # tied parameters: one tensor (address, dtype, shape) under several names
         except BaseException:
@@ -829,9 +893,11 @@ class Optimizer:
         for n in self._tie_names.get(tie, ()):
             self._keep[n][1] = grad
 
+    @_locked
     def set_grad(self, name, grad):
         """Gives parameter `name` another gradient (None: none; steps then leave it alone).  For a tied
         parameter (one tensor under several names): the gradient of the tie, through any of its names."""
+        self._handle()                   # (closed: said before anything is imported)
         g = self._import_grad(name, grad)
         try:
             self._set_grad(name, grad, g)
@@ -841,6 +907,7 @@ class Optimizer:
             raise
         self._remember_grad(self._tie[name], g)
 
+    @_locked
     def step(self, grads=None, grad_scale=None):
         """One step.  grads: {name: gradient} for this step only: afterwards (and after a refused step) each
         parameter has the gradient it had before, except inside a CUDA graph capture of the context's stream,
@@ -895,6 +962,7 @@ class Optimizer:
         return None if applied.value < 0 else bool(applied.value)
 
     @property
+    @_locked
     def lr(self):
         """The learning rate of the next step; setting it replaces the schedule."""
         out = ctypes.c_double()
@@ -902,15 +970,19 @@ class Optimizer:
         return out.value
 
     @lr.setter
+    @_locked
     def lr(self, value):
         _check(_lib.ms_optimizer_set_lr(self._handle(), _number(value, "lr")))
 
+    @_locked
     def save(self, path):
         _check(self._ordered(_lib.ms_optimizer_save, self._handle(), _path(path, "path")))
 
+    @_locked
     def load(self, path):
         _check(self._ordered(_lib.ms_optimizer_load, self._handle(), _path(path, "path")))
 
+    @_locked
     def _json(self, fn):
         out = ctypes.c_void_p()
         _check(self._ordered(fn, self._handle(), ctypes.byref(out)))
@@ -927,10 +999,12 @@ class Optimizer:
         """Step count, skipped steps, lr and the last step's numbers (a dict)."""
         return self._json(_lib.ms_optimizer_stats)
 
+    @_locked
     def capture(self):
         """Captures the step into CUDA graphs that later steps replay (CUDA contexts)."""
         _check(_lib.ms_optimizer_capture(self._handle()))
 
+    @_locked
     def prepare_replay(self, grad_scale=None):
         """Before each replay of a CUDA graph of the caller's (torch.cuda.graph, a CuPy graph) that recorded
         step(): writes this replay's learning rate and step number where the recorded step reads them, and
@@ -948,6 +1022,7 @@ class Optimizer:
                                 "save(path) and load(path) with a path every rank reaches (it loads on another "
                                 "number of ranks too)" % (what, self._comm.world_size))
 
+    @_locked
     def checkpoint_bytes(self):
         """The optimizer's checkpoint (what save() writes) as bytes (one rank)."""
         self._one_file("checkpoint_bytes")
@@ -957,12 +1032,19 @@ class Optimizer:
             with open(path, "rb") as f:
                 return f.read()
 
+    @_locked
     def load_checkpoint_bytes(self, data):
+        """Loads a checkpoint_bytes() (bytes, bytearray, memoryview or another bytes-like object)."""
+        try:
+            data = memoryview(data).tobytes()  # (bytes() of an int would be that many zero bytes)
+        except TypeError:
+            raise TypeError("load_checkpoint_bytes: data must be bytes-like (bytes, bytearray, memoryview; got %s)"
+                            % type(data).__name__) from None
         self._one_file("load_checkpoint_bytes")
         with tempfile.TemporaryDirectory(prefix="moonstep-") as d:
             path = os.path.join(d, "optim.safetensors")
             with open(path, "wb") as f:
-                f.write(bytes(data))
+                f.write(data)
             self.load(path)
 
     def state_dict(self):
@@ -1037,16 +1119,18 @@ class Optimizer:
 
     # --- lifetime ----------------------------------------------------------------------------------
     def close(self):
-        """Frees the optimizer (its state and its Lua state); the parameters stay."""
-        if getattr(self, "_opt", None) and _lib is not None:
-            _lib.ms_optimizer_free(self._opt)
-        self._opt = None
-        self._keep = {}
-        for g in getattr(self, "_grad_handles", {}).values():
-            if _lib is not None:
-                _lib.ms_tensor_free(g)
-        self._grad_handles = {}
-        self._comm = None          # the communicator may go now
+        """Frees the optimizer (its state and its Lua state); the parameters stay.  Safe from another thread than
+        one using the optimizer: that one's calls then raise ValueError ("the optimizer is closed")."""
+        with _lock_of(self):       # waits for a call in progress; the handles are detached before they are freed
+            h, self._opt = getattr(self, "_opt", None), None
+            grads, self._grad_handles = getattr(self, "_grad_handles", {}), {}
+            self._keep = {}
+            if h and _lib is not None:
+                _lib.ms_optimizer_free(h)
+            for g in grads.values():
+                if _lib is not None:
+                    _lib.ms_tensor_free(g)
+            self._comm = None      # the communicator may go now
 
     __del__ = close
 

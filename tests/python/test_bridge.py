@@ -616,6 +616,112 @@ def save_and_load_take_any_filesystem_path():
     opt.close()
 
 
+@test
+def nul_characters_are_refused_not_cut_short():
+    # the library reads its strings up to the first NUL: "layer\0.weight" was registered as "layer", a recipe
+    # "adamw\0-x" ran adamw, save("ckpt.st\0.tmp") wrote ckpt.st; each is refused, naming the argument
+    w, g = np.ones(4, np.float32), np.ones(4, np.float32)
+    expect(ValueError, "a parameter's name must not hold a NUL character (got 'layer\\x00.weight')",
+           moonstep.Optimizer, {"layer\0.weight": (w, g)})
+    expect(ValueError, "recipe must not hold a NUL character (got 'adamw\\x00-experimental')", moonstep.Optimizer,
+           {"w": (w, g)}, "adamw\0-experimental")
+    expect(ValueError, "parameter 'w': tags must not hold a NUL character", moonstep.Optimizer,
+           {"w": {"param": w, "grad": g, "tags": "no_decay\0,x"}})
+    expect(ValueError, "parameter 'w': tags[1] must not hold a NUL character (got 'x\\x00y')", moonstep.Optimizer,
+           {"w": {"param": w, "grad": g, "tags": ["no_decay", "x\0y"]}})
+    expect(ValueError, "device must not hold a NUL character", moonstep.Context, "cpu\0:1")
+    opt = moonstep.Optimizer({"w": (w, g)}, "adamw", {"lr": 0.1})
+    expect(ValueError, "a parameter's name must not hold a NUL character", opt.add_param, "v\0", np.ones(2, np.float32))
+    expect(ValueError, "name must not hold a NUL character", opt.set_grad, "w\0", g)
+    opt.step()
+    with tempfile.TemporaryDirectory() as d:
+        for path in (os.path.join(d, "ckpt.st\0.tmp"), os.path.join(d, "ckpt.st\0.tmp").encode()):
+            expect(ValueError, "path must not hold a NUL character", opt.save, path)
+            expect(ValueError, "path must not hold a NUL character", opt.load, path)
+        assert os.listdir(d) == [], os.listdir(d)
+    assert opt.names == ["w"] and [p["name"] for p in opt.info()["params"]] == ["w"], opt.info()["params"]
+    assert opt.stats()["step"] == 1
+    opt.close()
+
+
+@test
+def arguments_of_the_wrong_type_are_named():
+    w, g = np.ones(4, np.float32), np.ones(4, np.float32)
+    # NumPy dtypes: the message lists what parameters and gradients may be (int32 and uint8 are refused too)
+    e = expect(TypeError, "parameter 'w': dtype int64 is not one of float32, float64, bfloat16, float16",
+               moonstep.Optimizer, {"w": (np.ones(4, np.int64), None)})
+    assert "int32" not in str(e) and "uint8" not in str(e), str(e)
+    for dtype in (np.int32, np.uint8):
+        expect_error("MS_E_DTYPE", "not a float dtype", moonstep.Optimizer, {"w": (np.ones(4, dtype), None)})
+    expect(TypeError, "context must be a moonstep.Context (got str)", moonstep.Optimizer, {"w": (w, g)},
+           context="cpu")
+    expect(TypeError, "num_threads must be an integer (got '4')", moonstep.Context, "cpu", num_threads="4")
+    expect(TypeError, "mem_limit must be an integer (got 1.5)", moonstep.Context, "cpu", mem_limit=1.5)
+    expect(TypeError, "stream must be an integer (got 'x')", moonstep.Context, "cpu", stream="x")
+    with moonstep.Optimizer({"w": (w, g)}, "sgd", {"lr": 0.5}) as opt:
+        expect(TypeError, "lr must be a number (got array([0.1])", setattr, opt, "lr", np.array([0.1]))
+        assert opt.lr == 0.5
+        data = opt.checkpoint_bytes()
+        for bad in ("abc", 16, None):
+            expect(TypeError, "load_checkpoint_bytes: data must be bytes-like (bytes, bytearray, memoryview; got %s)"
+                   % type(bad).__name__, opt.load_checkpoint_bytes, bad)
+        opt.step()
+        for good in (bytearray(data), memoryview(data), np.frombuffer(data, np.uint8)):
+            opt.load_checkpoint_bytes(good)
+            assert opt.stats()["step"] == 0
+    ctx = moonstep.Context("cpu", num_threads=np.int64(2), mem_limit=1 << 30)
+    assert ctx.device == "cpu"
+    ctx.close()
+
+
+@test
+def closing_from_another_thread_while_it_is_used_does_not_crash():
+    # close() freed the handle before forgetting it: a thread between reading the handle and the library's call
+    # (opt.lr, a step, its _restore_grad's kept gradient handles) used freed memory (a segfault); now one lock
+    # per object orders them, and the other thread's later calls say "... is closed"
+    import threading
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)                   # switch threads as often as possible
+    try:
+        for trial in range(40):
+            w, g = np.ones(256, np.float32), np.ones(256, np.float32)
+            ctx = moonstep.Context("cpu")
+            opt = moonstep.Optimizer({"w": (w, g), "v": (np.ones(8, np.float32), np.ones(8, np.float32))},
+                                     "adamw", {"lr": 1e-3}, context=ctx)
+            comm = moonstep.Comm(0, 1, context=moonstep.Context("cpu"), timeout=5)
+            started, errors = threading.Event(), []
+
+            def use(calls, what):
+                started.set()
+                try:
+                    for _ in range(100):
+                        for call in calls:
+                            call()
+                except Exception as e:          # anything but the closed object's ValueError is wrong
+                    if not (isinstance(e, ValueError) and str(e) == "the %s is closed" % what):
+                        errors.append(e)
+
+            threads = [threading.Thread(target=use, args=(calls, what)) for calls, what in (
+                ((lambda: opt.lr, opt.step, lambda: opt.step(grads={"w": g}), lambda: opt.set_grad("v", None)),
+                 "optimizer"),
+                ((lambda: ctx.device, lambda: ctx.index, ctx.sync), "context"),
+                ((lambda: comm.rank, lambda: comm.world_size), "communicator"))]
+            for t in threads:
+                t.start()
+            started.wait()
+            for _ in range(trial % 4 * 20):      # let them run a little before closing
+                pass
+            opt.close()
+            ctx.close()
+            comm.close()
+            for t in threads:
+                t.join()
+            comm.context.close()
+            assert not errors, errors
+    finally:
+        sys.setswitchinterval(interval)
+
+
 # ---------------------------------------------------------------------------------------------------
 # 8-bit AdamW moments against torchao's AdamW8bit, written here from its definitions (torchao/optim:
 # quant_utils.py create_dynamic_map, scale_tensor, quantize_8bit_with_qmap, dequant_with_qmap; adam.py
