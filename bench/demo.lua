@@ -6,7 +6,8 @@ Usage: build/moonstep bench/demo.lua [device]
 local ms = require("moonstep")
 
 local device = arg and arg[1] or ms.best_device()
-local ctx = ms.device(device)
+local okd, ctx = pcall(ms.device, device)
+if not okd then error(("bench core: its argument is a device (cpu, cuda, cuda:1): %s"):format(tostring(ctx):gsub("^.-%.lua:%d+: ", "")), 0) end
 print(("moonstep %s on %s  [%s]"):format(ms.version, ctx:name(), ms.build_info))
 
 -- a monotonic wall clock (os.clock counts CPU time of every thread)

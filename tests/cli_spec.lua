@@ -113,6 +113,57 @@ describe("moonstep command line", function()
     has(o, "compare needs --recipes")
   end)
 
+  it("refuses, as usage errors before any training: extra words, empty values, too many threads, a recipe folder, "
+     .. "a recipe given twice, a cut-short or mixed checkpoint", function()
+    local dir = scratch()
+    for _, c in ipairs {
+      { "train " .. LSQ .. " --recipe adamw --steps 3 extra", "train takes flags only (got 'extra')" },
+      { "train " .. LSQ .. " --recipe adamw --steps 3 -- --hidden 3", "train takes flags only (got '--hidden')" },
+      { "compare " .. LSQ .. " --recipes sgd --steps 3 --out " .. q(dir .. "/c") .. " extra", "compare takes flags only" },
+      { "train " .. LSQ .. " --recipe adamw --steps 3 --save ''", "--save: the value is empty" },
+      { "train " .. LSQ .. " --recipe adamw --steps 3 --threads 100000", "--threads: 100000 is above the maximum 4096" },
+      { "train " .. LSQ .. " --recipe " .. q(dir) .. " --steps 3", "cannot read recipe " .. dir .. ": Is a directory" },
+      { "compare " .. LSQ .. " --recipes sgd,sgd --steps 3 --out " .. q(dir .. "/c"), "recipe 'sgd' is given twice" },
+    } do
+      local out, code = ms_run(c[1])
+      assert.equals(2, code, c[1] .. ":\n" .. out)
+      has(out, c[2])
+      assert.falsy(out:find(".lua:", 1, true), out)
+    end
+    assert.is_nil(io.open(dir .. "/c/summary.csv"), "compare ran")
+    -- checkpoints: a file cut short, and an optimizer file of another run's recipe, are found before the run
+    local a, b = dir .. "/a", dir .. "/b"
+    assert.equals(0, select(2, ms_run(SMALL_MLP .. "--save " .. q(a))))
+    assert.equals(0, select(2, ms_run(SMALL_MLP:gsub("adamw", "sgd") .. "--save " .. q(b))))
+    for _, c in ipairs {
+      { "cut", "optim.safetensors", function(d) os.execute(("truncate -s -100 %s"):format(q(d .. "/optim.safetensors"))) end,
+        "optim.safetensors is cut short" },
+      { "cutm", "model.safetensors", function(d) os.execute(("truncate -s -100 %s"):format(q(d .. "/model.safetensors"))) end,
+        "model.safetensors: it is cut short" },
+      { "mixed", "optim.safetensors", function(d) os.execute(("cp %s %s"):format(q(b .. "/optim.safetensors"), q(d))) end,
+        "optim.safetensors holds recipe 'sgd'" },
+    } do
+      local d = dir .. "/" .. c[1]
+      os.execute(("cp -r %s %s"):format(q(a), q(d)))
+      c[3](d)
+      local out, code = ms_run("train --resume " .. q(d))
+      assert.equals(2, code, c[1] .. ":\n" .. out)
+      has(out, c[4])
+      assert.falsy(out:find("train mlp with", 1, true), c[1] .. ": the run started:\n" .. out)
+    end
+    -- a sandboxed recipe reaching for a refused library is told so, without the runtime's file positions
+    write(dir .. "/evil.lua", "os.execute('true')\nreturn {}\n")
+    local out, code = ms_run("train " .. LSQ .. " --recipe " .. q(dir .. "/evil.lua") .. " --steps 3")
+    assert.equals(1, code)
+    has(out, "'os' is not available to a sandboxed recipe")
+    assert.falsy(out:find("lua/moonstep/", 1, true), out)
+    -- a benchmark's deliberate message comes without a traceback
+    out, code = ms_run("bench core --bogus")
+    assert.equals(1, code)
+    has(out, "bench core: its argument is a device")
+    assert.falsy(out:find("traceback", 1, true), out)
+  end)
+
   it("exits 2 for a script that is not there, 1 for one that fails", function()
     local d = scratch()
     for _, c in ipairs { "run " .. q(d .. "/missing.lua"), q(d .. "/missing.lua"), "run " .. q(d .. "/missing.lua") .. " a b" } do
@@ -513,7 +564,7 @@ return {
       { "--recipes adamw,sgd --opt lrate=1", 2 },   -- no recipe has the option
       { "--recipes adamw --opt lr=fast", 2 },       -- a bad value
       { "--recipes adamw,nosuch", 2 },              -- a recipe that is not found
-      { "--recipes adamw,adamw", 1 },               -- the same recipe twice
+      { "--recipes adamw,adamw", 2 },               -- the same recipe twice
     } do
       local bad = case[1]
       local out, code = ms_run("compare " .. LSQ .. " --steps 5 " .. bad .. " --out " .. q(d .. "/new/out"))
@@ -648,7 +699,7 @@ return {
       assert.equals(2, code, out)
       has(out, "no recipe named 'lion' in this run")
       out, code = ms_run("compare " .. LSQ .. " --recipes sgd,sgd --steps 3")
-      assert.equals(1, code)
+      assert.equals(2, code)
       has(out, "recipe 'sgd' is given twice")
       -- a recipe that does not exist stops the comparison, unless --skip-missing leaves it out (make run)
       out, code = ms_run("compare " .. LSQ .. " --recipes nosuch,sgd --steps 3 --out " .. q(unused))

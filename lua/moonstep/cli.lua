@@ -10,6 +10,7 @@ it (`moonstep train --problem lm --width 512`).
 ]]
 local ms = require("moonstep")
 local ffi = require("ffi")
+local core = require("moonstep.core")
 
 local M = {}
 
@@ -35,7 +36,8 @@ local function outln(s) io.stdout:write(s or "", "\n") io.stdout:flush() end
 -- flags
 -- ---------------------------------------------------------------------------------------------------
 -- A flag spec: {name = "steps", arg = "N", type = "integer"|"number"|"string"|"boolean", many = true,
--- doc = "...", min = n}.  Values come as "--name value" or "--name=value"; "-h"/"--help" is always known.
+-- doc = "...", min = n, max = n}.  Values come as "--name value" or "--name=value"; "-h"/"--help" is always
+-- known.  A string flag's value is never empty (an empty path or name named nothing, and ran as if not given).
 local function convert(cmd, f, v)
   if f.type == "integer" or f.type == "number" then
     local n = tonumber(v)
@@ -49,8 +51,10 @@ local function convert(cmd, f, v)
       usage_error(("--%s: %s is not below 2^53, the largest integer a flag holds exactly"):format(f.name, v), cmd)
     end
     if f.min and n < f.min then usage_error(("--%s: %s is below the minimum %s"):format(f.name, v, tostring(f.min)), cmd) end
+    if f.max and n > f.max then usage_error(("--%s: %s is above the maximum %s"):format(f.name, v, tostring(f.max)), cmd) end
     return n
   end
+  if f.type ~= "boolean" and v == "" then usage_error(("--%s: the value is empty"):format(f.name), cmd) end
   return v
 end
 
@@ -119,10 +123,13 @@ end
 -- people (MOONSTEP_TRACEBACK=1 adds the traceback to those too, for debugging moonstep itself)
 local function traceback(e)
   if getmetatable(e) == Usage then return e end
+  -- a message raised without a position (error(msg, 0)) is a script's deliberate word: no traceback
+  if type(e) == "string" and not e:match("^[^\n]-:%d+: ") then return e end
   return debug.traceback(tostring(e), 2)
 end
 local function message(e)
-  if getmetatable(e) == Usage or not os.getenv("MOONSTEP_TRACEBACK") then return e end
+  if getmetatable(e) == Usage then return e end
+  if not os.getenv("MOONSTEP_TRACEBACK") then return (core.strip_own_position(e)) end
   return debug.traceback(tostring(e), 2)
 end
 
@@ -221,7 +228,7 @@ local common_flags = {
   { name = "schedule", arg = "KIND", doc = "learning-rate schedule: constant, cosine, linear_warmup, wsd (default: the problem's)" },
   { name = "warmup", arg = "N", type = "integer", min = 0, doc = "warmup steps of the schedule (default: the problem's)" },
   { name = "clip", arg = "X", type = "number", min = 0, doc = "global gradient-norm clipping, 0 = off (default: the problem's)" },
-  { name = "threads", arg = "N", type = "integer", min = 0, doc = "CPU threads (default 1: faster for these small matrices; 0 = OpenMP's default)" },
+  { name = "threads", arg = "N", type = "integer", min = 0, max = 4096, doc = "CPU threads (default 1: faster for these small matrices; 0 = OpenMP's default)" },
   { name = "trusted", type = "boolean", doc = "run recipe files unsandboxed (full Lua: io, os, ffi)" },
 }
 
@@ -269,7 +276,11 @@ local function check_recipe_found(cmd, spec, from)
   local msg
   if spec:find("/", 1, true) or spec:find("%.lua$") then
     local f, err = io.open(spec, "rb")
-    if f then f:close() else msg = ("cannot read recipe %s: %s"):format(spec, tostring(err)) end
+    -- (a folder opens, and its read fails)
+    local ok, rerr = true, nil
+    if f then ok, rerr = f:read(0), select(2, f:read(0)) f:close() end
+    if not f then msg = ("cannot read recipe %s: %s"):format(spec, tostring(err))
+    elseif ok == nil and rerr then msg = ("cannot read recipe %s: %s"):format(spec, tostring(rerr)) end
   else
     local okf, path, why = pcall(require("moonstep.recipe").find, spec)
     if not okf or not path then msg = okf and why or path end
@@ -355,7 +366,7 @@ function M.progress(total, opts)
   if tty == nil then tty = stdout_is_tty() end
   local t_start, last_draw = E.clock(), -1
   local ema, val, acc, first_step
-  local alpha = 2 / (math.max(1, math.floor(total / 20)) + 1)
+  local alpha, seen = 2 / (math.max(1, math.floor(total / 20)) + 1), 0
   local p = {}
   local function line(step)
     -- the rate counts from the end of the first step (building the problem is not training)
@@ -372,7 +383,10 @@ function M.progress(total, opts)
   local sigint_newline = okc and type(config) == "table" and config.sigint_newline or function() end
   function p.on_step(step, loss)
     if not first_step then first_step, t_start = step, E.clock() end
-    ema = ema and (ema + alpha * (loss - ema)) or loss
+    -- (over the steps seen while they are fewer than the window: from the first loss alone, a 5% window of a
+    -- long run showed about the initial loss for thousands of steps)
+    seen = seen + 1
+    ema = ema and (ema + math.max(alpha, 2 / (seen + 1)) * (loss - ema)) or loss
     if tty then
       local now = E.clock()
       if now - last_draw >= 0.1 or step == total then
@@ -457,8 +471,9 @@ points for the known recipes' options come from the problem; --opt overrides the
     end
     local problem, pflags = problem_flags("train", argv, saved and saved.problem)
     local flags = with(train_flags, pflags)
-    local vals = M.parse("train", argv, flags)
+    local vals, extra = M.parse("train", argv, flags)
     if vals.help then show_help({ help = by_name.train.help, flags = flags }, problem_help(problem)) return 0 end
+    if #extra > 0 then usage_error(("train takes flags only (got '%s')"):format(extra[1]), "train") end
     if not problem then usage_error("train needs --problem (" .. table.concat(problems.names, ", ") .. ")", "train") end
     local spec, from = vals.recipe, nil
     if not spec and saved then
@@ -555,8 +570,9 @@ the loss curves as loss.png and loss.svg (gnuplot; without it the SVG alone, dra
   run = function(argv)
     local problem, pflags = problem_flags("compare", argv)
     local flags = with(compare_flags, pflags)
-    local vals = M.parse("compare", argv, flags)
+    local vals, extra = M.parse("compare", argv, flags)
     if vals.help then show_help({ help = by_name.compare.help, flags = flags }, problem_help(problem)) return 0 end
+    if #extra > 0 then usage_error(("compare takes flags only (got '%s')"):format(extra[1]), "compare") end
     if not vals.problem then usage_error("compare needs --problem (" .. table.concat(problems.names, ", ") .. ")", "compare") end
     if not vals.recipes then usage_error("compare needs --recipes a,b,c", "compare") end
     if vals.plotter and vals.plotter ~= "auto" and vals.plotter ~= "gnuplot" and vals.plotter ~= "builtin" then
@@ -570,6 +586,11 @@ the loss curves as loss.png and loss.svg (gnuplot; without it the SVG alone, dra
     local specs = {}
     for s in vals.recipes:gmatch("[^,]+") do specs[#specs + 1] = s end
     if #specs == 0 then usage_error("--recipes: no recipe named", "compare") end
+    local seen = {}
+    for _, spec in ipairs(specs) do
+      if seen[spec] then usage_error(("--recipes: recipe '%s' is given twice"):format(spec), "compare") end
+      seen[spec] = true
+    end
     if not vals.skip_missing then
       for _, spec in ipairs(specs) do check_recipe_found("compare", spec) end
     end
@@ -674,6 +695,9 @@ followed by yours; without NAME, lists the benchmarks.  Benchmarks print their o
         local args = {}
         for _, a in ipairs(b.args or {}) do args[#args + 1] = a end
         for i = 2, #pos do args[#args + 1] = pos[i] end
+        if b.cuda and ms.device_count("cuda") == 0 then
+          error(("benchmark '%s' needs a CUDA device, and this machine has none"):format(name), 0)
+        end
         M.run_script(dir .. "/" .. b.script, args)
         return 0
       end

@@ -104,6 +104,17 @@ function M.check_alloc(fn, ...)
   if st ~= 0 then M.raise(st, 3) end
 end
 
+-- the folder of the runtime's own files (this one's)
+local OWN_DIR = debug.getinfo(1, "S").source:match("^@(.*[/\\])") or ""
+
+--- msg without a leading position in the runtime's own files ("/.../lua/moonstep/optim.lua:1286: "), and
+--- whether it had one: such an error names its problem itself, and where the runtime raised it tells a user
+--- (a trainer through the C API, the command line) nothing.  A recipe's or a script's position stays.
+function M.strip_own_position(msg)
+  if type(msg) ~= "string" or OWN_DIR == "" or msg:sub(1, #OWN_DIR) ~= OWN_DIR then return msg, false end
+  return (msg:gsub("^[^\n]-%.lua:%d+: ", "", 1)), true
+end
+
 --- Seconds on a monotonic wall clock (os.clock would count the CPU time of every OpenMP thread, spinning ones
 --- included): ms_clock, which allocates nothing.
 M.clock = C.ms_clock

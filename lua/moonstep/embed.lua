@@ -51,18 +51,15 @@ end
 local TRACEBACK_LINES = 12
 local traceback = false       -- whether the current call runs recipe code, where a traceback helps
 
--- the folder of the runtime's own files: an error raised there names its problem itself, and the position in
--- them ("/.../lua/moonstep/optim.lua:1286: ") and a traceback through them tell a trainer nothing
-local RUNTIME_DIR = (debug.getinfo(1, "S").source:match("^@(.*[/\\])") or "")
-
 --- The message handler of every call from C.
 function M.handler(e)
   if type(e) == "table" and getmetatable(e) == Failure then return e end
   local msg = type(e) == "string" and e or ("(a Lua error that is a " .. type(e) .. ", not a message)")
   local status = nil
   if engine_status and engine_message ~= "" and msg:find(engine_message, 1, true) then status = engine_status end
-  local own = RUNTIME_DIR ~= "" and msg:sub(1, #RUNTIME_DIR) == RUNTIME_DIR
-  if own then msg = msg:gsub("^[^\n]-%.lua:%d+: ", "", 1) end
+  -- (an error of the runtime's own files names its problem: no position in them, no traceback through them)
+  local own
+  msg, own = core.strip_own_position(msg)
   if own or not traceback then return { status = status, message = msg } end
   local lines = {}
   for line in debug.traceback(msg, 2):gmatch("[^\n]+") do

@@ -139,9 +139,19 @@ local function safetensors_meta(path)
   local n = 0
   for i = #(head or ""), 1, -1 do n = n * 256 + head:byte(i) end
   local text = #(head or "") == 8 and n < 2 ^ 27 and f:read(n) or nil
+  local size = f:seek("end")
   f:close()
   local ok, h = pcall(json.decode, text or "")
   if not ok or type(h) ~= "table" then return nil, "has no readable safetensors header" end
+  -- a file cut short (a copy or a save that did not finish): found here, before a run starts on it
+  local need = 0
+  for k, v in pairs(h) do
+    local o = k ~= "__metadata__" and type(v) == "table" and v.data_offsets
+    if type(o) == "table" and type(o[2]) == "number" and o[2] > need then need = o[2] end
+  end
+  if size and size < 8 + n + need then
+    return nil, ("is cut short: its tensors need %.0f bytes of data, it holds %.0f"):format(need, size - 8 - n)
+  end
   return type(h.__metadata__) == "table" and h.__metadata__ or {}
 end
 
@@ -259,6 +269,13 @@ function E.resume_config(cfg, problem)
   if okm and type(ometa) == "table" and resume_info.step ~= nil and ometa.step ~= resume_info.step then
     error(("%s: optim.safetensors is at step %s but model.safetensors at step %s (a save that did not finish?)")
       :format(cfg.resume, tostring(ometa.step), tostring(resume_info.step)), 0)
+  end
+  -- the two files of one run: an optimizer file of another run's recipe (copied in) is no --force's business
+  local orec = okm and type(ometa) == "table" and type(ometa.recipe) == "table" and ometa.recipe or nil
+  if orec and resume_info.recipe ~= nil and (orec.name ~= resume_info.recipe or orec.hash ~= resume_info.recipe_hash) then
+    error(("%s: optim.safetensors holds recipe '%s' (hash %s) but model.safetensors names '%s' (hash %s): the two "
+           .. "files are of different runs"):format(cfg.resume, tostring(orec.name), tostring(orec.hash),
+           tostring(resume_info.recipe), tostring(resume_info.recipe_hash)), 0)
   end
   return merged, resume_info
 end

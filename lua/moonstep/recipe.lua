@@ -570,6 +570,23 @@ local safe_globals = {
   end,
 }
 
+-- what README's "Refused" list names: a sandboxed recipe that reaches for one is told so (other missing globals
+-- are nil, as in plain Lua)
+local REFUSED = {}
+for _, k in ipairs { "io", "os", "ffi", "require", "debug", "package", "load", "loadstring", "loadfile", "dofile",
+                     "collectgarbage", "setfenv", "getfenv", "getmetatable", "setmetatable", "rawget", "rawset",
+                     "coroutine", "jit" } do
+  REFUSED[k] = true
+end
+local REFUSED_GLOBAL = {
+  __index = function(_, k)
+    if REFUSED[k] then
+      error(str_format("'%s' is not available to a sandboxed recipe (a trusted one runs unsandboxed)", real_tostring(k)), 2)
+    end
+  end,
+  __metatable = false,
+}
+
 local function sandbox_env(ms)
   local env = {}
   for k, v in pairs(safe_globals) do env[k] = v end
@@ -580,7 +597,8 @@ local function sandbox_env(ms)
   m.routing = readonly({ adamw_by_name = ms.routing.adamw_by_name }, "ms.routing")
   env.ms = readonly(m, "ms")
   env._G = env
-  return env
+  -- a refused library named as such, not as "attempt to index global 'os' (a nil value)"
+  return setmetatable(env, REFUSED_GLOBAL)
 end
 
 -- ---------------------------------------------------------------------------------------------------
