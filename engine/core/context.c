@@ -58,6 +58,9 @@ MS_API ms_status ms_ctx_new(const char *device, const ms_ctx_options *opts, ms_c
         return MS_FAIL(NULL, MS_E_ARG, "ms_ctx_new: mem_limit %lld is negative", (long long)opts->mem_limit);
     if (opts && opts->num_threads < 0)
         return MS_FAIL(NULL, MS_E_ARG, "ms_ctx_new: num_threads %d is negative", opts->num_threads);
+    /* (OpenMP fails to create tens of thousands, or crashes: a value past any machine's cores is a mistake) */
+    if (opts && opts->num_threads > MS_MAX_THREADS)
+        return MS_FAIL(NULL, MS_E_ARG, "ms_ctx_new: num_threads %d is above %d", opts->num_threads, MS_MAX_THREADS);
 
     const ms_backend *backend = &ms_cpu_backend;
     if (type == MS_DEVICE_CUDA) {

@@ -129,15 +129,19 @@ typedef enum ms_device_type {
     MS_DEVICE_CUDA = 1
 } ms_device_type;
 
+enum { MS_MAX_THREADS = 4096 };   /* the most OpenMP threads a context takes */
+
 typedef struct ms_ctx_options {
     int64_t mem_limit;     /* bytes the context may hold allocated at once; 0 = no limit */
     void   *stream;        /* CUDA: a cudaStream_t owned by the caller to run on; NULL = the context's own */
-    int     num_threads;   /* CPU: OpenMP threads for this context's ops; 0 = the OpenMP default */
+    int     num_threads;   /* CPU: OpenMP threads for this context's ops; 0 = the OpenMP default; at most
+                           ** MS_MAX_THREADS */
 } ms_ctx_options;
 
 /* Creates a context on `device`: "cpu", "cuda", "cuda:N", or "auto" (the first GPU when one is present and
 ** the build has CUDA, else the CPU; NULL means "auto").  opts may be NULL.
-** Errors: MS_E_ARG (unparsable device string, out NULL, a negative mem_limit or num_threads, a stream for a
+** Errors: MS_E_ARG (unparsable device string, out NULL, a negative mem_limit or num_threads (or one past
+** MS_MAX_THREADS), a stream for a
 ** CPU context), MS_E_UNSUPPORTED (backend not compiled in),
 ** MS_E_DEVICE (no such device, or no usable driver). */
 MS_API ms_status ms_ctx_new(const char *device, const ms_ctx_options *opts, ms_ctx **out);
@@ -550,8 +554,11 @@ MS_API void ms_tensor_set_free(ms_tensor_set *set);
 ** These work on groups: n members given as arrays of n entries, members of any shapes, updated in few
 ** launches (CUDA: many tensors per launch).  Scalars that change every step come as a double and an
 ** optional 1-element f32 device tensor (the _t field wins when given), so a captured step replays with new
-** values.  `skip_t` (optional, 1 element) is read at execution time: nonzero means the call changes
-** nothing, which lets a trainer skip a step on non-finite gradients without a host synchronisation.
+** values.  A device value is read as it is when the kernel runs (checking it would need a host
+** synchronisation): its caller keeps it valid, a finite lr >= 0 and a step >= 1, as ms.optim's runtime does; a
+** host value is checked (MS_E_ARG).  `skip_t` (optional, 1 element) is read at execution time: nonzero means
+** the call changes nothing, which lets a trainer skip a step on non-finite gradients without a host
+** synchronisation.
 ** `scales` (optional, n entries) multiplies the learning rate per member (e.g. width transfer).
 ** ------------------------------------------------------------------------------------------------- */
 

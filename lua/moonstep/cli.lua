@@ -123,9 +123,13 @@ end
 -- people (MOONSTEP_TRACEBACK=1 adds the traceback to those too, for debugging moonstep itself)
 local function traceback(e)
   if getmetatable(e) == Usage then return e end
-  -- a message raised without a position (error(msg, 0)) is a script's deliberate word: no traceback
-  if type(e) == "string" and not e:match("^[^\n]-:%d+: ") then return e end
   return debug.traceback(tostring(e), 2)
+end
+-- a benchmark's message raised without a position (error(msg, 0): its own word on its arguments or the machine)
+-- comes without a traceback; any other error of it with one
+local function bench_traceback(e)
+  if type(e) == "string" and not e:match("^[^\n]-:%d+: ") then return e end
+  return traceback(e)
 end
 local function message(e)
   if getmetatable(e) == Usage then return e end
@@ -140,14 +144,15 @@ local function check_script(path, cmd)
   f:close()
 end
 
---- Runs a script file with its arguments (in `arg`, as luajit does, and as the chunk's varargs).
-function M.run_script(path, args)
+--- Runs a script file with its arguments (in `arg`, as luajit does, and as the chunk's varargs); handler: its
+--- errors' message handler (default: with a traceback).
+function M.run_script(path, args, handler)
   local chunk, err = loadfile(path)
   if not chunk then error(err, 0) end
   local a = { [0] = path }
   for i, v in ipairs(args) do a[i] = v end
   _G.arg = a
-  local ok, e = xpcall(function() return chunk(unpack(args)) end, traceback)
+  local ok, e = xpcall(function() return chunk(unpack(args)) end, handler or traceback)
   if not ok then error(e, 0) end
 end
 
@@ -698,7 +703,7 @@ followed by yours; without NAME, lists the benchmarks.  Benchmarks print their o
         if b.cuda and ms.device_count("cuda") == 0 then
           error(("benchmark '%s' needs a CUDA device, and this machine has none"):format(name), 0)
         end
-        M.run_script(dir .. "/" .. b.script, args)
+        M.run_script(dir .. "/" .. b.script, args, bench_traceback)
         return 0
       end
     end

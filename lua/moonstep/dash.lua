@@ -167,7 +167,30 @@ function M.blocks_gather_factors(a)
   return a.stack
 end
 
--- an i32 tensor on `like`'s device from a tensor or a Lua array (index, rng_ids); nil stays nil
+-- Checks a Lua array of ids (index, rng_ids) before it is made an i32 tensor: that conversion takes 0.5 and NaN
+-- as 0, 2^31 wrapped, so block 0 was worked on, silently.  Every entry an integer in the i32 range, no holes
+-- ({0, nil, 2} has # 1 or 3) and no other keys.  A tensor or nil passes.  Raised at `level` of the caller.
+local function check_ids(what, name, v, level)
+  if type(v) ~= "table" or tensor.is_tensor(v) then return end
+  local n, top = #v, 0
+  for k in pairs(v) do
+    if type(k) ~= "number" or k < 1 or k ~= math.floor(k) then
+      error(("%s: %s must be an array of integers (got the key %s)"):format(what, name, core.show(k)), level + 1)
+    end
+    if k > top then top = k end
+  end
+  for k = 1, math.max(n, top) do
+    local x = v[k]
+    if not core.kinds.integer.test(x) then
+      error(("%s: %s[%d] must be an integer (got %s)"):format(what, name, k, core.show(x)), level + 1)
+    end
+    if x < -2 ^ 31 or x >= 2 ^ 31 then
+      error(("%s: %s[%d] must be an integer in the i32 range (got %s)"):format(what, name, k, core.show(x)), level + 1)
+    end
+  end
+end
+
+-- an i32 tensor on `like`'s device from a tensor or a Lua array (index, rng_ids; check_ids first); nil stays nil
 local function i32_of(v, like)
   if type(v) == "table" and not tensor.is_tensor(v) then return tensor.tensor(v, { dtype = "i32", ctx = like:context() }) end
   return v
@@ -179,6 +202,7 @@ end
 ---   stochastic rounding keyed by rng_ids[k] instead of k
 function M.blocks_apply(a)
   a = check_options("blocks_apply", a, APPLY, 2)
+  check_ids("blocks_apply", "rng_ids", a.rng_ids, 2)
   need_tensor("blocks_apply", "stack", a.stack, 2)
   local l = resolve(a.blocks, 2)
   local o = ffi.new("ms_blocks_apply_options")
@@ -254,6 +278,8 @@ end
 function M.inv_root(a, opts)
   if not tensor.is_tensor(a) then error("inv_root: a must be a tensor", 2) end
   opts = check_options("inv_root", opts, ROOT, 2)
+  check_ids("inv_root", "index", opts.index, 2)
+  check_ids("inv_root", "rng_ids", opts.rng_ids, 2)
   local n = a:dim() == 3 and a:size(0) or 0
   local o = ffi.new("ms_root_options")
   o.method = enum(methods, opts.method, "method", "ndb")
@@ -288,6 +314,7 @@ end
 function M.spectrum_estimate(a, opts)
   if not tensor.is_tensor(a) then error("spectrum_estimate: a must be a tensor", 2) end
   opts = check_options("spectrum_estimate", opts, SPECTRUM, 2)
+  check_ids("spectrum_estimate", "rng_ids", opts.rng_ids, 2)
   local n = a:dim() == 3 and a:size(0) or 0
   local o = ffi.new("ms_spectrum_options")
   o.vectors, o.steps = opts.vectors or 16, opts.steps or 10

@@ -12,15 +12,43 @@ local check, H = core.check, tensor.handle
 
 local M = {}
 
--- a C array of the tensors' handles: "ms_tensor *[?]" for tensors written, "const ms_tensor *[?]" for sources
-local function list(arr, what, n, optional, const)
+-- The first missing member of a Lua array: `#` of a table with a hole may stop before it ({p, nil, t} has
+-- # 1 or 3), so the highest positive integer key is looked for too; nil when arr is an array 1..#arr.
+local function hole_of(arr)
+  local n, top = #arr, 0
+  for k in pairs(arr) do
+    if type(k) == "number" and k >= 1 and k == math.floor(k) and k > top then top = k end
+  end
+  if top <= n then return nil end
+  for i = 1, top do if arr[i] == nil then return i end end
+end
+
+-- Raises "<fn>: <what>[i] must be a tensor (got ...)" at `level` for the first member of arr that is not a
+-- tensor (a hole included); the member arrays are checked so before `#` or arr[i]:context() would fail on them
+-- unnamed, inside this file.
+local function need_tensors(fn, what, arr, level)
+  local i = hole_of(arr)
+  if i then error(("%s: %s[%d] must be a tensor (got nil)"):format(fn, what, i), level + 1) end
+  for j = 1, #arr do
+    if not tensor.is_tensor(arr[j]) then
+      error(("%s: %s[%d] must be a tensor (got %s)"):format(fn, what, j, core.show(arr[j])), level + 1)
+    end
+  end
+end
+
+-- a C array of the tensors' handles: "ms_tensor *[?]" for tensors written, "const ms_tensor *[?]" for sources;
+-- errors raised at `level` (default 2: the caller of the function that calls list)
+local function list(fn, arr, what, n, optional, const, level)
+  level = (level or 2) + 1
   if arr == nil and optional then return nil end
   -- (a tensor is a table too, and indexes as its rows: taken for an array, it would update every row as a param)
   if type(arr) ~= "table" or tensor.is_tensor(arr) then
-    error(what .. " must be an array of tensors" .. (tensor.is_tensor(arr) and (" (got a tensor: wrap it, {t})") or ""), 4)
+    error(("%s: %s must be an array of tensors%s"):format(fn, what,
+          tensor.is_tensor(arr) and " (got a tensor: wrap it, {t})" or (" (got " .. core.show(arr) .. ")")), level)
   end
+  need_tensors(fn, what, arr, level)
   n = n or #arr
-  if #arr ~= n then error(("%s has %d entries, %d expected"):format(what, #arr, n), 4) end
+  if #arr ~= n then error(("%s: %s has %d entries, %d expected"):format(fn, what, #arr, n), level) end
   local out = ffi.new(const and "const ms_tensor *[?]" or "ms_tensor *[?]", n > 0 and n or 1)
   for i = 1, n do out[i - 1] = H(arr[i]) end
   return out
@@ -48,9 +76,10 @@ local function scalar(v, default, name)
   return 0, H(v)
 end
 
+-- (arr checked by list or need_tensors first: arr[1] is a tensor)
 local function ctx_for(arr)
   if #arr == 0 then return tensor.handle_ctx(tensor.device("cpu")) end
-  return tensor.handle_ctx(arr[1]:context())
+  return tensor.handle_ctx(tensor.ctx_object(arr[1]))
 end
 
 -- Each call's arguments and their kinds (core.check_options): a misspelt one (weight_decy =) would otherwise
@@ -84,6 +113,9 @@ local function check_args(a, what)
           tensor.is_tensor(a.params) and " (got a tensor: wrap it, {t})" or ""), 3)
   end
   core.check_options(what, a, ARGS[what], 3)
+  -- (given both, step was dropped for steps, silently)
+  if a.steps ~= nil and a.step ~= nil then error(("%s: steps and step are exclusive"):format(what), 3) end
+  need_tensors(what, "params", a.params, 3)
 end
 
 -- The arrays of a call that hold one entry per member.
@@ -92,27 +124,21 @@ local MEMBER_ARRAYS = { "params", "grads", "exp_avg", "exp_avg_sq", "exp_avg_sca
 
 -- A call given steps = {each member's own step} (a number or a device scalar each; ctx.step_of(m)) as calls with
 -- one step each: one call when every member has the same step, members in their order.
-local function by_step(a)
+local function by_step(a, what)
   local n = #a.params
   if type(a.steps) ~= "table" or tensor.is_tensor(a.steps) or #a.steps ~= n then
-    error(("steps must be an array of %d steps (numbers or device scalars), one per member"):format(n), 3)
+    error(("%s: steps must be an array of %d steps (numbers or device scalars), one per member"):format(what, n), 3)
   end
   for i = 1, n do
     local why = tensor.kinds.step(a.steps[i])
-    if why then error(("steps[%d] must be %s (got %s)"):format(i, why, core.show(a.steps[i])), 3) end
+    if why then error(("%s: steps[%d] must be %s (got %s)"):format(what, i, why, core.show(a.steps[i])), 3) end
   end
   -- the member arrays checked whole before the first of several calls runs: a refused call changes nothing,
   -- and its error counts the caller's members, not one call's
   for _, f in ipairs(MEMBER_ARRAYS) do
     if f == "scales" then scales_of(a.scales, n)
     elseif a[f] ~= nil or f == "grads" then
-      local arr = a[f]
-      if type(arr) == "table" and not tensor.is_tensor(arr) and #arr == n then
-        for i = 1, n do
-          if not tensor.is_tensor(arr[i]) then error(("%s[%d] must be a tensor (got %s)"):format(f, i, type(arr[i])), 3) end
-        end
-      end
-      list(arr, f, n, false, true)
+      list(what, a[f], f, n, false, true, 3)
     end
   end
   -- the usual step: every member had every gradient, so one step for all and the arrays as they are (a copy
@@ -152,8 +178,8 @@ local skip_all = setmetatable({}, { __mode = "k" })
 -- member (shape, dtype, overlap with another member) and a step only when it is called, so a group split in
 -- several calls is first checked by calls that change nothing (skip = 1, read when they run): the whole group
 -- at the first step, then one member at each other step.  A refused group then leaves every member as it was.
-local function run_by_step(a, step_fn)
-  local calls = by_step(a)
+local function run_by_step(a, step_fn, what)
+  local calls = by_step(a, what)
   if #calls > 1 then
     local ctx = a.params[1]:context()
     skip_all[ctx] = skip_all[ctx] or tensor.ones({ 1 }, { dtype = "f32", ctx = ctx })
@@ -179,7 +205,7 @@ end
 function M.adamw_step(a)
   check_args(a, "adamw_step")
   if a.steps ~= nil then
-    return run_by_step(a, M.adamw_step)
+    return run_by_step(a, M.adamw_step, "adamw_step")
   end
   local n = #a.params
   local o = ffi.new("ms_adamw_options")
@@ -191,9 +217,10 @@ function M.adamw_step(a)
   o.stochastic_round = a.stochastic_round and 1 or 0
   o.seed = a.seed or 0
   o.skip_t = a.skip and H(a.skip) or nil
-  check(C.ms_adamw_step(ctx_for(a.params), n, list(a.params, "params"), list(a.grads, "grads", n, false, true),
-                        list(a.exp_avg, "exp_avg", n), list(a.exp_avg_sq, "exp_avg_sq", n),
-                        scales_of(a.scales, n), o))
+  local F = "adamw_step"
+  local params, grads = list(F, a.params, "params"), list(F, a.grads, "grads", n, false, true)
+  local m, v = list(F, a.exp_avg, "exp_avg", n), list(F, a.exp_avg_sq, "exp_avg_sq", n)
+  check(C.ms_adamw_step(ctx_for(a.params), n, params, grads, m, v, scales_of(a.scales, n), o))
 end
 
 --- ms.sgd_step{params=, grads=, momentum_buf=, scales=, lr=, step=, momentum=0, dampening=0,
@@ -201,7 +228,7 @@ end
 function M.sgd_step(a)
   check_args(a, "sgd_step")
   if a.steps ~= nil then
-    return run_by_step(a, M.sgd_step)
+    return run_by_step(a, M.sgd_step, "sgd_step")
   end
   local n = #a.params
   local o = ffi.new("ms_sgd_options")
@@ -212,8 +239,10 @@ function M.sgd_step(a)
   o.stochastic_round = a.stochastic_round and 1 or 0
   o.seed = a.seed or 0
   o.skip_t = a.skip and H(a.skip) or nil
-  check(C.ms_sgd_step(ctx_for(a.params), n, list(a.params, "params"), list(a.grads, "grads", n, false, true),
-                      list(a.momentum_buf, "momentum_buf", n, true), scales_of(a.scales, n), o))
+  local F = "sgd_step"
+  local params, grads = list(F, a.params, "params"), list(F, a.grads, "grads", n, false, true)
+  local buf = list(F, a.momentum_buf, "momentum_buf", n, true)
+  check(C.ms_sgd_step(ctx_for(a.params), n, params, grads, buf, scales_of(a.scales, n), o))
 end
 
 -- the tensors of a foreach call, checked before `#` and arr[1]:context() would fail on them unnamed
@@ -233,7 +262,7 @@ function M.foreach_sumsq(arr, out)
   if out ~= nil and not tensor.is_tensor(out) then error("foreach_sumsq: out must be a tensor (got " .. core.show(out) .. ")", 2) end
   local n = #arr
   out = out or tensor.empty({ n }, { dtype = "f32", ctx = n > 0 and arr[1]:context() or nil })
-  check(C.ms_foreach_sumsq(tensor.handle_ctx(out:context()), H(out), n, list(arr, "tensors", nil, false, true)))
+  check(C.ms_foreach_sumsq(tensor.handle_ctx(out:context()), H(out), n, list("foreach_sumsq", arr, "tensors", nil, false, true)))
   return out
 end
 
@@ -242,7 +271,7 @@ function M.foreach_scale(arr, s)
   foreach_tensors("foreach_scale", arr)
   if s == nil then error("foreach_scale: s is needed (a number or a device scalar)", 2) end
   local v, vt = scalar(s, 1, "foreach_scale: s")
-  check(C.ms_foreach_scale(ctx_for(arr), #arr, list(arr, "tensors"), v, vt))
+  check(C.ms_foreach_scale(ctx_for(arr), #arr, list("foreach_scale", arr, "tensors"), v, vt))
 end
 
 
@@ -295,8 +324,9 @@ function M.sinkgd_step(a)
   o.stochastic_round = a.stochastic_round and 1 or 0
   o.seed = a.seed or 0
   o.skip_t = a.skip and H(a.skip) or nil
-  local params, grads = list(a.params, "params"), list(a.grads, "grads", n, false, true)
-  local u, t = list(a.specnorm_u, "specnorm_u", n, true), list(a.md_target_norm, "md_target_norm", n, true)
+  local F = "sinkgd_step"
+  local params, grads = list(F, a.params, "params"), list(F, a.grads, "grads", n, false, true)
+  local u, t = list(F, a.specnorm_u, "specnorm_u", n, true), list(F, a.md_target_norm, "md_target_norm", n, true)
   local shards, comm = shards_of(a.params, n)
   if shards ~= nil then
     check(C.ms_sinkgd_step_sharded(ctx_for(a.params), comm, n, params, grads, u, t, scales_of(a.scales, n), shards, o))
@@ -311,7 +341,7 @@ end
 function M.adamw8_step(a)
   check_args(a, "adamw8_step")
   if a.steps ~= nil then
-    return run_by_step(a, M.adamw8_step)
+    return run_by_step(a, M.adamw8_step, "adamw8_step")
   end
   local n = #a.params
   local o = ffi.new("ms_adamw8_options")
@@ -325,10 +355,11 @@ function M.adamw8_step(a)
   w.seed = a.seed or 0
   w.skip_t = a.skip and H(a.skip) or nil
   o.block_size = a.block_size or 256
-  check(C.ms_adamw8_step(ctx_for(a.params), n, list(a.params, "params"), list(a.grads, "grads", n, false, true),
-                         list(a.exp_avg, "exp_avg", n), list(a.exp_avg_scale, "exp_avg_scale", n),
-                         list(a.exp_avg_sq, "exp_avg_sq", n), list(a.exp_avg_sq_scale, "exp_avg_sq_scale", n),
-                         scales_of(a.scales, n), o))
+  local F = "adamw8_step"
+  local params, grads = list(F, a.params, "params"), list(F, a.grads, "grads", n, false, true)
+  local m, ms_ = list(F, a.exp_avg, "exp_avg", n), list(F, a.exp_avg_scale, "exp_avg_scale", n)
+  local v, vs = list(F, a.exp_avg_sq, "exp_avg_sq", n), list(F, a.exp_avg_sq_scale, "exp_avg_sq_scale", n)
+  check(C.ms_adamw8_step(ctx_for(a.params), n, params, grads, m, ms_, v, vs, scales_of(a.scales, n), o))
 end
 
 --- ms.adamw8_qmap(signed) -> the 256 values of the dynamic quantization map, ascending (Lua numbers)

@@ -570,22 +570,22 @@ local safe_globals = {
   end,
 }
 
--- what README's "Refused" list names: a sandboxed recipe that reaches for one is told so (other missing globals
--- are nil, as in plain Lua)
+-- what README's "Refused" list names: absent from a sandboxed recipe's globals (nil: a recipe may probe for one,
+-- `setmetatable and setmetatable(...)`); an error from using one says why (refused_note)
 local REFUSED = {}
 for _, k in ipairs { "io", "os", "ffi", "require", "debug", "package", "load", "loadstring", "loadfile", "dofile",
                      "collectgarbage", "setfenv", "getfenv", "getmetatable", "setmetatable", "rawget", "rawset",
                      "coroutine", "jit" } do
   REFUSED[k] = true
 end
-local REFUSED_GLOBAL = {
-  __index = function(_, k)
-    if REFUSED[k] then
-      error(str_format("'%s' is not available to a sandboxed recipe (a trusted one runs unsandboxed)", real_tostring(k)), 2)
-    end
-  end,
-  __metatable = false,
-}
+local function refused_note(msg)
+  if type(msg) ~= "string" then return msg end
+  local name = msg:match("attempt to %a+ global '([%w_]+)' %(a nil value%)")
+  if name and REFUSED[name] then
+    return msg .. (" ('%s' is not available to a sandboxed recipe; a trusted one runs unsandboxed)"):format(name)
+  end
+  return msg
+end
 
 local function sandbox_env(ms)
   local env = {}
@@ -597,8 +597,7 @@ local function sandbox_env(ms)
   m.routing = readonly({ adamw_by_name = ms.routing.adamw_by_name }, "ms.routing")
   env.ms = readonly(m, "ms")
   env._G = env
-  -- a refused library named as such, not as "attempt to index global 'os' (a nil value)"
-  return setmetatable(env, REFUSED_GLOBAL)
+  return env
 end
 
 -- ---------------------------------------------------------------------------------------------------
@@ -951,7 +950,7 @@ leave = function(g, prev, ok, ...)
   local tripped = g.tripped
   g.tripped, g.why = nil, nil
   if tripped then error(tripped, 0) end
-  if not ok then error((...), 0) end
+  if not ok then error(refused_note((...)), 0) end
   check_retained(g)
   return ...
 end

@@ -290,25 +290,44 @@ function M.ones(shape, opts)
   return M.full(shape, 1, opts)
 end
 
--- shape of a nested Lua table, checking it is rectangular
+-- true when the table's keys are exactly 1..#x: `#` of a table with a hole may stop at it ({1, nil, 3} has # 1
+-- or 3), and other keys ({1, 2, x = 3}) would be dropped, silently
+local function plain_array(x)
+  local n, count = #x, 0
+  for k in pairs(x) do
+    if type(k) ~= "number" or k < 1 or k > n or k ~= math.floor(k) then return false end
+    count = count + 1
+  end
+  return count == n
+end
+
+-- shape of a nested Lua table, checking it is rectangular: (shape) or (nil, why), for the caller to raise where
+-- its own caller called it
 local function nested_shape(tbl)
   local shape, node = {}, tbl
-  while type(node) == "table" do
+  while type(node) == "table" and not M.is_tensor(node) do
     -- bounded: a table that contains itself would otherwise spin here in compiled code, where an
     -- untrusted recipe's instruction hook never runs
-    if #shape == 8 then error("tensor data is nested more than 8 deep", 4) end
+    if #shape == 8 then return nil, "tensor data is nested more than 8 deep" end
     shape[#shape + 1] = #node
     node = node[1]
   end
   local function walk(x, d)
     if d > #shape then
-      if type(x) ~= "number" then error("tensor data must contain numbers (got " .. type(x) .. ")", 4) end
-      return
+      if type(x) ~= "number" then return "tensor data must contain numbers (got " .. core.show(x) .. ")" end
+      return nil
     end
-    if type(x) ~= "table" or #x ~= shape[d] then error("tensor data is not rectangular (dim " .. (d - 1) .. ")", 4) end
-    for i = 1, #x do walk(x[i], d + 1) end
+    if type(x) ~= "table" or M.is_tensor(x) then return "tensor data is not rectangular (dim " .. (d - 1) .. ")" end
+    if not plain_array(x) then return "tensor data has a hole or a non-integer key at dim " .. (d - 1) end
+    if #x ~= shape[d] then return "tensor data is not rectangular (dim " .. (d - 1) .. ")" end
+    for i = 1, #x do
+      local why = walk(x[i], d + 1)
+      if why then return why end
+    end
+    return nil
   end
-  walk(tbl, 1)
+  local why = walk(tbl, 1)
+  if why then return nil, why end
   return shape
 end
 
@@ -321,7 +340,12 @@ end
 --- ms.tensor(nested_table_or_number, {dtype=, device=, ctx=})
 function M.tensor(data, opts)
   core.check_options("tensor", opts, NEW_OPTIONS, 2)
-  local shape = type(data) == "number" and {} or nested_shape(data)
+  if type(data) ~= "number" and type(data) ~= "table" then
+    error("tensor: data must be a number or a nested table of numbers (got " .. core.show(data) .. ")", 2)
+  end
+  local shape, why = {}, nil
+  if type(data) == "table" then shape, why = nested_shape(data) end
+  if why then error(why, 2) end
   local flat = flatten(data, {})
   local n = #flat
   local host = empty(shape, { dtype = "f64", device = "cpu" })
@@ -660,7 +684,15 @@ function Tensor:to(a, b)
     if ctx_handle[x] ~= nil then dev = x
     elseif type(x) == "string" then
       local n = dtype_alias[x] or x
-      if dtype_enum[n] then dt = n else dev = M.device(x) end
+      if dtype_enum[n] then dt = n
+      else
+        local ok, c = pcall(M.device, x)
+        if ok then dev = c
+        elseif tostring(c):find("unknown device", 1, true) then
+          error(("to: %q is neither a dtype (f32, f64, bf16, f16, i32, u8) nor a device (unknown device %q: "
+                 .. "expected \"cpu\", \"cuda\", \"cuda:N\" or \"auto\")"):format(x, x), 2)
+        else error(c, 2) end
+      end
     elseif x ~= nil then error("to: expected a dtype or a device name", 2) end
   end
   dev = dev or M.ctx_object(self)
@@ -696,11 +728,20 @@ local function read_f64(out, buf, n)
   end
 end
 
+-- the most elements read into Lua at once (a Lua table of 2^27 numbers is 1 GiB, its transfer buffer as much
+-- again): past it the FFI failed as "size of C type is unknown or too large", or memory ran out
+local TOLIST_MAX = 2 ^ 27
+M.TOLIST_MAX = TOLIST_MAX
+
 --- The values as a flat Lua array of numbers (row-major).
 function Tensor:tolist_flat()
   local n = self:numel()
   local out = {}
   if n == 0 then return out end
+  if n > TOLIST_MAX then
+    error(("tolist_flat: the tensor has %.0f elements, more than the %.0f (2^27) read into Lua at once; read a "
+           .. "slice of it"):format(n, TOLIST_MAX), 2)
+  end
   -- a Lua table of n numbers plus a transfer buffer: under a recipe's limits, checked first (an expanded view
   -- holds no quota, yet reads back as n elements)
   if alloc_guard then alloc_guard.host("reading a tensor into Lua", n * 16) end
@@ -800,7 +841,11 @@ end
 for op in pairs(binary_ops) do
   Tensor[op] = function(a, b) return binary(op, a, b) end
   Tensor[op .. "_"] = function(a, b) return binary(op, a, b, a) end
-  M[op] = function(a, b, out) return binary(op, a, b, out) end
+  M[op] = function(a, b, out)
+    -- (a non-tensor out failed inside as "expected a moonstep tensor, got number")
+    if out ~= nil then need_tensor(op, "out", out, 2) end
+    return binary(op, a, b, out)
+  end
 end
 Tensor.__add = function(a, b) return binary("add", a, b) end
 Tensor.__sub = function(a, b) return binary("sub", a, b) end
@@ -851,19 +896,25 @@ local function scalar(x, what, name)
   return 0, H(x)
 end
 
-local function result_like(a, b, c)
+-- a new result of a, b (and c): the broadcast shape and the promoted dtype, made f32 for integer operands when
+-- `frac` (the values may be fractions: binary()'s rule for div and a fractional scalar)
+local function result_like(frac, a, b, c)
   local shape, dt = a:shape(), a:dtype()
   for _, t in ipairs { b, c } do
     if t then shape = broadcast_shapes(shape, t:shape()) dt = promote(dt, t:dtype()) end
   end
+  if frac then dt = fractional(dt) end
   return empty(shape, { dtype = dt, ctx = M.ctx_object(a) })
 end
+
+-- a scalar whose values may be fractions: a fractional number, or a device scalar (its value unknown here)
+local function fractional_scalar(x) return type(x) ~= "number" or x ~= math.floor(x) end
 
 function M.lerp(a, b, w, out)
   need_tensor("lerp", "a", a, 2) need_tensor("lerp", "b", b, 2)
   if out ~= nil then need_tensor("lerp", "out", out, 2) end
-  out = out or result_like(a, b)
   local v, vt = scalar(w, "lerp", "weight")
+  out = out or result_like(fractional_scalar(w), a, b)
   check(C.ms_lerp(ctx_of(out), H(out), H(a), H(b), v, vt))
   return out
 end
@@ -873,16 +924,16 @@ function Tensor:lerp_(b, w) return M.lerp(self, b, w, self) end
 function M.addcmul(a, b, c, value, out)
   need_tensor("addcmul", "a", a, 2) need_tensor("addcmul", "b", b, 2) need_tensor("addcmul", "c", c, 2)
   if out ~= nil then need_tensor("addcmul", "out", out, 2) end
-  out = out or result_like(a, b, c)
   local v, vt = scalar(value == nil and 1 or value, "addcmul", "value")
+  out = out or result_like(fractional_scalar(value == nil and 1 or value), a, b, c)
   check(C.ms_addcmul(ctx_of(out), H(out), H(a), H(b), H(c), v, vt))
   return out
 end
 function M.addcdiv(a, b, c, value, out)
   need_tensor("addcdiv", "a", a, 2) need_tensor("addcdiv", "b", b, 2) need_tensor("addcdiv", "c", c, 2)
   if out ~= nil then need_tensor("addcdiv", "out", out, 2) end
-  out = out or result_like(a, b, c)
   local v, vt = scalar(value == nil and 1 or value, "addcdiv", "value")
+  out = out or result_like(true, a, b, c)   -- (a division: fractions, as binary()'s div)
   check(C.ms_addcdiv(ctx_of(out), H(out), H(a), H(b), H(c), v, vt))
   return out
 end
@@ -972,6 +1023,12 @@ Tensor.matmul = M.matmul
 function M.eye(n, m, opts)
   if type(m) == "table" then opts, m = m, nil end
   core.check_options("eye", opts, NEW_OPTIONS, 2)
+  -- (checked here: C named a missing n as "ms_eye: dst [] needs at least 2 dims")
+  for _, a in ipairs { { "n", n }, { "m", m } } do
+    if (a[1] == "n" or a[2] ~= nil) and not (integral(a[2]) and a[2] >= 0) then
+      error(("eye: %s must be an integer >= 0 (got %s)"):format(a[1], core.show(a[2])), 2)
+    end
+  end
   local t = empty({ n, m or n }, opts)
   check(C.ms_eye(ctx_of(t), H(t)))
   return t
@@ -1019,6 +1076,9 @@ Tensor.__index = function(self, k)
 end
 Tensor.__newindex = function(self, k, v)
   if type(k) == "number" then
+    if type(v) ~= "number" and not M.is_tensor(v) then
+      error(("t[%s] = v: v must be a number or a tensor (got %s)"):format(tostring(k), core.show(v)), 2)
+    end
     local view = Tensor.select(self, 0, k)
     if type(v) == "number" then view:fill_(v) else view:copy_(v) end
     return
@@ -1071,15 +1131,40 @@ function Tensor:__tostring()
     for i = len - edge, len - 1 do r[#r + 1] = i end
     return r
   end
+  -- Only the elements shown are read: a large tensor's values are first copied into a small one (`compact`,
+  -- each dim cut to its 2 * edge shown indices, one copy per combination of the dims' leading and trailing
+  -- ends); reading all of it failed past the FFI's array size, and read gigabytes to show a few numbers.
+  local cshape, pos_of, gapped = {}, {}, {}
+  for d = 1, #shape do
+    local len = shape[d]
+    if len > 2 * edge then
+      cshape[d], gapped[#gapped + 1] = 2 * edge, d
+      -- a shown index of dim d -> its place in compact's dim
+      pos_of[d] = function(i) return i < edge and i or i - (len - 2 * edge) end
+    else
+      cshape[d], pos_of[d] = len, function(i) return i end
+    end
+  end
   local src = self
-  if n > 1000 then src = self end
+  if #gapped > 0 then
+    src = empty(cshape, { dtype = self:dtype(), ctx = M.ctx_object(self) })
+    for mask = 0, 2 ^ #gapped - 1 do
+      local from, to = self, src
+      for j, d in ipairs(gapped) do
+        local tail = math.floor(mask / 2 ^ (j - 1)) % 2 == 1
+        from = from:slice(d - 1, tail and shape[d] - edge or 0, tail and shape[d] or edge)
+        to = to:slice(d - 1, tail and edge or 0, tail and 2 * edge or edge)
+      end
+      to:copy_(from)
+    end
+  end
   local flat = src:tolist_flat()
   local strides, acc = {}, 1
-  for d = #shape, 1, -1 do strides[d] = acc acc = acc * shape[d] end
+  for d = #cshape, 1, -1 do strides[d] = acc acc = acc * cshape[d] end
   local vals = {}
   local function collect(d, base)
     if d > #shape then vals[#vals + 1] = flat[base + 1] return end
-    for _, i in ipairs(shown(shape[d])) do if i then collect(d + 1, base + i * strides[d]) end end
+    for _, i in ipairs(shown(shape[d])) do if i then collect(d + 1, base + pos_of[d](i) * strides[d]) end end
   end
   collect(1, 0)
   local strs, width = fmt_values(vals)
