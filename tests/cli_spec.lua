@@ -96,6 +96,7 @@ describe("moonstep command line", function()
     -- tonumber reads "inf" and "nan": --steps inf once trained forever, --clip nan trained without clipping
     for _, c in ipairs { { "--steps inf --until 2", "--steps", "not an integer" }, { "--steps 3 --clip nan", "--clip", "not a number" },
                          { "--steps 3 --clip 1e999", "--clip", "not a number" }, { "--steps 3 --threads inf", "--threads" },
+                         { "--steps 0x10", "--steps", "not an integer" },
                          -- a seed past 2^53 read as a nearby double: another seed, silently
                          { "--steps 3 --seed 9007199254740993", "--seed", "not below 2^53" } } do
       o, rc = ms_run("train " .. LSQ .. " --recipe sgd " .. c[1])

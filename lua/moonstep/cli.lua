@@ -41,8 +41,8 @@ local function outln(s) io.stdout:write(s or "", "\n") io.stdout:flush() end
 local function convert(cmd, f, v)
   if f.type == "integer" or f.type == "number" then
     local n = tonumber(v)
-    -- tonumber reads "inf" and "nan" (and "1e999" as inf): no flag means either
-    if n ~= nil and (n ~= n or n == math.huge or n == -math.huge) then n = nil end
+    -- tonumber reads "inf" and "nan" (and "1e999" as inf), and hexadecimal ("0x10" as 16): no flag means any
+    if n ~= nil and (n ~= n or n == math.huge or n == -math.huge or v:match("^%s*[-+]?0[xX]")) then n = nil end
     if n == nil or (f.type == "integer" and n ~= math.floor(n)) then
       usage_error(("--%s: %s is not %s"):format(f.name, ("%q"):format(v), f.type == "integer" and "an integer" or "a number"), cmd)
     end
