@@ -226,7 +226,6 @@ end
 -- the same count.
 local NS_PER_INSTRUCTION = 4
 local clock = core.clock
-local PERIODS_PER_SECOND = 1e9 / NS_PER_INSTRUCTION / HOOK_EVERY
 -- what the clock and the pcall cost around a search that does no work, taken off every search's time, so that a
 -- name's match is charged its matching, not the timing (the VM instructions of the wrappers are the hook's to
 -- count): the shortest of a few empty searches timed here, lowered by any shorter search timed later
@@ -237,13 +236,9 @@ for _ = 1, 32 do
   search_floor = math.min(search_floor, clock() - t0)
 end
 local function search_work(what, seconds)
-  local g = active
-  if g == nil then return end
+  if active == nil then return end
   if seconds < search_floor then search_floor = seconds end
-  local periods = (seconds - search_floor) * PERIODS_PER_SECOND
-  -- (g.work's check inline: a search is often a name's, shorter than the calls)
-  if (g.count + periods) * HOOK_EVERY > g.instructions then g.work(what, periods, true) end
-  g.count = g.count + periods
+  lib_work(what, (seconds - search_floor) * (1e9 / NS_PER_INSTRUCTION))
 end
 -- The C function runs under pcall so that its time is charged whatever it does; its own error (a bad argument,
 -- a malformed pattern) is raised again at the recipe's call (`level` of the caller), as a tail call of it named

@@ -731,7 +731,6 @@ end
 -- the most elements read into Lua at once (a Lua table of 2^27 numbers is 1 GiB, its transfer buffer as much
 -- again): past it the FFI failed as "size of C type is unknown or too large", or memory ran out
 local TOLIST_MAX = 2 ^ 27
-M.TOLIST_MAX = TOLIST_MAX
 
 --- The values as a flat Lua array of numbers (row-major).
 function Tensor:tolist_flat()
